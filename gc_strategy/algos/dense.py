@@ -1,0 +1,54 @@
+"""Dense casts (ALGORITHMS.md §2): ``none`` (fp32 reference), ``fp16`` and ``bf16``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..bucket import Bucket
+from ..comm import Payload
+from .base import COMPRESSORS, Compressor
+
+
+@COMPRESSORS.register("none")
+class NoCompression(Compressor):
+    """Sends the gradient as it is: the bit-exact reference that must match plain DDP."""
+
+    summable = True
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        return [flat]
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return payload[0]
+
+
+class _Cast(Compressor):
+    """Sends ``g / W`` in a 16-bit float type (divide before casting so the sum cannot overflow, as
+    torch's ``fp16_compress_hook`` does); the sum of the payloads is already the average."""
+
+    summable = True
+    wire_dtype: torch.dtype
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        return [(flat / self.world_size).to(self.wire_dtype)]
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return payload[0].to(bucket.dtype).mul_(self.world_size)
+
+    def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
+        return summed[0].to(bucket.dtype)
+
+
+@COMPRESSORS.register("fp16")
+class FP16(_Cast):
+    """IEEE half precision (5-bit exponent): 2 bytes per element, ~3 significant digits."""
+
+    wire_dtype = torch.float16
+
+
+@COMPRESSORS.register("bf16")
+class BF16(_Cast):
+    """bfloat16 (8-bit exponent, fp32's range): 2 bytes per element, ~2 significant digits."""
+
+    wire_dtype = torch.bfloat16

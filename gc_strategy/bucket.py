@@ -1,0 +1,94 @@
+"""Buckets: the fused flat gradient buffers the engine compresses and communicates.
+
+A :class:`Bucket` is a contiguous group of parameters (in gradient-ready order) whose gradients are
+copied into one flat vector. :class:`BucketState` holds per-element state (error-feedback residuals,
+momenta) as one flat vector per bucket and converts it to and from a per-parameter form, so the state
+survives a change of fusion plan and is saved in checkpoints independently of the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Bucket:
+    """One fused bucket: ``names[i]`` occupies ``flat[offsets[i] : offsets[i] + numels[i]]``."""
+
+    index: int
+    names: list[str]
+    shapes: list[torch.Size]
+    dtype: torch.dtype
+    device: torch.device
+    offsets: list[int] = field(init=False)
+    numels: list[int] = field(init=False)
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numels = [shape.numel() for shape in self.shapes]
+        self.offsets = []
+        total = 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += n
+        self.numel = total
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """The per-parameter views of a flat vector laid out like this bucket."""
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def split_by_parameter(buckets: Iterable[Bucket], flats: dict[int, Tensor]) -> dict[str, Tensor]:
+    """Per-bucket flat vectors -> ``{parameter name: tensor of the parameter's shape}``."""
+    out: dict[str, Tensor] = {}
+    for bucket in buckets:
+        if bucket.index in flats:
+            out.update(zip(bucket.names, (v.clone() for v in bucket.views(flats[bucket.index]))))
+    return out
+
+
+def join_by_parameter(buckets: Iterable[Bucket], tensors: dict[str, Tensor], device: torch.device) -> dict[int, Tensor]:
+    """``{parameter name: tensor}`` -> per-bucket flat fp32 vectors (zeros where a name is missing)."""
+    out: dict[int, Tensor] = {}
+    for bucket in buckets:
+        if not any(name in tensors for name in bucket.names):
+            continue
+        flat = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
+        for name, view in zip(bucket.names, bucket.views(flat)):
+            if name in tensors:
+                view.copy_(tensors[name].reshape(view.shape))
+        out[bucket.index] = flat
+    return out
+
+
+class BucketState:
+    """Named per-element fp32 state, one flat vector per bucket, created lazily as zeros.
+
+    Subclasses (memories, stateful compressors) call :meth:`buffer`; the engine saves and restores
+    the state with :meth:`state_by_parameter` / :meth:`load_state_by_parameter`, which also carries it
+    across a rebuild of the buckets.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, dict[int, Tensor]] = {}
+
+    def buffer(self, name: str, bucket: Bucket) -> Tensor:
+        per_bucket = self.buffers.setdefault(name, {})
+        if bucket.index not in per_bucket:
+            per_bucket[bucket.index] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+        return per_bucket[bucket.index]
+
+    def state_by_parameter(self, buckets: list[Bucket]) -> dict[str, dict[str, Tensor]]:
+        return {name: split_by_parameter(buckets, flats) for name, flats in self.buffers.items()}
+
+    def load_state_by_parameter(self, state: dict[str, dict[str, Tensor]], buckets: list[Bucket]) -> None:
+        device = buckets[0].device if buckets else torch.device("cpu")
+        self.buffers = {name: join_by_parameter(buckets, tensors, device) for name, tensors in state.items()}

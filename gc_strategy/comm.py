@@ -1,0 +1,151 @@
+"""Communicators: asynchronous collectives over one process group (ALGORITHMS.md §1).
+
+A communicator's :meth:`Communicator.exchange` is a generator: it issues one collective, ``yield``s a
+:class:`Round` (the in-flight collective) and receives the round's result back when the engine has
+waited for it. The engine drives these generators in one deterministic order on every rank, so a
+collective that needs a previous one (the data gather after a length exchange, PowerSGD's Q after P)
+is issued at the same point on all ranks.
+
+- ``allreduce``: element-wise sum of summable payloads; one collective per payload tensor.
+- ``allgather``: every rank receives every rank's payload. Payload tensors of any dtypes are packed
+  into one byte buffer. Sizes may differ between ranks (variable-size sparsifiers): the ranks first
+  exchange their per-tensor lengths, then gather byte buffers padded to the largest one (gloo's
+  ``all_gather`` needs equal sizes), so memory stays bounded by largest payload x world size.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, ClassVar, Generator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .registry import Option, Registry
+
+Payload = list[Tensor]
+
+
+class Round:
+    """In-flight collectives (``works``, issued together): ``wait()`` blocks until all complete and
+    returns the round's result. ``eager`` rounds (small handshakes) are advanced by the engine at the
+    next bucket launch instead of at the end of backward."""
+
+    def __init__(self, works: list[Any], result: Callable[[], Any], nbytes: int, eager: bool = False) -> None:
+        self.works = works
+        self._result = result
+        self.nbytes = nbytes
+        self.eager = eager
+        self.launched = time.perf_counter()
+        self.completed: float | None = None
+        if not works:
+            self.completed = self.launched
+        else:
+            works[-1].get_future().add_done_callback(self._mark_completed)
+
+    def _mark_completed(self, _future: Any) -> None:
+        self.completed = time.perf_counter()
+
+    def wait(self) -> Any:
+        for work in self.works:
+            work.wait()
+        if self.completed is None:
+            self.completed = time.perf_counter()
+        return self._result()
+
+    @property
+    def duration(self) -> float:
+        """Seconds from issue to completion (valid once waited for)."""
+        return (self.completed or time.perf_counter()) - self.launched
+
+
+Exchange = Generator[Round, Any, Any]
+
+COMMUNICATORS: Registry["Communicator"] = Registry("communicator")
+
+
+class Communicator:
+    """Moves payloads between the ranks of one process group."""
+
+    OPTIONS: ClassVar[dict[str, Option]] = {}
+    name: ClassVar[str]
+    #: True when the result is the element-wise sum of the payloads (needs summable payloads).
+    sums: ClassVar[bool]
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.world_size = 1
+
+    def bind(self, group: Any) -> None:
+        """Attach to a process group (``None``: the default group, or a single process without one)."""
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+    def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
+        raise NotImplementedError
+
+
+@COMMUNICATORS.register("allreduce")
+class AllReduce(Communicator):
+    """Sum each payload tensor over all ranks, in place (ring/tree allreduce of the backend)."""
+
+    sums = True
+
+    def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
+        if variable_size:
+            raise ValueError("allreduce cannot sum payloads whose sizes differ between ranks")
+        nbytes = sum(t.numel() * t.element_size() for t in payload)
+        works = [] if self.world_size == 1 else [dist.all_reduce(t, group=self.group, async_op=True) for t in payload]
+        return (yield Round(works, lambda: payload, nbytes))
+
+
+@COMMUNICATORS.register("allgather")
+class AllGather(Communicator):
+    """Gather every rank's payload; sizes may differ between ranks (length exchange + padding)."""
+
+    sums = False
+
+    def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
+        payload = [t.contiguous().view(-1) for t in payload]
+        lengths = torch.tensor([t.numel() for t in payload], dtype=torch.int64, device=_device(payload))
+        nbytes = sum(t.numel() * t.element_size() for t in payload)
+        if self.world_size == 1:
+            return (yield Round([], lambda: [payload], nbytes))
+        if variable_size:
+            all_lengths = yield self._gather(lengths, eager=True)
+        else:
+            all_lengths = [lengths] * self.world_size
+        dtypes = [t.dtype for t in payload]
+        sizes = [[int(n) * _itemsize(d) for n, d in zip(lens.tolist(), dtypes)] for lens in all_lengths]
+        padded = max(1, max(sum(s) for s in sizes))  # never gather zero bytes (no rank selected anything)
+        packed = torch.zeros(padded, dtype=torch.uint8, device=lengths.device)
+        if nbytes:
+            torch.cat([t.view(torch.uint8) for t in payload], out=packed[:nbytes])
+        gathered = yield self._gather(packed, nbytes=nbytes)
+        return [_unpack(buf, rank_sizes, dtypes) for buf, rank_sizes in zip(gathered, sizes)]
+
+    def _gather(self, tensor: Tensor, eager: bool = False, nbytes: int | None = None) -> Round:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+        sent = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+        return Round([work], lambda: out, sent, eager=eager)
+
+
+def _device(payload: Payload) -> torch.device:
+    return payload[0].device if payload else torch.device("cpu")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _unpack(buffer: Tensor, sizes: list[int], dtypes: list[torch.dtype]) -> Payload:
+    out, start = [], 0
+    for size, dtype in zip(sizes, dtypes):
+        piece = buffer[start : start + size]
+        if start % _itemsize(dtype):  # a dtype view needs an aligned offset
+            piece = piece.clone()
+        out.append(piece.view(dtype))
+        start += size
+    return out

@@ -1,0 +1,76 @@
+"""Build and check the compressor / memory / communicator / fusion combination from names.
+
+Keyword options are routed to every selected role that declares them (``density`` to a sparsifier,
+``beta`` to the residual memory, ...); an option that no selected role takes is an error. The
+communicator ``auto`` picks ``allreduce`` for summable payloads and ``allgather`` otherwise; an
+explicit ``allreduce`` for a compressor whose payloads cannot be summed is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
+from .comm import COMMUNICATORS, Communicator
+from .fusion import FusionPlanner, parse_fusion
+
+
+@dataclass
+class Components:
+    compressor: Compressor
+    memory: Memory
+    communicator: Communicator
+    fusion: FusionPlanner
+
+    def describe(self) -> str:
+        return (
+            f"compressor={self.compressor.name} memory={self.memory.name} "
+            f"comm={self.communicator.name} fusion={self.fusion.describe()}"
+        )
+
+
+def build_components(
+    compressor: Union[str, Compressor] = "none",
+    memory: Union[str, Memory] = "none",
+    comm: Union[str, Communicator] = "auto",
+    fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+    **options: Any,
+) -> Components:
+    """Validate everything and build the roles; raises ``ValueError`` with a readable message."""
+    registries = [(COMPRESSORS, compressor), (MEMORIES, memory)]
+    if comm != "auto":
+        registries.append((COMMUNICATORS, comm))
+    declared: dict[str, list[Any]] = {}
+    for registry, choice in registries:
+        if isinstance(choice, str):
+            for key in registry.options(choice):
+                declared.setdefault(key, []).append(registry)
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        accepted = ", ".join(sorted(declared)) or "none"
+        names = ", ".join(f"{r.role}={c if isinstance(c, str) else type(c).__name__}" for r, c in registries)
+        raise ValueError(f"option(s) {', '.join(unknown)} are not taken by {names}; accepted options: {accepted}")
+
+    def build(registry: Any, choice: Any, base: type) -> Any:
+        if isinstance(choice, base):
+            return choice
+        mine = {key: value for key, value in options.items() if registry in declared[key]}
+        return registry.build(choice, **mine)
+
+    built_compressor = build(COMPRESSORS, compressor, Compressor)
+    built_memory = build(MEMORIES, memory, Memory)
+    if comm == "auto":
+        comm = "allreduce" if built_compressor.summable else "allgather"
+    built_comm = build(COMMUNICATORS, comm, Communicator)
+    if built_comm.sums and not built_compressor.summable:
+        raise ValueError(
+            f"comm '{built_comm.name}' sums payloads element-wise, but compressor '{built_compressor.name}' "
+            "sends payloads that cannot be summed; use comm='allgather' or comm='auto'"
+        )
+    if built_comm.sums and built_compressor.variable_size:
+        raise ValueError(
+            f"comm '{built_comm.name}' needs equal payload sizes on every rank, but compressor "
+            f"'{built_compressor.name}' sends variable-size payloads; use comm='allgather' or comm='auto'"
+        )
+    return Components(built_compressor, built_memory, built_comm, parse_fusion(fusion))

@@ -1,0 +1,119 @@
+"""Name registries with validated options.
+
+Every pluggable role (compressor, memory, communicator) is a class registered under a short name.
+A class declares the options it accepts as :class:`Option` entries in ``OPTIONS``; building it by
+name checks the name, refuses unknown option keys and checks each value against its declared range,
+so bad input fails at construction with a message that names the option, the value and what is
+allowed, before any training work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword option of a registered class.
+
+    ``kind`` is ``float``, ``int``, ``bool`` or ``str``; numeric options may have a lower and an
+    upper bound (``low_open``/``high_open`` make them exclusive); string options may have ``choices``.
+    """
+
+    default: Any
+    kind: type = float
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+    help: str = ""
+
+    def allowed(self) -> str:
+        """A human-readable description of the valid values."""
+        if self.kind is bool:
+            return "true or false"
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        name = {float: "a number", int: "an integer", str: "a string"}.get(self.kind, self.kind.__name__)
+        if self.low is None and self.high is None:
+            return name
+        left = "(" if self.low_open or self.low is None else "["
+        right = ")" if self.high_open or self.high is None else "]"
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        return f"{name} in {left}{low}, {high}{right}"
+
+    def validate(self, owner: str, name: str, value: Any) -> Any:
+        """Return ``value`` converted to ``kind``, or raise ``ValueError`` naming what is wrong."""
+
+        given = value
+
+        def refuse() -> ValueError:
+            return ValueError(f"{owner}: option '{name}' = {given!r} is invalid; allowed: {self.allowed()}")
+
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise refuse()
+            return value
+        if self.kind is str:
+            if not isinstance(value, str) or (self.choices is not None and value not in self.choices):
+                raise refuse()
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise refuse()
+        if self.kind is int and not float(value).is_integer():
+            raise refuse()
+        value = self.kind(value)
+        if not math.isfinite(value):
+            raise refuse()
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            raise refuse()
+        if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
+            raise refuse()
+        return value
+
+
+class Registry(Generic[T]):
+    """Maps names to classes that declare their options in a class attribute ``OPTIONS``."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._classes: dict[str, type[T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        def add(cls: type[T]) -> type[T]:
+            if name in self._classes:
+                raise ValueError(f"{self.role} '{name}' is registered twice")
+            cls.name = name  # type: ignore[attr-defined]
+            self._classes[name] = cls
+            return cls
+
+        return add
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def get(self, name: str) -> type[T]:
+        if not isinstance(name, str) or name not in self._classes:
+            raise ValueError(f"unknown {self.role} {name!r}; valid names: {', '.join(self.names())}")
+        return self._classes[name]
+
+    def options(self, name: str) -> Mapping[str, Option]:
+        return getattr(self.get(name), "OPTIONS", {})
+
+    def build(self, name: str, **options: Any) -> T:
+        """Instantiate ``name`` with validated ``options`` (declared defaults fill the rest)."""
+        cls = self.get(name)
+        declared = self.options(name)
+        unknown = sorted(set(options) - set(declared))
+        if unknown:
+            accepted = ", ".join(sorted(declared)) or "none"
+            raise ValueError(f"{self.role} '{name}' does not take option(s) {', '.join(unknown)}; it accepts: {accepted}")
+        owner = f"{self.role} '{name}'"
+        values = {key: opt.validate(owner, key, options.get(key, opt.default)) for key, opt in declared.items()}
+        return cls(**values)

@@ -1,0 +1,158 @@
+"""``GCFusedStrategy``: Lightning's DDP strategy with the gradient synchroniser instead of DDP.
+
+Lightning glue only: process-group set-up, launchers and everything else stay DDPStrategy's. The
+LightningModule runs unwrapped; :class:`~gc_strategy.engine.GradientSynchronizer` averages the
+gradients. Its per-rank state is gathered into the checkpoint that rank 0 writes (key
+``"gc_strategy"``, one entry per rank) and each rank takes its own entry back on resume.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Generator, Optional, Union
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.constants import default_pg_timeout
+
+from .algos import Compressor, Memory
+from .comm import Communicator
+from .components import build_components
+from .engine import GradientSynchronizer
+from .fusion import FusionPlanner
+
+CHECKPOINT_KEY = "gc_strategy"
+
+
+class GCFusedStrategy(DDPStrategy):
+    """Data-parallel training with compressed, fused gradient synchronisation.
+
+    Args:
+        compressor, memory, comm, fusion: a registered name (with keyword ``options``) or an object;
+            ``comm="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
+            is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"`` or a planner.
+        log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
+            (``None``: the Trainer's own ``log_every_n_steps``).
+        **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
+    """
+
+    strategy_name = "gc_fused"
+
+    def __init__(
+        self,
+        compressor: Union[str, Compressor] = "none",
+        memory: Union[str, Memory] = "none",
+        comm: Union[str, Communicator] = "auto",
+        fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+        accelerator: Any = None,
+        parallel_devices: Optional[list] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        log_every_n_steps: Optional[int] = None,
+        **options: Any,
+    ) -> None:
+        self.components = build_components(compressor, memory, comm, fusion, **options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps = {log_every_n_steps!r} is invalid; allowed: an integer >= 1 or None")
+        self.log_every_n_steps = log_every_n_steps
+        self.synchronizer: Optional[GradientSynchronizer] = None
+        self._pending_state: Optional[dict[str, Any]] = None
+
+    # ---------------------------------------------------------------- model set-up
+    def configure_ddp(self) -> None:
+        """Install the gradient synchroniser on the unwrapped LightningModule (no DDP wrapper)."""
+        c = self.components
+        self.synchronizer = GradientSynchronizer(self.model, c.compressor, c.memory, c.communicator, c.fusion)
+        if self._pending_state is not None:
+            self._restore(self._pending_state)
+            self._pending_state = None
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.no_sync():
+            yield
+
+    def teardown(self) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.close()
+            self.synchronizer = None
+        super().teardown()
+
+    # ---------------------------------------------------------------- telemetry
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_telemetry()
+        return output
+
+    def _log_telemetry(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.synchronizer is None or trainer is None or not trainer.loggers or not self.is_global_zero:
+            return
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every:
+            return
+        metrics = self.synchronizer.telemetry.last.as_metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Gather every rank's synchroniser state into the checkpoint rank 0 writes."""
+        if self.synchronizer is not None:
+            state = self.synchronizer.state_dict()
+            states = [None] * self.world_size if self.is_global_zero else None
+            if self.world_size > 1:
+                dist.gather_object(state, states, dst=0)
+            else:
+                states = [state]
+            if self.is_global_zero:
+                checkpoint = {**checkpoint, CHECKPOINT_KEY: {"world_size": self.world_size, "ranks": states}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None:
+            if self.synchronizer is not None:
+                self._restore(state)
+            else:
+                self._pending_state = state
+        return checkpoint
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"the checkpoint holds compression state for {state['world_size']} ranks, this run has "
+                f"{self.world_size}; per-rank error-feedback state cannot be resharded"
+            )
+        self.synchronizer.load_state_dict(state["ranks"][self.global_rank])
+
+    # ---------------------------------------------------------------- registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("gc_fused", "popen"), ("gc_fused_spawn", "spawn"), ("gc_fused_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"compressed fused gradient synchronisation, start_method '{start_method}'",
+                    start_method=start_method,
+                )

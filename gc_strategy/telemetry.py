@@ -1,0 +1,51 @@
+"""Per-step measurements of the gradient synchroniser (DESIGN.md §Telemetry).
+
+Times are wall-clock seconds from ``time.perf_counter`` on the host. On CUDA, encode/decode times
+count the host time to issue the work (the side stream runs it asynchronously).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepTelemetry:
+    """What one synchronised backward did."""
+
+    buckets: int = 0
+    raw_bytes: int = 0
+    sent_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    #: sum over collectives of the time from issue to completion
+    collective_s: float = 0.0
+    #: time the end-of-backward flush spent waiting for collectives (communication not hidden)
+    exposed_wait_s: float = 0.0
+    #: buckets whose gradient held inf/NaN (their error-feedback memory was left unchanged)
+    nonfinite_buckets: int = 0
+    collectives: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.sent_bytes if self.sent_bytes else float("inf")
+
+    def as_metrics(self, prefix: str = "gc/") -> dict[str, float]:
+        values = {key: float(value) for key, value in asdict(self).items()}
+        values["compression_ratio"] = self.compression_ratio
+        return {prefix + key: value for key, value in values.items()}
+
+
+@dataclass
+class TelemetryLog:
+    """The last step and running totals over all synchronised steps."""
+
+    last: StepTelemetry = field(default_factory=StepTelemetry)
+    steps: int = 0
+    total: StepTelemetry = field(default_factory=StepTelemetry)
+
+    def record(self, step: StepTelemetry) -> None:
+        self.last = step
+        self.steps += 1
+        for key, value in asdict(step).items():
+            setattr(self.total, key, getattr(self.total, key) + value)
