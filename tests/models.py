@@ -64,7 +64,7 @@ def flat_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def fit(module: pl.LightningModule, strategy, devices: int = 2, **trainer_kwargs) -> pl.Trainer:
+def fit(module: pl.LightningModule, strategy, devices: int = 2, ckpt_path=None, **trainer_kwargs) -> pl.Trainer:
     """Fit on CPU with quiet defaults; returns the trainer (``module`` holds rank 0's weights after)."""
     defaults = dict(
         accelerator="cpu",
@@ -77,5 +77,5 @@ def fit(module: pl.LightningModule, strategy, devices: int = 2, **trainer_kwargs
     )
     defaults.update(trainer_kwargs)
     trainer = pl.Trainer(strategy=strategy, **defaults)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return trainer

@@ -1,0 +1,236 @@
+"""The gradient synchroniser without Lightning: ordering, launches, accumulation, state."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gc_strategy import GradientSynchronizer, build_components
+from gc_strategy.comm import AllReduce
+from gc_strategy.fusion import FusionPlanner
+
+from distributed import run_ranks
+from models import SmallCNN
+
+
+def _engine(module, compressor="none", memory="none", fusion="layerwise", comm="auto", **options):
+    c = build_components(compressor, memory, comm, fusion, **options)
+    return GradientSynchronizer(module, c.compressor, c.memory, c.communicator, c.fusion)
+
+
+def _backward(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, 8, 8, generator=g)
+    module(x).square().mean().backward()
+
+
+def _ready_order(module):
+    """The order in which autograd finishes the parameters' gradients (independent observer)."""
+    order, names = [], {p: n for n, p in module.named_parameters()}
+    handles = [p.register_post_accumulate_grad_hook(lambda p: order.append(names[p])) for p in module.parameters()]
+    _backward(module)
+    for h in handles:
+        h.remove()
+    module.zero_grad(set_to_none=True)
+    return order
+
+
+class Shuffled(nn.Module):
+    """Registration order differs from use order: head is registered first but used last."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+        self.conv = nn.Conv2d(3, 16, 3)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mid(self.conv(x).mean(dim=(2, 3)))))
+
+
+@pytest.mark.parametrize("fusion", ["layerwise", "single", "groups:2", "bucket_mb:0.001"])
+def test_single_process_none_leaves_gradients_exact(fusion):
+    reference = SmallCNN()
+    model = SmallCNN()
+    model.load_state_dict(reference.state_dict())
+    _engine(model, fusion=fusion)
+    for step in range(3):
+        _backward(reference, step)
+        _backward(model, step)
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+
+
+def test_first_step_records_the_ready_order_and_rebuilds_buckets():
+    model = Shuffled()
+    expected = _ready_order(model)
+    engine = _engine(model, fusion="layerwise")
+    assert engine.order == list(reversed(engine.names))  # before: reverse registration order
+    assert engine.order != expected
+    _backward(model)
+    assert engine.ready_order == expected
+    assert [b.names for b in engine.buckets] == [[n] for n in expected]
+
+
+class SpyAllReduce(AllReduce):
+    """Records how many gradients were ready when each bucket launched."""
+
+    def __init__(self, engine_ref):
+        super().__init__()
+        self.engine_ref = engine_ref
+        self.launches = []
+
+    def exchange(self, payload, variable_size):
+        engine = self.engine_ref[0]
+        self.launches.append(sum(engine._filled))
+        return (yield from super().exchange(payload, variable_size))
+
+
+class Pairs(FusionPlanner):
+    def plan(self, sizes):
+        return [2] * (len(sizes) // 2) + [1] * (len(sizes) % 2)
+
+    def describe(self):
+        return "pairs"
+
+
+@pytest.mark.parametrize("plan, expected", [("layerwise", [1, 2, 3, 4, 5, 6, 7, 8]), (Pairs(), [2, 4, 6, 8])])
+def test_buckets_launch_during_backward_as_soon_as_complete(plan, expected):
+    model = SmallCNN()
+    ref = []
+    spy = SpyAllReduce(ref)
+    c = build_components(fusion=plan)
+    engine = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
+    ref.append(engine)
+    _backward(model)  # records the order
+    spy.launches.clear()
+    _backward(model, 1)
+    # in the real ready order, bucket k launches when exactly its last gradient has become ready
+    assert spy.launches == expected
+
+
+def test_no_sync_launches_nothing_and_the_next_sync_averages_the_sum():
+    model = SmallCNN()
+    ref = []
+    spy = SpyAllReduce(ref)
+    c = build_components()
+    engine = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
+    ref.append(engine)
+    with engine.no_sync():
+        _backward(model, 0)
+        _backward(model, 1)
+    assert spy.launches == [] and engine.step == 0
+    _backward(model, 2)
+    assert engine.step == 1 and len(spy.launches) == len(engine.buckets)
+    reference = SmallCNN()
+    reference.load_state_dict(model.state_dict())
+    for seed in range(3):
+        _backward(reference, seed)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_unused_parameters_get_zero_gradients_and_frozen_ones_are_left_alone():
+    model = SmallCNN(with_unused=True, frozen_stem=True)
+    engine = _engine(model, fusion="single")
+    assert "conv1.weight" not in engine.names and "unused.weight" in engine.names
+    _backward(model)
+    assert torch.equal(model.unused.weight.grad, torch.zeros_like(model.unused.weight))
+    assert model.conv1.weight.grad is None
+    assert engine.telemetry.last.buckets == 1
+
+
+def test_telemetry_counts_bytes():
+    model = SmallCNN()
+    engine = _engine(model, compressor="fp16", fusion="groups:3")
+    _backward(model)
+    raw = sum(p.numel() * 4 for p in model.parameters())
+    last = engine.telemetry.last
+    assert last.raw_bytes == raw and last.sent_bytes == raw // 2 and last.buckets == 3
+    assert last.compression_ratio == 2.0
+
+
+def test_non_finite_gradient_never_enters_memory_and_is_flagged():
+    model = SmallCNN()
+    engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
+    _backward(model, 0)
+    _backward(model, 1)
+    before = {k: v.clone() for k, v in engine.memory.buffers["residual"].items()}
+    poisoned_bucket = engine._slot[engine.names.index("head.weight")][0]
+    model.head.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    _backward(model, 2)
+    after = engine.memory.buffers["residual"]
+    assert torch.equal(after[poisoned_bucket], before[poisoned_bucket])
+    other = 1 - poisoned_bucket
+    assert not torch.equal(after[other], before[other])  # the healthy bucket was updated
+    assert torch.isfinite(after[poisoned_bucket]).all()
+    assert engine.telemetry.last.nonfinite_buckets == 1
+    assert not torch.isfinite(model.head.weight.grad).all()  # the step is visibly bad: a scaler skips it
+
+
+def test_state_dict_round_trip_and_refusals():
+    model = SmallCNN()
+    engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
+    _backward(model)
+    _backward(model, 1)
+    state = engine.state_dict()
+    fresh_model = SmallCNN()
+    fresh = _engine(fresh_model, compressor="bf16", memory="residual", fusion="groups:2")
+    fresh.load_state_dict(state)
+    assert fresh.order == engine.order and fresh.groups == engine.groups and fresh.step == 2
+    for b in engine.buckets:
+        assert torch.equal(fresh.memory.buffers["residual"][b.index], engine.memory.buffers["residual"][b.index])
+    with pytest.raises(ValueError, match="saved with world size 4, this run has 1"):
+        fresh.load_state_dict({**state, "world_size": 4})
+    other = _engine(Shuffled(), compressor="bf16", memory="residual")
+    with pytest.raises(ValueError, match="does not match this model's parameters"):
+        other.load_state_dict(state)
+
+
+def test_memory_survives_a_change_of_plan():
+    model = SmallCNN()
+    engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
+    _backward(model)
+    per_param = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    engine._rebuild(engine.order, [1] * len(engine.order))
+    again = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    assert per_param.keys() == again.keys()
+    for name in per_param:
+        assert torch.equal(per_param[name], again[name])
+
+
+def _local_grads(rank, step, state):
+    model = SmallCNN()
+    model.load_state_dict(state)
+    _backward(model, seed=100 * step + rank)
+    return [p.grad for p in model.parameters()]
+
+
+def _average_vs_reference(rank, world_size, compressor, comm, fusion):
+    torch.manual_seed(1234)
+    model = SmallCNN()
+    if rank:  # the synchroniser must broadcast rank 0's weights at set-up
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    engine = _engine(model, compressor=compressor, comm=comm, fusion=fusion)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    results = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        _backward(model, seed=100 * step + rank)
+        reference = [sum(g) / world_size for g in zip(*(_local_grads(r, step, state) for r in range(world_size)))]
+        results.append(max(float((p.grad - ref).abs().max()) for p, ref in zip(model.parameters(), reference)))
+    order = engine.order
+    dist.barrier()
+    return results, order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compressor, comm, tol", [("none", "allreduce", 1e-6), ("fp16", "allgather", 2e-3)])
+def test_multi_rank_average_matches_the_mean_of_local_gradients(compressor, comm, tol):
+    results = run_ranks(_average_vs_reference, 3, compressor, comm, "groups:3")
+    orders = {tuple(order) for _, order in results}
+    assert len(orders) == 1  # every rank rebuilt the same buckets
+    for errors, _ in results:
+        assert max(errors) <= tol

@@ -1,0 +1,61 @@
+"""The fixed fusion plans cut the gradient-ready sequence as documented."""
+
+import random
+
+import pytest
+
+from gc_strategy.fusion import GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan, parse_fusion
+
+MB = 1024 * 1024
+
+
+def test_layerwise_and_single():
+    sizes = [4, 8, 12]
+    assert LayerwisePlan().plan(sizes) == [1, 1, 1]
+    assert SinglePlan().plan(sizes) == [3]
+    assert SinglePlan().plan([]) == []
+
+
+def test_groups_of_about_equal_bytes():
+    assert GroupsPlan(2).plan([10] * 8) == [4, 4]
+    assert GroupsPlan(4).plan([10] * 8) == [2, 2, 2, 2]
+    # one huge tensor first: the cut lands right after it
+    assert GroupsPlan(2).plan([100, 10, 10, 10, 10]) == [1, 4]
+    assert GroupsPlan(1).plan([1, 2, 3]) == [3]
+    # more groups than tensors: layer-wise
+    assert GroupsPlan(8).plan([5, 5, 5]) == [1, 1, 1]
+
+
+def test_groups_balance_on_random_sizes():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.randint(1, 1000) for _ in range(rng.randint(1, 40))]
+        n = rng.randint(1, 10)
+        groups = GroupsPlan(n).plan(sizes)
+        assert sum(groups) == len(sizes) and min(groups) >= 1 and len(groups) == min(n, len(sizes))
+        # each cut is within one tensor of the ideal byte position
+        cum = 0
+        for k, g in enumerate(groups[:-1], start=1):
+            cum += g
+            ideal = sum(sizes) * k / len(groups)
+            assert abs(sum(sizes[:cum]) - ideal) <= max(sizes) or len(groups) < n
+
+
+def test_size_cap_closes_a_bucket_once_it_reaches_the_cap():
+    sizes = [MB, MB, 3 * MB, MB // 2, MB // 2, MB]
+    assert SizeCapPlan(2).plan(sizes) == [2, 1, 3]
+    assert SizeCapPlan(100).plan(sizes) == [6]
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("layerwise", "layerwise"), ("single", "single"), ("groups:4", "groups:4"), ("bucket_mb:25", "bucket_mb:25"),
+     ("bucket_mb:0.5", "bucket_mb:0.5")],
+)
+def test_parse(spec, expected):
+    assert parse_fusion(spec).describe() == expected
+
+
+def test_planner_objects_pass_through():
+    plan = GroupsPlan(3)
+    assert parse_fusion(plan) is plan

@@ -1,0 +1,59 @@
+"""Bad input is refused at construction, naming the option, the value and what is allowed."""
+
+import pytest
+
+import gc_strategy
+from gc_strategy import GCFusedStrategy, build_components
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(compressor="topkk"), "unknown compressor 'topkk'; valid names: bf16, fp16, none"),
+        (dict(memory="residul"), "unknown memory 'residul'; valid names: none, residual"),
+        (dict(comm="broadcast"), "unknown communicator 'broadcast'; valid names: allgather, allreduce"),
+        (dict(memory="residual", beta=1.5), "memory 'residual': option 'beta' = 1.5 is invalid; allowed: a number in [0, 1]"),
+        (dict(memory="residual", gamma=0), "option 'gamma' = 0 is invalid; allowed: a number in (0, inf)"),
+        (dict(memory="residual", beta="high"), "option 'beta' = 'high' is invalid"),
+        (dict(memory="residual", betta=0.5), "option(s) betta are not taken by compressor=none, memory=residual; accepted options: beta, gamma"),
+        (dict(fusion="groups:0"), "fusion = 'groups:0' is invalid; allowed: 'layerwise', 'single', 'groups:N'"),
+        (dict(fusion="groups:x"), "fusion = 'groups:x' is invalid"),
+        (dict(fusion="bucket_mb:-1"), "fusion = 'bucket_mb:-1' is invalid"),
+        (dict(fusion="auto-ish"), "fusion = 'auto-ish' is invalid"),
+        (dict(fusion=3), "fusion = 3 is invalid"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        GCFusedStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+def test_incompatible_communicator_is_refused():
+    class Unsummable(gc_strategy.Compressor):
+        summable = False
+        name = "unsummable"
+
+    with pytest.raises(ValueError, match="comm 'allreduce' sums payloads element-wise, but compressor 'unsummable'"):
+        build_components(compressor=Unsummable(), comm="allreduce")
+    assert build_components(compressor=Unsummable()).communicator.name == "allgather"
+
+
+def test_auto_communicator_and_option_routing():
+    components = build_components(compressor="fp16", memory="residual", beta=0.5, fusion="groups:3")
+    assert components.communicator.name == "allreduce"
+    assert components.memory.beta == 0.5 and components.memory.gamma == 1.0
+    assert components.describe() == "compressor=fp16 memory=residual comm=allreduce fusion=groups:3"
+
+
+def test_log_every_n_steps_is_checked():
+    with pytest.raises(ValueError, match="log_every_n_steps = 0 is invalid"):
+        GCFusedStrategy(log_every_n_steps=0)
+
+
+def test_strategies_are_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, method in [("gc_fused", "popen"), ("gc_fused_spawn", "spawn"), ("gc_fused_fork", "fork")]:
+        assert StrategyRegistry[name]["strategy"] is GCFusedStrategy
+        assert StrategyRegistry[name]["init_params"]["start_method"] == method

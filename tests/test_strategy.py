@@ -1,0 +1,164 @@
+"""GCFusedStrategy inside Lightning, 2 gloo ranks (fork launcher), against Lightning's own ``ddp``."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+import gc_strategy
+from gc_strategy import GCFusedStrategy
+
+from models import ParityModule, fit, flat_params
+
+pytestmark = pytest.mark.slow
+
+
+def _train(strategy, seed=0, module_kwargs=None, **trainer_kwargs):
+    pl.seed_everything(seed, verbose=False)
+    module = ParityModule(**(module_kwargs or {}))
+    fit(module, strategy, **trainer_kwargs)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ddp_reference():
+    return flat_params(_train("ddp_fork"))
+
+
+@pytest.mark.parametrize("fusion", ["layerwise", "single", "groups:1", "groups:3", "bucket_mb:0.002", "bucket_mb:25"])
+def test_none_equals_lightning_ddp(ddp_reference, fusion):
+    module = _train(GCFusedStrategy(fusion=fusion, start_method="fork"))
+    assert (flat_params(module) - ddp_reference).abs().max() <= 1e-6
+
+
+def test_registered_name_works_after_import():
+    module = _train("gc_fused_fork")
+    reference = _train("ddp_fork")
+    assert (flat_params(module) - flat_params(reference)).abs().max() <= 1e-6
+
+
+class CountingModule(ParityModule):
+    """Checks in every rank that the synchroniser ran exactly once per optimizer step."""
+
+    expected_steps = 2  # 64 samples / 2 ranks / batch 8 = 4 micro-batches, 2 per step
+
+    def on_train_end(self):
+        super().on_train_end()
+        synchronizer = self.trainer.strategy.synchronizer
+        assert self.trainer.global_step == self.expected_steps, self.trainer.global_step
+        assert synchronizer.step == self.expected_steps, synchronizer.step
+        assert synchronizer.telemetry.steps == self.expected_steps
+
+
+def test_gradient_accumulation_syncs_only_on_stepping_micro_batches():
+    pl.seed_everything(0, verbose=False)
+    reference = ParityModule()
+    fit(reference, "ddp_fork", accumulate_grad_batches=2)
+    pl.seed_everything(0, verbose=False)
+    module = CountingModule()
+    fit(module, GCFusedStrategy(fusion="groups:2", start_method="fork"), accumulate_grad_batches=2)
+    assert (flat_params(module) - flat_params(reference)).abs().max() <= 1e-6
+
+
+def test_unused_and_frozen_parameters_do_not_hang():
+    kwargs = dict(with_unused=True, frozen_stem=True)
+    frozen_before = ParityModule(**kwargs).net.conv1.weight.clone()
+    module = _train(GCFusedStrategy(start_method="fork", fusion="layerwise"), module_kwargs=kwargs)
+    reference = _train("ddp_fork_find_unused_parameters_true", module_kwargs=kwargs)
+    assert torch.equal(module.net.conv1.weight, frozen_before)  # frozen: untouched, same seed
+    used = [n for n, _ in module.named_parameters() if "unused" not in n]
+    diff = max((dict(module.named_parameters())[n] - dict(reference.named_parameters())[n]).abs().max() for n in used)
+    assert diff <= 1e-6
+
+
+def test_bf16_mixed_precision_trains():
+    # (on the CPU Lightning runs "16-mixed" as bf16-mixed; the fp16 + GradScaler path is tests/test_cuda.py)
+    before = flat_params(ParityModule())
+    module = _train(GCFusedStrategy(compressor="fp16", memory="residual", start_method="fork"), precision="bf16-mixed")
+    after = flat_params(module)
+    assert torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+def test_checkpoint_resume_continues_identically(tmp_path):
+    def strategy():
+        return GCFusedStrategy(compressor="bf16", memory="residual", fusion="groups:2", start_method="fork")
+
+    straight = _train(strategy(), max_epochs=2)
+    checkpoints = tmp_path / "ckpt"
+    _train(strategy(), max_epochs=1, enable_checkpointing=True,
+           callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
+    last = checkpoints / "last.ckpt"
+    saved = torch.load(last, weights_only=False)["gc_strategy"]
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    residuals = [r["memory"]["residual"] for r in saved["ranks"]]
+    assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])  # per-rank state
+
+    # the same global seed: Lightning's DistributedSampler shuffles with it
+    pl.seed_everything(0, verbose=False)
+    resumed = ParityModule()
+    fit(resumed, strategy(), max_epochs=2, ckpt_path=str(last))
+    assert (flat_params(resumed) - flat_params(straight)).abs().max() <= 1e-6
+
+    # the control: the same resume without the compression state does not match
+    stripped = tmp_path / "stripped.ckpt"
+    checkpoint = torch.load(last, weights_only=False)
+    del checkpoint["gc_strategy"]
+    torch.save(checkpoint, stripped)
+    pl.seed_everything(0, verbose=False)
+    no_state = ParityModule()
+    fit(no_state, strategy(), max_epochs=2, ckpt_path=str(stripped))
+    assert (flat_params(no_state) - flat_params(straight)).abs().max() > 1e-6
+
+
+def test_telemetry_reaches_the_logger(tmp_path):
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _train(GCFusedStrategy(compressor="fp16", fusion="groups:2", start_method="fork", log_every_n_steps=1),
+           logger=logger)
+    text = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
+    header = text.splitlines()[0].split(",")
+    for key in ["gc/raw_bytes", "gc/sent_bytes", "gc/compression_ratio", "gc/encode_s", "gc/decode_s",
+                "gc/collective_s", "gc/exposed_wait_s", "gc/buckets"]:
+        assert key in header
+    rows = [dict(zip(header, line.split(","))) for line in text.splitlines()[1:]]
+    assert float(rows[-1]["gc/compression_ratio"]) == 2.0
+
+
+def test_spawn_launcher():
+    module = _train(GCFusedStrategy(fusion="groups:2", start_method="spawn"))
+    reference = _train("ddp_fork")
+    assert (flat_params(module) - flat_params(reference)).abs().max() <= 1e-6
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import lightning.pytorch as pl
+    import torch
+    sys.path.insert(0, {tests!r})
+    import gc_strategy  # registers "gc_fused"
+    from models import ParityModule, fit, flat_params
+
+    pl.seed_everything(0, verbose=False)
+    module = ParityModule()
+    trainer = fit(module, "gc_fused")
+    if trainer.global_rank == 0:
+        print("CHECKSUM", float(flat_params(module).double().sum()))
+    """
+)
+
+
+def test_popen_launcher_from_a_script(tmp_path):
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checksum = float(done.stdout.split("CHECKSUM")[1].split()[0])
+    reference = flat_params(_train("ddp_fork")).double().sum()
+    assert abs(checksum - float(reference)) < 1e-6 * max(1.0, abs(float(reference)))
