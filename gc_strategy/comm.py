@@ -76,11 +76,14 @@ class Communicator:
     def __init__(self) -> None:
         self.group: Any = None
         self.world_size = 1
+        self.rank = 0
 
     def bind(self, group: Any) -> None:
         """Attach to a process group (``None``: the default group, or a single process without one)."""
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if initialized else 1
+        self.rank = dist.get_rank(group) if initialized else 0
 
     def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
         raise NotImplementedError

@@ -79,7 +79,7 @@ class GradientSynchronizer:
         self.planner = parse_fusion(fusion)
         self.group = process_group
         communicator.bind(process_group)
-        compressor.world_size = communicator.world_size
+        compressor.world_size, compressor.rank = communicator.world_size, communicator.rank
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
@@ -167,6 +167,7 @@ class GradientSynchronizer:
         self._jobs: list[_Job] = []
         self._recorded: list[str] = []
         self._step_telemetry = StepTelemetry()
+        self.compressor.step = self.step
 
     def _hook_for(self, index: int):
         def hook(param: Tensor) -> None:
@@ -247,6 +248,7 @@ class GradientSynchronizer:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
             self._apply_results()
             self.step += 1
+            self._step_telemetry.extra = self.compressor.pop_metrics()
             self.telemetry.record(self._step_telemetry)
             if self.ready_order is None:
                 self._adopt_recorded_order()

@@ -14,6 +14,7 @@ from typing import Any, Callable, Generator, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .algos import Compressor, Memory
@@ -81,6 +82,24 @@ class GCFusedStrategy(DDPStrategy):
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        self._warn_double_momentum()
+
+    def _warn_double_momentum(self) -> None:
+        """DGC's memory and signum apply momentum themselves; the optimizer's would apply it twice."""
+        c = self.components
+        owner = next((r.name for r in (c.memory, c.compressor) if r.applies_momentum), None)
+        if owner is None:
+            return
+        for optimizer in self.optimizers:
+            if any(group.get("momentum", 0) or group.get("betas", (0,))[0] for group in optimizer.param_groups):
+                rank_zero_warn(
+                    f"'{owner}' applies momentum itself, and the optimizer {type(optimizer).__name__} has momentum "
+                    "on as well: momentum is applied twice. Set the optimizer's momentum to 0 (DGC, Lin et al. 2018)."
+                )
+                return
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

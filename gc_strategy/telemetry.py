@@ -25,14 +25,17 @@ class StepTelemetry:
     #: buckets whose gradient held inf/NaN (their error-feedback memory was left unchanged)
     nonfinite_buckets: int = 0
     collectives: int = 0
+    #: method-specific measurements (e.g. achieved vs target density of a sparsifier)
+    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def compression_ratio(self) -> float:
         return self.raw_bytes / self.sent_bytes if self.sent_bytes else float("inf")
 
     def as_metrics(self, prefix: str = "gc/") -> dict[str, float]:
-        values = {key: float(value) for key, value in asdict(self).items()}
+        values = {key: float(value) for key, value in asdict(self).items() if key != "extra"}
         values["compression_ratio"] = self.compression_ratio
+        values.update(self.extra)
         return {prefix + key: value for key, value in values.items()}
 
 
@@ -48,4 +51,5 @@ class TelemetryLog:
         self.last = step
         self.steps += 1
         for key, value in asdict(step).items():
-            setattr(self.total, key, getattr(self.total, key) + value)
+            if key != "extra":
+                setattr(self.total, key, getattr(self.total, key) + value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from ..bucket import Bucket, BucketState
@@ -23,18 +24,37 @@ class Compressor(BucketState):
     Otherwise every rank's payload is gathered and ``aggregate`` combines them (by default the mean
     of the decodes). ``variable_size`` declares that payload lengths may differ between ranks.
     Per-element state lives in :class:`BucketState` buffers, which the engine checkpoints.
-    ``world_size`` is set by the engine when it binds to a process group.
+    The engine sets ``world_size`` and ``rank`` when it binds to a process group, and ``step`` (the
+    number of synchronised steps so far, the same on every rank) before each step.
     """
 
     OPTIONS: ClassVar[dict[str, Option]] = {}
     name: ClassVar[str]
     summable: ClassVar[bool]
     variable_size: ClassVar[bool] = False
+    #: applies its own momentum (the optimizer's should then be off)
+    applies_momentum: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options = options
         self.world_size = 1
+        self.rank = 0
+        self.step = 0
+
+    def generator(self, bucket: Bucket, device: torch.device, shared: bool) -> torch.Generator:
+        """A random generator seeded from (option ``seed``, step, bucket) and, unless ``shared``, the
+        rank: the same draws on every rank when ``shared``, independent draws otherwise. Seeding from
+        the step makes a resumed run draw what the uninterrupted run would have drawn."""
+        seed = self.options.get("seed", 0)
+        mixed = ((seed * 1_000_003 + self.step) * 1_000_033 + bucket.index) * 1_000_037
+        if not shared:
+            mixed += self.rank + 1
+        return torch.Generator(device=device).manual_seed(mixed % (2**63 - 1))
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Method-specific telemetry accumulated since the last call (e.g. achieved density)."""
+        return {}
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         raise NotImplementedError
@@ -84,6 +104,8 @@ class Memory(BucketState):
     name: ClassVar[str]
     #: whether ``update`` needs the local decode of the local payload
     needs_local_estimate: ClassVar[bool] = True
+    #: applies its own momentum (the optimizer's should then be off)
+    applies_momentum: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         super().__init__()

@@ -49,3 +49,43 @@ class ResidualMemory(Memory):
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         residual = self.buffer("residual", bucket)
         residual.copy_(torch.where(finite, compensated - local_estimate.float(), residual))
+
+
+@MEMORIES.register("dgc")
+class DGCMemory(Memory):
+    """Deep Gradient Compression's memory (Lin et al., ICLR 2018), per rank and element:
+
+    - optional local clipping: ``g ← g · min(1, clip_norm / ‖g‖)`` (the bucket's norm; 0: off),
+    - momentum correction ``u = m·u + g`` and accumulation ``v = v + u``; ``v`` is compressed,
+    - masking: after sending, ``u`` and ``v`` are zeroed where the compressor transmitted.
+
+    The optimizer's own momentum must then be 0 for these parameters (the strategy warns otherwise).
+    A bucket holding inf/NaN leaves ``u`` and ``v`` unchanged.
+    """
+
+    OPTIONS = {
+        "momentum": Option(0.9, float, low=0.0, high=1.0, high_open=True, help="m"),
+        "clip_norm": Option(0.0, float, low=0.0, help="local gradient clipping norm (0: off)"),
+    }
+    applies_momentum = True
+
+    def __init__(self, momentum: float, clip_norm: float) -> None:
+        super().__init__(momentum=momentum, clip_norm=clip_norm)
+        self.momentum = momentum
+        self.clip_norm = clip_norm
+        self._pending_u: dict[int, Tensor] = {}
+
+    def compensate(self, grad: Tensor, bucket: Bucket) -> Tensor:
+        g = grad.float()
+        if self.clip_norm > 0:
+            g = g * (self.clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
+        u = torch.add(self.buffer("u", bucket) * self.momentum, g)
+        self._pending_u[bucket.index] = u
+        return self.buffer("v", bucket) + u
+
+    def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
+        u, v = self.buffer("u", bucket), self.buffer("v", bucket)
+        unsent = local_estimate == 0
+        new_u = self._pending_u.pop(bucket.index) * unsent
+        u.copy_(torch.where(finite, new_u, u))
+        v.copy_(torch.where(finite, compensated * unsent, v))

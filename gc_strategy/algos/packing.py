@@ -1,0 +1,46 @@
+"""Bit packing of small unsigned codes into bytes (real wire formats, ALGORITHMS.md §4).
+
+``pack_bits(codes, bits)`` stores ``8 // bits`` codes per byte (``bits`` in 1, 2, 4, 8), the first
+code in the lowest bits, so ``n`` codes take ``ceil(n * bits / 8)`` bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+WIDTHS = (1, 2, 4, 8)
+
+
+def bits_for(values: int) -> int:
+    """The fewest bits in ``WIDTHS`` that hold ``values`` distinct codes."""
+    for bits in WIDTHS:
+        if values <= 1 << bits:
+            return bits
+    raise ValueError(f"{values} distinct codes do not fit in one byte")
+
+
+def _shifts(bits: int, device: torch.device) -> Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Pack codes (integers in ``[0, 2**bits)``) into a uint8 vector of ``ceil(n*bits/8)`` bytes."""
+    codes = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    pad = (-codes.numel()) % per_byte
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    groups = codes.view(-1, per_byte) << _shifts(bits, codes.device)
+    return groups.sum(dim=1, dtype=torch.uint8)  # the codes occupy disjoint bits: sum == or
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
+    if bits == 8:
+        return packed[:n]
+    mask = (1 << bits) - 1
+    codes = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & mask
+    return codes.reshape(-1)[:n]

@@ -1,0 +1,101 @@
+"""Sign methods (ALGORITHMS.md §4): ``onebit``, ``signsgd``, ``signum``, ``efsignsgd``.
+
+All send one bit per element, packed (``ceil(n/8)`` bytes): bit = ``g_i ≥ 0``, plus the method's
+scalars. ``signsgd`` and ``signum`` aggregate by majority vote, ``sign(Σ_r sign_r)`` (0 on a tie);
+``onebit`` and ``efsignsgd`` average the scaled decodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..bucket import Bucket
+from ..comm import Payload
+from ..registry import Option
+from .base import COMPRESSORS, Compressor
+from .packing import pack_bits, unpack_bits
+
+
+class _SignBits(Compressor):
+    """Payload ``[packed sign bits]`` or ``[(value if bit set, value if not), packed sign bits]``."""
+
+    summable = False
+
+    def levels(self, g: Tensor) -> Tensor | None:
+        """fp32 ``[positive level, negative level]``, or None for plain ±1."""
+        return None
+
+    def signed_input(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        """What to take the sign of (signum: the momentum)."""
+        return flat
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        g = self.signed_input(flat, bucket).float()
+        bits = pack_bits(g >= 0, 1)
+        levels = self.levels(g)
+        return [bits] if levels is None else [levels, bits]
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        bits = unpack_bits(payload[-1], 1, bucket.numel).bool()
+        if len(payload) == 1:
+            return bits.float() * 2 - 1
+        positive, negative = payload[0][0], payload[0][1]
+        return torch.where(bits, positive, negative)
+
+
+class _MajorityVote(_SignBits):
+    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+        votes = self.decode(gathered[0], bucket)
+        for payload in gathered[1:]:
+            votes += self.decode(payload, bucket)
+        return votes.sign_()
+
+
+@COMPRESSORS.register("signsgd")
+class SignSGD(_MajorityVote):
+    """signSGD with majority vote (Bernstein et al., ICML 2018): each rank sends ``sign(g)``
+    (1 bit per element, no scalar); the result is ``sign(Σ_r sign(g_r))``, ±1 (0 on a tie): the
+    learning rate carries the scale."""
+
+
+@COMPRESSORS.register("signum")
+class Signum(_MajorityVote):
+    """Signum (Bernstein et al., ICML 2018): each rank keeps a momentum ``m = β m + (1-β) g``
+    and sends ``sign(m)``; majority vote as signSGD. The momentum is not updated from a bucket
+    holding inf/NaN. Use it with the optimizer's own momentum off."""
+
+    OPTIONS = {"momentum": Option(0.9, float, low=0.0, high=1.0, high_open=True, help="β")}
+    applies_momentum = True
+
+    def signed_input(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        momentum = self.buffer("momentum", bucket)
+        beta = self.options["momentum"]
+        updated = torch.add(momentum * beta, flat.float(), alpha=1 - beta)
+        momentum.copy_(torch.where(torch.isfinite(flat).all(), updated, momentum))
+        return updated
+
+
+@COMPRESSORS.register("onebit")
+class OneBit(_SignBits):
+    """1-bit SGD (Seide et al., Interspeech 2014): the bit says which side of zero ``g_i`` is on;
+    decode gives the mean of the non-negative entries or the mean of the negative entries. Pair
+    it with ``memory='residual'`` (the paper's error feedback)."""
+
+    def levels(self, g: Tensor) -> Tensor:
+        positive = g >= 0
+        pos_mean = (g * positive).sum() / positive.sum().clamp_min(1)
+        neg_mean = (g * ~positive).sum() / (~positive).sum().clamp_min(1)
+        return torch.stack([pos_mean, neg_mean])
+
+
+@COMPRESSORS.register("efsignsgd")
+class EFSignSGD(_SignBits):
+    """EF-SignSGD (Karimireddy et al., ICML 2019): the compressed value is
+    ``(‖p‖₁/n) · sign(p)`` for the error-compensated ``p = g + e``; pair it with
+    ``memory='residual'``, which supplies ``p`` and keeps ``e = p - decode``. The paper folds the
+    learning rate into ``p``; here the optimizer keeps it."""
+
+    def levels(self, g: Tensor) -> Tensor:
+        scale = g.abs().mean()
+        return torch.stack([scale, -scale])

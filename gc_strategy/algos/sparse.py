@@ -1,0 +1,180 @@
+"""Sparsifiers (ALGORITHMS.md §3): ``topk``, ``randk``, ``dgc``, ``threshold``.
+
+Index-based sparsifiers send ``[values, int32 indices]`` and are aggregated by scatter-add: the
+sum over ranks of each rank's sparse vector (overlapping indices add up), divided by ``W``.
+``randk`` draws the same positions on every rank, so it sends values only and is summed by allreduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..bucket import Bucket
+from ..comm import Payload
+from ..registry import Option
+from .base import COMPRESSORS, Compressor
+
+DENSITY = Option(0.01, float, low=0.0, high=1.0, low_open=True, help="fraction of elements kept")
+SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bucket and rank)")
+
+
+def keep_count(density: float, n: int) -> int:
+    """``k = max(1, floor(δ n))``."""
+    return max(1, int(density * n))
+
+
+class Sparsifier(Compressor):
+    """Values + int32 indices, aggregated by scatter-add; tracks achieved vs target density."""
+
+    summable = False
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._selected = 0
+        self._elements = 0
+
+    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        """Indices (int64) of the elements to send."""
+        raise NotImplementedError
+
+    def target_density(self) -> float:
+        return self.options["density"]
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        indices = self.select(flat, bucket)
+        self._selected += indices.numel()
+        self._elements += flat.numel()
+        return [flat[indices], indices.to(torch.int32)]
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        values, indices = payload
+        return torch.zeros(bucket.numel, dtype=values.dtype, device=values.device).index_put_(
+            (indices.long(),), values, accumulate=True
+        )
+
+    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+        values = torch.cat([p[0] for p in gathered])
+        indices = torch.cat([p[1] for p in gathered]).long()
+        total = torch.zeros(bucket.numel, dtype=values.dtype, device=values.device)
+        return total.index_add_(0, indices, values).div_(len(gathered))
+
+    def pop_metrics(self) -> dict[str, float]:
+        if not self._elements:
+            return {}
+        achieved = self._selected / self._elements
+        self._selected = self._elements = 0
+        return {"density_achieved": achieved, "density_target": self.target_density()}
+
+
+@COMPRESSORS.register("topk")
+class TopK(Sparsifier):
+    """Top-k (Aji & Heafield, EMNLP 2017; Stich et al., NeurIPS 2018): the ``k = max(1, ⌊δn⌋)``
+    entries of largest ``|g|``, exactly. Fixed size: every rank sends ``k`` values + ``k`` indices."""
+
+    OPTIONS = {"density": DENSITY}
+
+    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        return torch.topk(flat.abs(), keep_count(self.options["density"], flat.numel()), sorted=False).indices
+
+
+@COMPRESSORS.register("threshold")
+class Threshold(Sparsifier):
+    """Hard threshold (as in GRACE): send every entry with ``|g| > τ``. Variable size."""
+
+    OPTIONS = {"threshold": Option(0.01, float, low=0.0, low_open=True, help="τ")}
+    variable_size = True
+
+    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        return torch.nonzero(flat.abs() > self.options["threshold"]).view(-1)
+
+    def target_density(self) -> float:
+        return float("nan")  # no target: the density follows the gradients
+
+
+@COMPRESSORS.register("dgc")
+class DGC(Sparsifier):
+    """Deep Gradient Compression's selection (Lin et al., ICLR 2018): estimate the top-δ threshold
+    from a random sample of ``|g|`` (``sample_ratio`` of the bucket, at least ``min_sample``
+    elements, all of them for small buckets), select ``|g| ≥ thr``; while the count is outside
+    ``[0.7k, 1.3k]`` scale ``thr`` by 1.3 or 0.7 (``adjust_rounds`` times), then fall back to exact
+    top-k. Variable size. Pair it with ``memory='dgc'`` (momentum correction, masking).
+
+    Density warm-up (the paper's exponential schedule from 25% to δ): with ``warmup_steps`` > 0 the
+    density at step ``s`` is ``0.25 · (δ/0.25)^(s/warmup_steps)`` until ``warmup_steps``.
+    """
+
+    OPTIONS = {
+        "density": DENSITY,
+        "sample_ratio": Option(0.01, float, low=0.0, high=1.0, low_open=True),
+        "min_sample": Option(4096, int, low=1),
+        "adjust_rounds": Option(3, int, low=0),
+        "warmup_steps": Option(0, int, low=0, help="steps of exponential density warm-up (0: off)"),
+        "seed": SEED,
+    }
+    variable_size = True
+
+    def density_now(self) -> float:
+        density, warmup = self.options["density"], self.options["warmup_steps"]
+        if warmup and self.step < warmup and density < 0.25:
+            return 0.25 * (density / 0.25) ** (self.step / warmup)
+        return density
+
+    def target_density(self) -> float:
+        return self.density_now()
+
+    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        magnitudes = flat.abs()
+        n = flat.numel()
+        density = self.density_now()
+        k = keep_count(density, n)
+        samples = min(n, max(self.options["min_sample"], math.ceil(self.options["sample_ratio"] * n)))
+        if samples >= n:
+            sample = magnitudes
+        else:
+            positions = torch.randint(
+                n, (samples,), device=flat.device, generator=self.generator(bucket, flat.device, shared=False)
+            )
+            sample = magnitudes[positions]
+        threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
+        for _ in range(self.options["adjust_rounds"] + 1):
+            mask = magnitudes >= threshold
+            count = int(mask.sum())
+            if 0.7 * k <= count <= 1.3 * k:
+                return torch.nonzero(mask).view(-1)
+            threshold = threshold * (1.3 if count > 1.3 * k else 0.7)
+        return torch.topk(magnitudes, k, sorted=False).indices
+
+
+@COMPRESSORS.register("randk")
+class RandK(Compressor):
+    """Random-k: ``k = max(1, ⌊δn⌋)`` positions drawn uniformly without replacement from a seed
+    shared by all ranks (global seed, step, bucket), so only the values travel and they are summed
+    by allreduce. With ``unbiased`` the values are scaled by ``n/k`` (then ``E[ĝ] = g``)."""
+
+    OPTIONS = {"density": DENSITY, "unbiased": Option(False, bool), "seed": SEED}
+    summable = True
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._drawn: tuple[int, int, Tensor] | None = None
+
+    def _positions(self, bucket: Bucket, device: torch.device) -> Tensor:
+        """This step's positions for ``bucket`` (drawn once, reused by encode and decode)."""
+        if self._drawn is None or self._drawn[:2] != (self.step, bucket.index):
+            k = keep_count(self.options["density"], bucket.numel)
+            generator = self.generator(bucket, torch.device("cpu"), shared=True)
+            self._drawn = (self.step, bucket.index, torch.randperm(bucket.numel, generator=generator)[:k].to(device))
+        return self._drawn[2]
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        return [flat[self._positions(bucket, flat.device)]]
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        (values,) = payload
+        out = torch.zeros(bucket.numel, dtype=values.dtype, device=values.device)
+        scale = bucket.numel / values.numel() if self.options["unbiased"] else 1.0
+        out[self._positions(bucket, values.device)] = values * scale
+        return out
