@@ -97,3 +97,35 @@ def test_error_feedback_makes_the_time_average_of_the_error_vanish():
     assert plain_error > 1e-4  # bf16 rounding really is a bias here
     assert fed_error <= 2.0**-8 * g.abs().max() * 4 / steps + 1e-6  # |e_T| / T
     assert fed_error < plain_error / 100
+
+
+def test_dgc_memory_momentum_correction_accumulation_and_masking():
+    memory = MEMORIES.build("dgc", momentum=0.5)
+    bucket = _bucket(4)
+    u = torch.zeros(4)
+    v = torch.zeros(4)
+    grads = [torch.tensor([1.0, 2.0, -1.0, 0.5]), torch.tensor([0.5, -1.0, 2.0, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])]
+    sent_masks = [torch.tensor([False, True, False, False]), torch.tensor([True, False, False, True]), torch.tensor([False] * 4)]
+    for g, sent in zip(grads, sent_masks):
+        u = 0.5 * u + g
+        v = v + u
+        compensated = memory.compensate(g, bucket)
+        assert torch.allclose(compensated, v)
+        memory.update(compensated, torch.where(sent, compensated, torch.zeros(4)), bucket, torch.tensor(True))
+        u, v = u * ~sent, v * ~sent
+        assert torch.allclose(memory.buffer("u", bucket), u) and torch.allclose(memory.buffer("v", bucket), v)
+
+
+def test_dgc_memory_clipping_and_non_finite_guard():
+    memory = MEMORIES.build("dgc", momentum=0.9, clip_norm=1.0)
+    bucket = _bucket(2)
+    compensated = memory.compensate(torch.tensor([3.0, 4.0]), bucket)  # norm 5 -> clipped to 1
+    assert torch.allclose(compensated, torch.tensor([0.6, 0.8]))
+    memory.update(compensated, torch.zeros(2), bucket, torch.tensor(True))
+    state = memory.state_by_parameter([bucket])
+    poisoned = memory.compensate(torch.tensor([float("inf"), 1.0]), bucket)
+    memory.update(poisoned, torch.zeros(2), bucket, torch.tensor(False))
+    assert torch.equal(memory.buffer("u", bucket), state["u"]["w"]) and torch.equal(memory.buffer("v", bucket), state["v"]["w"])
+    restored = MEMORIES.build("dgc")
+    restored.load_state_by_parameter(state, [bucket])
+    assert torch.equal(restored.buffer("v", bucket), memory.buffer("v", bucket))

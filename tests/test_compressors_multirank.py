@@ -1,0 +1,65 @@
+"""Every compressor through the engine on 2 and 3 gloo ranks: the synchronised gradient equals the
+reference aggregation of the ranks' own decodes, and telemetry counts the payload bytes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
+
+from distributed import run_ranks
+from models import SmallCNN
+
+pytestmark = pytest.mark.slow
+
+MAJORITY = {"signsgd", "signum"}
+# the casts sum on the wire in 16 bits: each addition rounds by up to the unit roundoff
+TOLERANCE = {"fp16": 2.0**-10, "bf16": 2.0**-7}
+OPTIONS = {"topk": dict(density=0.1), "randk": dict(density=0.1), "dgc": dict(density=0.1),
+           "sidco": dict(density=0.1), "threshold": dict(threshold=0.01)}
+
+
+def _check_all(rank, world_size):
+    errors = {}
+    for name in COMPRESSORS.names():
+        torch.manual_seed(7)
+        model = SmallCNN()
+        c = build_components(name, "none", "auto", "groups:3", **OPTIONS.get(name, {}))
+        engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        # a twin compressor encodes this rank's gradients independently, for the reference
+        twin = COMPRESSORS.build(name, **OPTIONS.get(name, {}))
+        twin.world_size, twin.rank = world_size, rank
+        model(torch.randn(2, 3, 8, 8)).sum().backward()  # the first step records the ready order
+        for step in range(2):
+            x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model.zero_grad(set_to_none=True)
+            with engine.no_sync():
+                model(x).square().mean().backward()
+            local = torch.cat([p.grad.reshape(-1) for p in map(engine._param, engine.order)])
+            model.zero_grad(set_to_none=True)
+            state_before = {k: {b: t.clone() for b, t in v.items()} for k, v in engine.compressor.buffers.items()}
+            model(x).square().mean().backward()
+            synced = torch.cat([p.grad.reshape(-1) for p in map(engine._param, engine.order)])
+            twin.step = engine.step - 1
+            twin.buffers = {k: {b: t.clone() for b, t in v.items()} for k, v in state_before.items()}
+            decodes, offset = [], 0
+            for bucket in engine.buckets:
+                piece = local[offset : offset + bucket.numel]
+                decodes.append(twin.decode(twin.encode(piece.clone(), bucket), bucket))
+                offset += bucket.numel
+            mine = torch.cat(decodes)
+            everyone = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(everyone, mine)
+            reference = torch.stack(everyone).sum(0)
+            reference = reference.sign() if name in MAJORITY else reference / world_size
+            relative = float((synced - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+            errors[name] = max(errors.get(name, 0.0), relative)
+        assert engine.telemetry.last.sent_bytes > 0
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_compressor_aggregates_like_the_reference(world_size):
+    for errors in run_ranks(_check_all, world_size, timeout=240):
+        bad = {name: err for name, err in errors.items() if err > TOLERANCE.get(name, 1e-6)}
+        assert not bad, bad

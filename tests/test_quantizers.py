@@ -1,0 +1,108 @@
+"""Quantizers against plain reference math; unbiasedness by sampling (ALGORITHMS.md §4)."""
+
+import math
+
+import pytest
+import torch
+
+from gc_strategy.algos.packing import pack_bits, unpack_bits
+
+from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
+def test_bit_packing_round_trips_in_the_stated_bytes(bits, n):
+    codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.numel() == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_bit_packing_layout_is_little_end_first():
+    assert pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1]), 1).tolist() == [0b10000001]
+    assert pack_bits(torch.tensor([3, 0, 1]), 2).tolist() == [0b010011]
+
+
+def _mean_of_decodes(name, g, trials, **options):
+    compressor = build(name, **options)
+    total = torch.zeros_like(g)
+    for step in range(trials):
+        compressor.step = step
+        total += roundtrip(compressor, g)
+    return total / trials
+
+
+@pytest.mark.parametrize("levels, bits", [(1, 2), (7, 4), (15, 8), (127, 8)])
+def test_qsgd_levels_bits_and_bound(levels, bits):
+    n = 1001
+    g = torch.randn(n)
+    compressor = build("qsgd", levels=levels)
+    payload = compressor.encode(g, bucket(n))
+    assert payload_bytes(payload) == 4 + math.ceil(n * bits / 8)
+    out = compressor.decode(payload, bucket(n))
+    norm = g.norm()
+    level = out * levels / norm  # integers in [-s, s] with the sign of g
+    assert torch.allclose(level, level.round(), atol=1e-3)
+    assert torch.all(level.abs() <= levels + 1e-3)
+    assert torch.all((out - g).abs() <= norm / levels * (1 + 1e-5))  # one of the two nearest levels
+    assert torch.all((out == 0) | (out.sign() == g.sign()))
+
+
+def test_qsgd_chunks_send_one_norm_each():
+    g = torch.randn(1000)
+    payload = build("qsgd", levels=7, chunk=128).encode(g, bucket(1000))
+    assert payload[0].numel() == math.ceil(1000 / 128)
+    assert torch.allclose(payload[0][0], g[:128].norm())
+
+
+@pytest.mark.parametrize("name, options", [("qsgd", dict(levels=3)), ("terngrad", dict(clip_sigma=0.0)), ("natural", {})])
+def test_unbiased_quantizers(name, options):
+    """The mean of T decodes converges to g: |mean - g| <= 5 standard errors for every element."""
+    g = torch.randn(64) * torch.logspace(-2, 1, 64)
+    trials = 3000
+    mean = _mean_of_decodes(name, g, trials, **options)
+    # each decode is one of two values a <= g <= b around g: variance <= (b - a)^2 / 4
+    spread = {
+        "qsgd": g.norm() / 3,
+        "terngrad": g.abs().max(),
+        "natural": g.abs(),  # the powers of two around |g| are at most |g| apart
+    }[name]
+    assert torch.all((mean - g).abs() <= 5 * spread / 2 / math.sqrt(trials) + 1e-7)
+
+
+def test_terngrad_is_ternary_in_two_bits():
+    n = 999
+    g = torch.randn(n)
+    compressor = build("terngrad", clip_sigma=2.5)
+    payload = compressor.encode(g, bucket(n))
+    assert payload_bytes(payload) == 4 + math.ceil(n / 4)
+    scale = float(payload[0])
+    assert scale == pytest.approx(float(g.clamp(-2.5 * g.std(), 2.5 * g.std()).abs().max()))
+    out = compressor.decode(payload, bucket(n))
+    assert set((out / scale).round().tolist()) <= {-1.0, 0.0, 1.0}
+    assert torch.all((out == 0) | (out.sign() == g.sign()))
+
+
+def test_natural_rounds_to_a_neighbouring_power_of_two_in_one_byte():
+    n = 1001
+    g = torch.randn(n) * 10
+    compressor = build("natural")
+    payload = compressor.encode(g, bucket(n))
+    assert payload_bytes(payload) == 4 + n
+    out = compressor.decode(payload, bucket(n))
+    exponent = torch.log2(out.abs())
+    assert torch.equal(exponent, exponent.round())  # powers of two
+    low = torch.exp2(torch.floor(torch.log2(g.abs())))
+    assert torch.all((out.abs() == low) | (out.abs() == 2 * low))
+    assert torch.all(out.sign() == g.sign())
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
+@pytest.mark.parametrize("case", sorted(EDGE_INPUTS))
+def test_quantizers_survive_edge_inputs(name, case):
+    g = EDGE_INPUTS[case]()
+    out = roundtrip(build(name), g)
+    assert out.shape == g.shape and torch.isfinite(out).all()
+    if case == "zeros":
+        assert torch.equal(out, g)

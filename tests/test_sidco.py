@@ -1,0 +1,78 @@
+"""SIDCo's estimators reach the target density on data of known distribution (ALGORITHMS.md §3)."""
+
+import math
+
+import pytest
+import torch
+
+from gc_strategy.algos.sidco import exponential_threshold, gamma_threshold, gpareto_threshold
+
+from compressor_helpers import bucket, build
+
+N = 1_000_000
+
+
+def _laplace(n, seed=0):
+    """Laplace(0, 0.01) samples by inversion: exponential magnitudes with random signs."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = -torch.rand(n, generator=g).log() * 0.01
+    return magnitude * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+
+
+@pytest.mark.parametrize("estimator", ["exponential", "gpareto", "gamma"])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("density", [0.1, 0.01, 0.001])
+def test_achieved_density_within_20_percent_on_laplace_gradients(estimator, stages, density):
+    g = _laplace(N)  # |g| is exponential
+    compressor = build("sidco", density=density, estimator=estimator, stages=stages, adapt_every=0)
+    _, indices = compressor.encode(g, bucket(N))
+    achieved = indices.numel() / N
+    assert abs(achieved / density - 1) <= 0.2, achieved
+    metrics = compressor.pop_metrics()
+    assert metrics["density_achieved"] == achieved and metrics["density_target"] == density
+
+
+def test_estimators_match_their_closed_forms():
+    y = torch.tensor([0.5, 1.0, 1.5, 3.0])
+    q = 0.05
+    mean, var = 1.5, float(y.var(unbiased=False))
+    assert float(exponential_threshold(y, q)) == pytest.approx(mean * math.log(1 / q))
+    ratio = mean**2 / var
+    xi, beta = 0.5 * (1 - ratio), 0.5 * mean * (ratio + 1)
+    assert float(gpareto_threshold(y, q)) == pytest.approx(beta / xi * (q ** (-xi) - 1), rel=1e-5)
+    # gamma: on a large gamma(k=2, scale=3) sample the fitted threshold is the true 1-q quantile
+    sample = torch.distributions.Gamma(2.0, 1 / 3.0).sample((400_000,))
+    assert float((sample > gamma_threshold(sample, q)).float().mean()) == pytest.approx(q, rel=0.05)
+
+
+def test_stage_ratios_multiply_to_the_density():
+    compressor = build("sidco", density=0.001, first_ratio=0.25)
+    for stages in range(1, 6):
+        assert math.prod(compressor.stage_ratios(stages)) == pytest.approx(0.001)
+    assert compressor.max_stages() == math.ceil(math.log(0.001) / math.log(0.5))
+
+
+def test_adaptive_stages_are_per_bucket_and_bounded():
+    g = torch.Generator().manual_seed(0)
+    light = torch.randn(100_000, generator=g)  # lighter tail than exponential: too few selected
+    heavy = torch.randn(100_000, generator=g).exp()  # log-normal, heavier: too many with one stage
+    compressor = build("sidco", density=0.01, stages=2, adapt_every=1)
+    compressor.stage_counts["p1"] = 1
+    b_light, b_heavy = bucket(100_000, 0), bucket(100_000, 1)
+    for step in range(12):
+        compressor.step = step
+        compressor.encode(light, b_light)
+        _, selected = compressor.encode(heavy, b_heavy)
+    counts = compressor.extra_state()["stage_counts"]
+    assert counts["p0"] == 1  # stages removed down to the lower bound
+    assert counts["p1"] == 2  # a stage added, then the density is within ±20%
+    assert abs(selected.numel() / 100_000 / 0.01 - 1) <= 0.2
+    restored = build("sidco", density=0.01)
+    restored.load_extra_state(compressor.extra_state())
+    assert restored.stage_counts == counts
+
+
+def test_nothing_selected_is_a_valid_payload():
+    compressor = build("sidco", density=0.001, adapt_every=0)
+    values, indices = compressor.encode(torch.zeros(1000), bucket(1000))
+    assert values.numel() == 0 and indices.numel() == 0

@@ -1,0 +1,57 @@
+"""Sign methods against plain reference math (ALGORITHMS.md §4)."""
+
+import math
+
+import pytest
+import torch
+
+from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+
+
+@pytest.mark.parametrize("name, scalars", [("signsgd", 0), ("signum", 0), ("onebit", 2), ("efsignsgd", 2)])
+@pytest.mark.parametrize("n", [1, 9, 1000])
+def test_one_bit_per_element_plus_scalars(name, scalars, n):
+    assert payload_bytes(build(name).encode(torch.randn(n), bucket(n))) == math.ceil(n / 8) + 4 * scalars
+
+
+def test_signsgd_decode_and_majority_vote():
+    g = torch.tensor([0.5, -0.2, 0.0, -3.0])
+    compressor = build("signsgd", world_size=3)
+    assert torch.equal(roundtrip(compressor, g), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    grads = [torch.tensor([1.0, -1.0, 2.0, -1.0]), torch.tensor([1.0, 1.0, -2.0, -1.0]), torch.tensor([-1.0, 1.0, -1.0, 1.0])]
+    payloads = [compressor.encode(x, bucket(4)) for x in grads]
+    reference = torch.sign(sum(torch.where(x >= 0, 1.0, -1.0) for x in grads))
+    assert torch.equal(compressor.aggregate(payloads, bucket(4)), reference)
+    tie = compressor.aggregate(payloads[:2], bucket(4))  # two ranks disagree: sign(0) = 0
+    assert torch.equal(tie, torch.tensor([1.0, 0.0, 0.0, -1.0]))
+
+
+def test_signum_momentum_recurrence_and_non_finite_guard():
+    compressor = build("signum", momentum=0.8)
+    b = bucket(3)
+    m = torch.zeros(3)
+    for x in [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([-3.0, 1.0, 0.1]), torch.tensor([0.2, 0.2, -9.0])]:
+        m = 0.8 * m + 0.2 * x
+        assert torch.equal(compressor.decode(compressor.encode(x, b), b), torch.where(m >= 0, 1.0, -1.0))
+        assert torch.allclose(compressor.buffer("momentum", b), m)
+    compressor.encode(torch.tensor([float("nan"), 1.0, 1.0]), b)
+    assert torch.allclose(compressor.buffer("momentum", b), m)
+
+
+def test_onebit_decodes_to_the_two_side_means():
+    g = torch.tensor([2.0, -1.0, 4.0, -3.0, 0.0])
+    out = roundtrip(build("onebit"), g)
+    assert torch.allclose(out, torch.tensor([2.0, -2.0, 2.0, -2.0, 2.0]))
+
+
+def test_efsignsgd_scales_the_sign_by_the_mean_magnitude():
+    g = torch.tensor([2.0, -1.0, 4.0, -3.0])
+    assert torch.allclose(roundtrip(build("efsignsgd"), g), 2.5 * torch.tensor([1.0, -1.0, 1.0, -1.0]))
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum", "onebit", "efsignsgd"])
+@pytest.mark.parametrize("case", sorted(EDGE_INPUTS))
+def test_sign_methods_survive_edge_inputs(name, case):
+    g = EDGE_INPUTS[case]()
+    out = roundtrip(build(name), g)
+    assert out.shape == g.shape and torch.isfinite(out).all()

@@ -1,0 +1,108 @@
+"""Sparsifiers against plain reference math (ALGORITHMS.md §3)."""
+
+import math
+
+import pytest
+import torch
+
+from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+
+
+def _k(density, n):
+    return max(1, math.floor(density * n))
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_INPUTS))
+@pytest.mark.parametrize("density", [0.01, 0.3])
+def test_topk_keeps_the_k_largest_magnitudes(case, density):
+    g = EDGE_INPUTS[case]()
+    compressor = build("topk", density=density)
+    values, indices = compressor.encode(g, bucket(g.numel()))
+    out = compressor.decode([values, indices], bucket(g.numel()))
+    k = _k(density, g.numel())
+    kept = torch.zeros(g.numel(), dtype=torch.bool)
+    kept[indices.long()] = True
+    assert kept.sum() == k
+    # exactly the reference top-k magnitudes (as a multiset: ties may pick either equal element)
+    assert torch.equal(g.abs()[kept].sort().values, g.abs().sort(descending=True).values[:k].sort().values)
+    assert torch.equal(out[kept], g[kept]) and torch.all(out[~kept] == 0)
+
+
+def test_threshold_keeps_entries_above_tau():
+    g = torch.randn(999)
+    out = roundtrip(build("threshold", threshold=0.5), g)
+    assert torch.equal(out, torch.where(g.abs() > 0.5, g, torch.zeros_like(g)))
+    assert torch.equal(roundtrip(build("threshold", threshold=0.5), torch.zeros(10)), torch.zeros(10))
+
+
+@pytest.mark.parametrize("n", [50, 10_000, 200_001])
+def test_dgc_selects_a_threshold_set_of_about_k(n):
+    g = torch.randn(n) * torch.rand(n)  # heavier tails than a Gaussian
+    compressor = build("dgc", density=0.01)
+    values, indices = compressor.encode(g, bucket(n))
+    k = _k(0.01, n)
+    count = indices.numel()
+    assert 0.7 * k <= count <= 1.3 * k or count == k  # in the window, or the exact top-k fallback
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[indices.long()] = True
+    if (~kept).any():
+        assert g.abs()[kept].min() >= g.abs()[~kept].max()  # everything above the threshold
+    assert torch.equal(values, g[indices.long()])
+    assert compressor.pop_metrics() == {"density_achieved": count / n, "density_target": 0.01}
+
+
+def test_dgc_density_warm_up_is_exponential_from_25_percent():
+    compressor = build("dgc", density=0.01, warmup_steps=4)
+    densities = []
+    for step in range(6):
+        compressor.step = step
+        densities.append(compressor.density_now())
+    expected = [0.25 * (0.01 / 0.25) ** (s / 4) for s in range(4)] + [0.01, 0.01]
+    assert densities == pytest.approx(expected)
+
+
+def test_randk_draws_the_same_positions_on_every_rank_and_new_ones_each_step():
+    g = torch.randn(1000)
+    a = build("randk", density=0.05, rank=0, world_size=2)
+    b = build("randk", density=0.05, rank=1, world_size=2)
+    assert torch.equal(a.decode(a.encode(g, bucket(1000)), bucket(1000)) != 0,
+                       b.decode(b.encode(g, bucket(1000)), bucket(1000)) != 0)
+    b.step = 1
+    assert not torch.equal(roundtrip(a, g) != 0, roundtrip(b, g) != 0)
+    assert a.encode(g, bucket(1000))[0].numel() == 50  # values only on the wire
+
+
+def test_randk_with_scaling_is_unbiased():
+    g = torch.randn(40)
+    compressor = build("randk", density=0.25, unbiased=True)
+    trials = 4000
+    total = torch.zeros(40)
+    for step in range(trials):
+        compressor.step = step
+        total += roundtrip(compressor, g)
+    mean = total / trials
+    # per element the estimate is (n/k) g with probability k/n, else 0: variance g² (n/k - 1)
+    std_of_mean = g.abs() * math.sqrt(40 / 10 - 1) / math.sqrt(trials)
+    assert torch.all((mean - g).abs() <= 5 * std_of_mean + 1e-7)
+
+
+def test_sparse_aggregation_adds_overlapping_indices():
+    compressor = build("topk", density=0.5, world_size=2)
+    b = bucket(4)
+    p0 = [torch.tensor([1.0, 2.0]), torch.tensor([0, 3], dtype=torch.int32)]
+    p1 = [torch.tensor([10.0, 20.0]), torch.tensor([3, 1], dtype=torch.int32)]
+    assert torch.equal(compressor.aggregate([p0, p1], b), torch.tensor([1.0, 20.0, 0.0, 12.0]) / 2)
+
+
+@pytest.mark.parametrize(
+    "name, options, expected",
+    [
+        ("topk", dict(density=0.01), lambda n, g: 8 * _k(0.01, n)),
+        ("randk", dict(density=0.01), lambda n, g: 4 * _k(0.01, n)),
+        ("threshold", dict(threshold=1.0), lambda n, g: 8 * int((g.abs() > 1.0).sum())),
+    ],
+)
+def test_bytes_on_the_wire(name, options, expected):
+    n = 10_007
+    g = torch.randn(n)
+    assert payload_bytes(build(name, **options).encode(g, bucket(n))) == expected(n, g)
