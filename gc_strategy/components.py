@@ -68,6 +68,11 @@ def build_components(
             f"comm '{built_comm.name}' sums payloads element-wise, but compressor '{built_compressor.name}' "
             "sends payloads that cannot be summed; use comm='allgather' or comm='auto'"
         )
+    if getattr(built_compressor, "allreduce_only", False) and not built_comm.sums:
+        raise ValueError(
+            f"compressor '{built_compressor.name}' runs its own allreduce rounds and needs comm='allreduce' "
+            f"(or 'auto'), not '{built_comm.name}'"
+        )
     if built_comm.sums and built_compressor.variable_size:
         raise ValueError(
             f"comm '{built_comm.name}' needs equal payload sizes on every rank, but compressor "

@@ -10,9 +10,9 @@ def bucket(n: int, index: int = 0, dtype=torch.float32) -> Bucket:
     return Bucket(index, [f"p{index}"], [torch.Size([n])], dtype, torch.device("cpu"))
 
 
-def build(name: str, world_size: int = 1, rank: int = 0, step: int = 0, **options):
+def build(name: str, world_size: int = 1, process_rank: int = 0, step: int = 0, **options):
     compressor = COMPRESSORS.build(name, **options)
-    compressor.world_size, compressor.rank, compressor.step = world_size, rank, step
+    compressor.world_size, compressor.rank, compressor.step = world_size, process_rank, step
     return compressor
 
 

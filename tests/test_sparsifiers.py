@@ -63,8 +63,8 @@ def test_dgc_density_warm_up_is_exponential_from_25_percent():
 
 def test_randk_draws_the_same_positions_on_every_rank_and_new_ones_each_step():
     g = torch.randn(1000)
-    a = build("randk", density=0.05, rank=0, world_size=2)
-    b = build("randk", density=0.05, rank=1, world_size=2)
+    a = build("randk", density=0.05, process_rank=0, world_size=2)
+    b = build("randk", density=0.05, process_rank=1, world_size=2)
     assert torch.equal(a.decode(a.encode(g, bucket(1000)), bucket(1000)) != 0,
                        b.decode(b.encode(g, bucket(1000)), bucket(1000)) != 0)
     b.step = 1
