@@ -85,9 +85,14 @@ def test_bf16_mixed_precision_trains():
     assert torch.isfinite(after).all() and not torch.equal(after, before)
 
 
-def test_checkpoint_resume_continues_identically(tmp_path):
+@pytest.mark.parametrize("options", [
+    dict(compressor="bf16", memory="residual"),
+    dict(compressor="powersgd", rank=1, start_iter=1),
+    dict(compressor="acpsgd", rank=1, start_iter=1),
+], ids=["bf16+residual", "powersgd", "acpsgd"])
+def test_checkpoint_resume_continues_identically(tmp_path, options):
     def strategy():
-        return GCFusedStrategy(compressor="bf16", memory="residual", fusion="groups:2", start_method="fork")
+        return GCFusedStrategy(fusion="groups:2", start_method="fork", **options)
 
     straight = _train(strategy(), max_epochs=2)
     checkpoints = tmp_path / "ckpt"
@@ -96,8 +101,9 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     last = checkpoints / "last.ckpt"
     saved = torch.load(last, weights_only=False)["gc_strategy"]
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
-    residuals = [r["memory"]["residual"] for r in saved["ranks"]]
-    assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])  # per-rank state
+    states = [r["memory"] if "residual" in r["memory"] else r["compressor"] for r in saved["ranks"]]
+    per_rank = [next(iter(state.values())) for state in states]  # residual / error per parameter
+    assert any(not torch.equal(per_rank[0][k], per_rank[1][k]) for k in per_rank[0])  # per-rank state
 
     # the same global seed: Lightning's DistributedSampler shuffles with it
     pl.seed_everything(0, verbose=False)

@@ -148,10 +148,11 @@ class _LowRank(Compressor):
         new[self.layout(bucket).dense] = 0
         error.copy_(torch.where(finite, new, error))
 
-    def _dense_exchange(self, flat: Tensor, comm: Communicator) -> Exchange:
+    def _dense_exchange(self, flat: Tensor, comm: Communicator, need_local: bool) -> Exchange:
         """Plain allreduce of the whole bucket (before ``start_iter``, or nothing to compress)."""
-        (summed,) = yield from comm.exchange([flat.float()], False)
-        return summed.div_(comm.world_size), None
+        local = flat.float()
+        (summed,) = yield from comm.exchange([local.clone()], False)
+        return summed.div_(comm.world_size), local if need_local else None
 
     def extra_state(self) -> dict[str, Any]:
         return {"factors": {kind: dict(store) for kind, store in self.factors.items()}}
@@ -184,7 +185,7 @@ class PowerSGD(_LowRank):
     def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
-            return (yield from self._dense_exchange(flat, comm))
+            return (yield from self._dense_exchange(flat, comm, need_local))
         eps = self.options["orthogonalization_epsilon"]
         finite = torch.isfinite(flat).all()
         m_flat = self._compensated(flat, bucket)
@@ -231,7 +232,7 @@ class ACPSGD(_LowRank):
 
     def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool) -> Exchange:
         if self.step < self.options["start_iter"]:
-            return (yield from self._dense_exchange(flat, comm))
+            return (yield from self._dense_exchange(flat, comm, need_local))
         layout = self.layout(bucket)
         eps = self.options["orthogonalization_epsilon"]
         finite = torch.isfinite(flat).all()
