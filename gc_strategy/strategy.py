@@ -19,7 +19,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from .algos import Compressor, Memory
 from .comm import Communicator
-from .components import build_components
+from .components import Components, build_components
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 
@@ -82,6 +82,18 @@ class GCFusedStrategy(DDPStrategy):
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
+
+    def switch_components(self, components: Components) -> None:
+        """Synchronise with other roles from now on (e.g. an uncompressed baseline phase, or a new
+        compressor after a model conversion). Call it on every rank between the same two steps;
+        the new roles start with fresh state and record the gradient order again."""
+        self.components = components
+        if self.synchronizer is not None:
+            self.synchronizer.close()
+            c = components
+            self.synchronizer = GradientSynchronizer(
+                self.model, c.compressor, c.memory, c.communicator, c.fusion, broadcast_from_rank0=False
+            )
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)

@@ -1,0 +1,1 @@
+"""Training recipes for the Hydra app: LightningModules and LightningDataModules."""

@@ -1,0 +1,108 @@
+"""Image data: CIFAR-10 (torchvision's python-pickle batches), ImageNet (ImageFolder) or synthetic.
+
+``synthetic`` draws each image as its class's fixed random prototype plus noise, so a model can
+really learn it (for throughput runs and offline demos); it is only used when asked for by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class MissingDataset(FileNotFoundError):
+    """A data set is not where the configuration says; the message tells what to do."""
+
+
+def synthetic_images(n: int, size: int, classes: int, seed: int, split: int, noise: float = 1.0) -> TensorDataset:
+    """``n`` images ``[3, size, size]``: the label's prototype (fixed by ``seed``) plus Gaussian noise
+    (drawn from ``seed`` and ``split``, so train and validation samples differ)."""
+    prototypes = torch.randn(classes, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1000 + split + 1)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    images = prototypes[labels] + noise * torch.randn(n, 3, size, size, generator=g)
+    return TensorDataset(images, labels)
+
+
+class ImageDataModule(pl.LightningDataModule):
+    def __init__(
+        self,
+        name: str,
+        data_dir: str = "data",
+        download: bool = False,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        image_size: int = 32,
+        num_classes: int = 10,
+        train_samples: int = 6400,
+        val_samples: int = 640,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if name not in ("cifar10", "imagenet", "synthetic"):
+            raise ValueError(f"data.name = {name!r} is invalid; allowed: 'cifar10', 'imagenet', 'synthetic'")
+        self.name, self.data_dir, self.download = name, Path(data_dir), download
+        self.batch_size, self.num_workers, self.image_size = batch_size, num_workers, image_size
+        self.num_classes, self.train_samples, self.val_samples, self.seed = num_classes, train_samples, val_samples, seed
+
+    def prepare_data(self) -> None:
+        if self.name == "cifar10" and self.download:
+            from torchvision.datasets import CIFAR10
+
+            CIFAR10(self.data_dir, train=True, download=True)
+            CIFAR10(self.data_dir, train=False, download=True)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set, self.val_set = self._datasets()
+
+    def _datasets(self) -> tuple[Dataset, Dataset]:
+        if self.name == "synthetic":
+            return (
+                synthetic_images(self.train_samples, self.image_size, self.num_classes, self.seed, split=0),
+                synthetic_images(self.val_samples, self.image_size, self.num_classes, self.seed, split=1),
+            )
+        from torchvision import transforms
+
+        if self.name == "cifar10":
+            from torchvision.datasets import CIFAR10
+
+            folder = self.data_dir / "cifar-10-batches-py"
+            if not folder.is_dir():
+                raise MissingDataset(
+                    f"CIFAR-10 not found: expected the python batches in {folder} (data.data_dir={self.data_dir}); "
+                    "set data.download=true to fetch them, or use data=synthetic_images"
+                )
+            normalize = transforms.Normalize(CIFAR_MEAN, CIFAR_STD)
+            train_tf = transforms.Compose(
+                [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
+            )
+            val_tf = transforms.Compose([transforms.ToTensor(), normalize])
+            return (CIFAR10(self.data_dir, train=True, transform=train_tf), CIFAR10(self.data_dir, train=False, transform=val_tf))
+        from torchvision.datasets import ImageFolder
+
+        train_dir, val_dir = self.data_dir / "train", self.data_dir / "val"
+        if not (train_dir.is_dir() and val_dir.is_dir()):
+            raise MissingDataset(
+                f"ImageNet not found: expected class folders in {train_dir} and {val_dir} "
+                f"(data.data_dir={self.data_dir}); or use data=synthetic_images"
+            )
+        normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+        train_tf = transforms.Compose(
+            [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
+        )
+        val_tf = transforms.Compose(
+            [transforms.Resize(int(self.image_size * 256 / 224)), transforms.CenterCrop(self.image_size), transforms.ToTensor(), normalize]
+        )
+        return ImageFolder(train_dir, train_tf), ImageFolder(val_dir, val_tf)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -1,0 +1,124 @@
+"""Step timing, throughput, the optional uncompressed baseline phase and the end-of-run summary.
+
+Step time is the wall time from ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0
+(forward, backward, gradient synchronisation, optimizer step; data loading excluded). With
+``baseline_steps > 0`` the first steps run with ``compressor=none`` (same processes, same fusion
+plan) and the summary reports the **measured** speedup: median baseline step time / median
+compressed step time, each phase without its first ``warmup_steps`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
+
+from gc_strategy import GCFusedStrategy, build_components
+
+
+class ThroughputMonitor(pl.Callback):
+    """Logs ``perf/...`` every step; at the end rank 0 writes ``summary.json`` in ``output_dir`` and
+    sends the summary, the bucket plan (a table) and the step-time breakdown (a bar chart) to the
+    loggers."""
+
+    def __init__(self, batch_size: int, output_dir: str, baseline_steps: int = 0, warmup_steps: int = 5) -> None:
+        if baseline_steps < 0 or warmup_steps < 0:
+            raise ValueError(
+                f"speedup.baseline_steps = {baseline_steps} and speedup.warmup_steps = {warmup_steps}: both must be >= 0"
+            )
+        self.batch_size, self.baseline_steps, self.warmup_steps = batch_size, baseline_steps, warmup_steps
+        self.output_dir = Path(output_dir)
+        self.times: dict[str, list[float]] = {"baseline": [], "compressed": []}
+        self.summary: dict[str, Any] = {}
+        self._configured = None
+        self._start = 0.0
+
+    def _phase(self, step: int) -> str:
+        return "baseline" if step < self.baseline_steps else "compressed"
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if self.baseline_steps and isinstance(strategy, GCFusedStrategy) and trainer.global_step < self.baseline_steps:
+            self._configured = strategy.components
+            strategy.switch_components(build_components("none", fusion=strategy.components.fusion))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._configured is not None and trainer.global_step == self.baseline_steps:
+            trainer.strategy.switch_components(self._configured)
+            self._configured = None
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        elapsed = time.perf_counter() - self._start
+        step = trainer.global_step - 1  # the step that just ran
+        phase = self._phase(step)
+        first = 0 if phase == "baseline" else self.baseline_steps
+        if step - first >= self.warmup_steps:
+            self.times[phase].append(elapsed)
+        samples = self.batch_size * trainer.world_size
+        pl_module.log_dict(
+            {"perf/step_time_s": elapsed, "perf/samples_per_s": samples / elapsed, "perf/baseline_phase": float(phase == "baseline")},
+            rank_zero_only=True,
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compressed = self.times["compressed"]
+        if not compressed:
+            return
+        median = statistics.median(compressed)
+        summary: dict[str, Any] = {
+            "step_time_s": median,
+            "throughput_samples_per_s": self.batch_size * trainer.world_size / median,
+        }
+        strategy = trainer.strategy
+        if isinstance(strategy, GCFusedStrategy) and strategy.synchronizer is not None:
+            telemetry = strategy.synchronizer.telemetry
+            summary["compression_ratio"] = telemetry.total.compression_ratio
+            summary["sent_bytes_per_step"] = telemetry.total.sent_bytes / max(1, telemetry.steps)
+            summary["breakdown"] = self._breakdown(median, telemetry)
+            summary["buckets"] = [
+                {"bucket": b.index, "tensors": len(b.names), "elements": b.numel, "bytes": b.nbytes, "first": b.names[0]}
+                for b in strategy.synchronizer.buckets
+            ]
+        if self.times["baseline"]:
+            baseline = statistics.median(self.times["baseline"])
+            summary["baseline_step_time_s"] = baseline
+            summary["speedup_vs_fp32_allreduce_measured"] = baseline / median
+        else:
+            summary["speedup_vs_fp32_allreduce_measured"] = None  # set speedup.baseline_steps to measure it
+        self.summary = summary
+        if trainer.is_global_zero:
+            self._publish(trainer, summary)
+
+    def _publish(self, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                import wandb
+
+                run = logger.experiment
+                run.summary.update({k: v for k, v in summary.items() if k not in ("breakdown", "buckets")})
+                if "buckets" in summary:
+                    columns = list(summary["buckets"][0])
+                    run.log({"gc/bucket_plan": wandb.Table(columns=columns, data=[list(b.values()) for b in summary["buckets"]])})
+                if "breakdown" in summary:
+                    table = wandb.Table(columns=["part", "seconds"], data=list(summary["breakdown"].items()))
+                    run.log({"gc/step_breakdown": wandb.plot.bar(table, "part", "seconds", title="step time breakdown")})
+                summary["wandb_dir"] = run.dir
+            else:
+                scalars = {f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}
+                logger.log_metrics(scalars, step=trainer.global_step)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    @staticmethod
+    def _breakdown(step_time: float, telemetry) -> dict[str, float]:
+        """Mean seconds per step: compression (encode + decode), exposed communication, the rest."""
+        steps = max(1, telemetry.steps)
+        compression = (telemetry.total.encode_s + telemetry.total.decode_s) / steps
+        exposed = telemetry.total.exposed_wait_s / steps
+        return {"compute": max(0.0, step_time - compression - exposed), "encode+decode": compression, "exposed communication": exposed}

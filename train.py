@@ -1,0 +1,138 @@
+"""Train a recipe with compressed gradient synchronisation: ``python train.py compressor=dgc fusion=auto``.
+
+A Hydra app over ``conf/``: groups compressor/ memory/ comm/ fusion/ model/ data/ trainer/ logger/.
+Every option of a compressor or memory is a key of its group (``compressor.density=0.001``) and is
+validated before any work starts. Outputs (W&B offline run, checkpoints, ``summary.json``) go to
+Hydra's run directory, a new one per run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from gc_strategy import GCFusedStrategy
+from recipes.images import ImageDataModule, MissingDataset
+from recipes.lstm import LSTMLanguageModel
+from recipes.monitor import ThroughputMonitor
+from recipes.resnet import ResNetClassifier
+from recipes.text import LanguageModelDataModule
+
+RECIPES = {"resnet": "images", "lstm": "text"}
+
+
+def _options(group: DictConfig) -> dict:
+    return {k: v for k, v in OmegaConf.to_container(group, resolve=True).items() if k != "name"}
+
+
+def fusion_spec(fusion: DictConfig) -> str:
+    """``fusion=groups fusion.n=8`` -> ``"groups:8"`` (the strategy's string form)."""
+    options = _options(fusion)
+    if len(options) > 1:
+        raise ValueError(f"fusion '{fusion.name}' takes at most one parameter, got {sorted(options)}")
+    return f"{fusion.name}:{next(iter(options.values()))}" if options else fusion.name
+
+
+def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
+    options = {**_options(cfg.compressor), **_options(cfg.memory), **_options(cfg.comm)}
+    return GCFusedStrategy(
+        compressor=cfg.compressor.name,
+        memory=cfg.memory.name,
+        comm=cfg.comm.name,
+        fusion=fusion_spec(cfg.fusion),
+        start_method=cfg.trainer.start_method,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        **options,
+    )
+
+
+def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    recipe = cfg.model.recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"model.recipe = {recipe!r} is invalid; allowed: {', '.join(RECIPES)}")
+    if cfg.data.kind != RECIPES[recipe]:
+        raise ValueError(f"model '{recipe}' needs {RECIPES[recipe]} data, but data.kind = {cfg.data.kind!r}")
+    model_options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "recipe"}
+    data_options = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "kind"}
+    if recipe == "resnet":
+        return ResNetClassifier(**model_options), ImageDataModule(seed=seed, **data_options)
+    data = LanguageModelDataModule(seed=seed, **data_options)
+    data.setup("fit")  # the vocabulary size is the model's
+    return LSTMLanguageModel(vocab_size=data.vocab_size, **model_options), data
+
+
+def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
+    kind = cfg.logger.kind
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        return WandbLogger(project=cfg.logger.project, name=run_name, save_dir=str(output_dir), mode=cfg.logger.mode,
+                           config=OmegaConf.to_container(cfg, resolve=True))
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(str(output_dir), name="csv")
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(str(output_dir), name="tensorboard")
+    raise ValueError(f"logger.kind = {kind!r} is invalid; allowed: wandb, csv, tensorboard")
+
+
+def run(cfg: DictConfig, output_dir: Path) -> dict:
+    """Validate everything, then train; returns rank 0's summary (also in output_dir/summary.json)."""
+    t = cfg.trainer
+    torch.set_num_threads(t.threads_per_rank)
+    strategy = build_strategy(cfg)
+    pl.seed_everything(cfg.seed, verbose=False)
+    module, data = build_recipe(cfg, cfg.seed)
+    run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"
+    checkpoints = output_dir / "checkpoints"
+    monitor = ThroughputMonitor(cfg.data.batch_size, str(output_dir), cfg.speedup.baseline_steps, cfg.speedup.warmup_steps)
+    trainer = pl.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        precision=t.precision,
+        max_steps=t.max_steps,
+        val_check_interval=min(t.val_check_interval, t.max_steps),
+        check_val_every_n_epoch=None,
+        log_every_n_steps=t.log_every_n_steps,
+        strategy=strategy,
+        logger=build_logger(cfg, output_dir, run_name),
+        callbacks=[monitor, ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps)],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
+    summary_file = output_dir / "summary.json"
+    return OmegaConf.to_container(OmegaConf.load(summary_file)) if summary_file.exists() else {}
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = run(cfg, output_dir)
+    except (ValueError, MissingDataset) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and summary:
+        speedup = summary.get("speedup_vs_fp32_allreduce_measured")
+        print(f"\nmedian step {summary['step_time_s']:.3f} s, {summary['throughput_samples_per_s']:.1f} samples/s, "
+              f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: "
+              + (f"{speedup:.2f}x (measured)" if speedup else "not measured (set speedup.baseline_steps=N)"))
+        if "wandb_dir" in summary:
+            print(f"W&B run: {Path(summary['wandb_dir']).parent}")
+        print(f"checkpoints: {output_dir / 'checkpoints'}\nsummary: {output_dir / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()
