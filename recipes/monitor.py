@@ -115,6 +115,13 @@ class ThroughputMonitor(pl.Callback):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Close the W&B run, so its files (summary included) are complete also in fork/spawn
+        workers, which exit without running W&B's exit handler."""
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
+                logger.experiment.finish()
+
     @staticmethod
     def _breakdown(step_time: float, telemetry) -> dict[str, float]:
         """Mean seconds per step: compression (encode + decode), exposed communication, the rest."""

@@ -1,0 +1,189 @@
+"""The Hydra app: config composition, the recipes' real loaders on tiny generated files, the CLI."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from gc_strategy import COMPRESSORS, MEMORIES
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+sys.path.insert(0, str(ROOT))
+
+from recipes.images import ImageDataModule, MissingDataset  # noqa: E402
+from recipes.lstm import LSTMLanguageModel  # noqa: E402
+from recipes.resnet import ResNetClassifier  # noqa: E402
+from recipes.text import LanguageModelDataModule  # noqa: E402
+from train import build_strategy, fusion_spec  # noqa: E402
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _members(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_defaults():
+    cfg = _compose()
+    assert (cfg.compressor.name, cfg.memory.name, cfg.comm.name, fusion_spec(cfg.fusion)) == ("none", "none", "auto", "bucket_mb:25")
+    assert (cfg.model.recipe, cfg.data.name, cfg.trainer.accelerator, cfg.trainer.devices, cfg.logger.mode) == (
+        "resnet", "synthetic", "cpu", 2, "offline")
+
+
+@pytest.mark.parametrize("group", ["compressor", "memory", "comm", "fusion", "model", "data", "trainer", "logger"])
+def test_every_group_member_composes(group):
+    for member in _members(group):
+        cfg = _compose(f"{group}={member}")
+        assert cfg[group] is not None
+
+
+def test_compressor_and_memory_files_list_exactly_their_options():
+    """Every option is settable from the command line; the files hold the registry's defaults."""
+    for group, registry in (("compressor", COMPRESSORS), ("memory", MEMORIES)):
+        assert _members(group) == registry.names()
+        for name in registry.names():
+            cfg = _compose(f"{group}={name}")
+            options = {k: v for k, v in cfg[group].items() if k != "name"}
+            declared = registry.options(name)
+            assert set(options) == set(declared), name
+            assert all(options[k] == declared[k].default for k in options), name
+            build_strategy(_compose(f"{group}={name}"))  # the composed config builds
+
+
+def test_fusion_spec_and_strategy_from_config():
+    cfg = _compose("compressor=topk", "compressor.density=0.05", "memory=residual", "fusion=groups", "fusion.n=8")
+    strategy = build_strategy(cfg)
+    assert strategy.components.describe() == "compressor=topk memory=residual comm=allgather fusion=groups:8"
+    assert strategy.components.compressor.options["density"] == 0.05
+
+
+# ---------------------------------------------------------------- real loaders on tiny files
+def _write_cifar(folder: Path, per_batch: int = 8):
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8), "labels": list(rng.integers(0, 10, per_batch))}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+
+
+def _one_step(module, loader):
+    x, y = next(iter(loader))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    loss = module.training_step((x, y), 0) if not hasattr(module, "_loss") else module._loss((x, y))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_cifar10_loader_reads_python_batches(tmp_path, monkeypatch):
+    _write_cifar(tmp_path / "cifar-10-batches-py")
+    data = ImageDataModule("cifar10", data_dir=str(tmp_path), batch_size=4)
+    data.setup("fit")
+    assert len(data.train_set) == 40 and len(data.val_set) == 8
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and y.dtype == torch.int64
+    module = ResNetClassifier(cifar_stem=True)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    assert torch.isfinite(_one_step(module, data.train_dataloader()))
+
+
+def test_imagenet_loader_reads_class_folders(tmp_path, monkeypatch):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in ("n01", "n02"):
+            folder = tmp_path / split / label
+            folder.mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(np.full((40, 48, 3), 40 * i, dtype=np.uint8)).save(folder / f"{i}.JPEG")
+    data = ImageDataModule("imagenet", data_dir=str(tmp_path), batch_size=2, image_size=32, num_classes=2)
+    data.setup("fit")
+    assert data.train_set.classes == ["n01", "n02"]
+    module = ResNetClassifier(num_classes=2, cifar_stem=False)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    assert torch.isfinite(_one_step(module, data.train_dataloader()))
+
+
+def test_wikitext2_loader_reads_token_files(tmp_path, monkeypatch):
+    text = " = Heading = \n the cat sat on the mat @-@ again . \n <unk> dogs run . \n"
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"wiki.{split}.tokens").write_text(text * 20)
+    data = LanguageModelDataModule("wikitext2", data_dir=str(tmp_path), batch_size=2, bptt=5)
+    data.setup("fit")
+    assert data.vocabulary.index["<eos>"] == 1 and "@-@" in data.vocabulary.index
+    tokens, targets = data.train_set[0]
+    assert torch.equal(tokens[1:], targets[:-1])
+    module = LSTMLanguageModel(vocab_size=data.vocab_size, embedding_dim=16, hidden_dim=16, tied=True)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    assert torch.isfinite(_one_step(module, data.train_dataloader()))
+
+
+def test_missing_datasets_name_the_path_and_the_synthetic_option(tmp_path):
+    with pytest.raises(MissingDataset, match="cifar-10-batches-py.*data=synthetic_images"):
+        ImageDataModule("cifar10", data_dir=str(tmp_path)).setup("fit")
+    with pytest.raises(MissingDataset, match="wiki.train.tokens.*data=synthetic_text"):
+        LanguageModelDataModule("wikitext2", data_dir=str(tmp_path)).setup("fit")
+
+
+# ---------------------------------------------------------------- the command line
+QUICK = ["trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=2",
+         "data.train_samples=256", "data.val_samples=64", "speedup.warmup_steps=0"]
+
+
+def _cli(tmp_path, *args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
+    done = _cli(tmp_path, *QUICK, "compressor=fp16", "speedup.baseline_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["compression_ratio"] == 2.0 and summary["speedup_vs_fp32_allreduce_measured"] > 0
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    wandb_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1
+    # an offline run keeps its history and summary in the run's .wandb file, tables under media/
+    record = next(wandb_runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"speedup_vs_fp32_allreduce_measured" in record and b"compression_ratio" in record
+    tables = sorted(p.name for p in (wandb_runs[0] / "files" / "media" / "table" / "gc").glob("*.table.json"))
+    assert [t.split("_")[0] for t in tables] == ["bucket", "step"]
+    assert "W&B run:" in done.stdout and "checkpoints:" in done.stdout
+
+
+@pytest.mark.slow
+def test_multirun_makes_one_wandb_run_per_job(tmp_path):
+    done = _cli(tmp_path, "-m", *QUICK, "trainer.max_steps=2", "compressor=none,fp16", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted((tmp_path / "sweep").glob("*/wandb/offline-run-*"))
+    assert len(runs) == 2 and runs[0].parent.parent != runs[1].parent.parent
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compressor=topkk"], "Could not find 'compressor/topkk'"),
+    (["compressor.densty=0.1"], "Could not override 'compressor.densty'"),
+    (["compressor=topk", "+compressor.densty=0.1"], "option(s) densty are not taken by compressor=topk"),
+    (["compressor=topk", "compressor.density=2"], "option 'density' = 2 is invalid; allowed: a number in (0, 1]"),
+    (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
+    (["model=lstm"], "model 'lstm' needs text data"),
+])
+def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
+    done = _cli(tmp_path, *QUICK, *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
