@@ -183,7 +183,7 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
     (["model=lstm"], "model 'lstm' needs text data"),
 ])
 def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
-    done = _cli(tmp_path, *QUICK, *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    done = _cli(tmp_path, "trainer.max_steps=4", *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert done.returncode != 0
     assert message in done.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
