@@ -9,8 +9,8 @@ from gc_strategy import GCFusedStrategy, build_components
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(compressor="topkk"), "unknown compressor 'topkk'; valid names: bf16, fp16, none"),
-        (dict(memory="residul"), "unknown memory 'residul'; valid names: none, residual"),
+        (dict(compressor="topkk"), "unknown compressor 'topkk'; valid names: " + ", ".join(gc_strategy.COMPRESSORS.names())),
+        (dict(memory="residul"), "unknown memory 'residul'; valid names: " + ", ".join(gc_strategy.MEMORIES.names())),
         (dict(comm="broadcast"), "unknown communicator 'broadcast'; valid names: allgather, allreduce"),
         (dict(memory="residual", beta=1.5), "memory 'residual': option 'beta' = 1.5 is invalid; allowed: a number in [0, 1]"),
         (dict(memory="residual", gamma=0), "option 'gamma' = 0 is invalid; allowed: a number in (0, inf)"),
