@@ -27,6 +27,7 @@ class Bucket:
     offsets: list[int] = field(init=False)
     numels: list[int] = field(init=False)
     numel: int = field(init=False)
+    _tensor_ids: dict[torch.device, Tensor] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.numels = [shape.numel() for shape in self.shapes]
@@ -40,6 +41,27 @@ class Bucket:
     def views(self, flat: Tensor) -> list[Tensor]:
         """The per-parameter views of a flat vector laid out like this bucket."""
         return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def tensor_ids(self, device: torch.device) -> Tensor:
+        """``ids[j]`` = which of the bucket's tensors element ``j`` of the flat vector belongs to."""
+        device = torch.device(device)
+        if device not in self._tensor_ids:
+            counts = torch.tensor(self.numels, device=device)
+            self._tensor_ids[device] = torch.repeat_interleave(torch.arange(len(self.numels), device=device), counts)
+        return self._tensor_ids[device]
+
+    def sum_per_tensor(self, values: Tensor) -> Tensor:
+        """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]``."""
+        out = torch.zeros(len(self.numels), dtype=values.dtype, device=values.device)
+        return out.index_add_(0, self.tensor_ids(values.device), values)
+
+    def mean_per_tensor(self, values: Tensor) -> Tensor:
+        """Per-tensor means of a flat fp32 vector."""
+        return self.sum_per_tensor(values) / torch.tensor(self.numels, dtype=values.dtype, device=values.device)
+
+    def per_element(self, per_tensor: Tensor) -> Tensor:
+        """Spread one value per tensor over the tensor's elements (the inverse layout of the sums)."""
+        return per_tensor[self.tensor_ids(per_tensor.device)]
 
     @property
     def nbytes(self) -> int:

@@ -6,12 +6,44 @@ import pytest
 import torch
 
 from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+from gc_strategy.bucket import Bucket
+
+SHAPES = [torch.Size([3, 4]), torch.Size([5]), torch.Size([2, 3, 3]), torch.Size([1])]
 
 
-@pytest.mark.parametrize("name, scalars", [("signsgd", 0), ("signum", 0), ("onebit", 2), ("efsignsgd", 2)])
+def fused_bucket() -> Bucket:
+    return Bucket(0, [f"t{i}" for i in range(len(SHAPES))], SHAPES, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name, scalars_per_tensor", [("signsgd", 0), ("signum", 0), ("onebit", 2), ("efsignsgd", 1)])
 @pytest.mark.parametrize("n", [1, 9, 1000])
-def test_one_bit_per_element_plus_scalars(name, scalars, n):
-    assert payload_bytes(build(name).encode(torch.randn(n), bucket(n))) == math.ceil(n / 8) + 4 * scalars
+def test_one_bit_per_element_plus_scalars(name, scalars_per_tensor, n):
+    assert payload_bytes(build(name).encode(torch.randn(n), bucket(n))) == math.ceil(n / 8) + 4 * scalars_per_tensor
+    fused = fused_bucket()
+    sent = payload_bytes(build(name).encode(torch.randn(fused.numel), fused))
+    assert sent == math.ceil(fused.numel / 8) + 4 * scalars_per_tensor * len(SHAPES)
+
+
+def reference_onebit(g: torch.Tensor) -> torch.Tensor:
+    positive = g >= 0
+    pos_mean = g[positive].mean() if positive.any() else torch.tensor(0.0)
+    neg_mean = g[~positive].mean() if (~positive).any() else torch.tensor(0.0)
+    return torch.where(positive, pos_mean, neg_mean)
+
+
+def reference_efsignsgd(g: torch.Tensor) -> torch.Tensor:
+    return g.abs().mean() * torch.where(g >= 0, 1.0, -1.0)
+
+
+@pytest.mark.parametrize("name, reference", [("onebit", reference_onebit), ("efsignsgd", reference_efsignsgd)])
+def test_scaled_sign_methods_take_their_scalars_per_tensor_in_a_fused_bucket(name, reference):
+    """A fused bucket decodes as if each tensor had been compressed alone (the papers' layer-wise form)."""
+    fused = fused_bucket()
+    g = torch.randn(fused.numel) * torch.repeat_interleave(torch.tensor([1.0, 100.0, 0.01, 3.0]), torch.tensor(fused.numels))
+    compressor = build(name)
+    out = compressor.decode(compressor.encode(g, fused), fused)
+    expected = torch.cat([reference(part.flatten()) for part in fused.views(g)])
+    assert torch.allclose(out, expected, rtol=1e-6, atol=0)
 
 
 def test_signsgd_decode_and_majority_vote():

@@ -3,6 +3,11 @@
 All send one bit per element, packed (``ceil(n/8)`` bytes): bit = ``g_i ≥ 0``, plus the method's
 scalars. ``signsgd`` and ``signum`` aggregate by majority vote, ``sign(Σ_r sign_r)`` (0 on a tie);
 ``onebit`` and ``efsignsgd`` average the scaled decodes.
+
+The scalars of ``onebit`` and ``efsignsgd`` are computed **per tensor** inside a fused bucket (the
+papers compress layer by layer): one scale shared by a whole bucket would give every layer the mean
+magnitude of all of them, so fusion would change the algorithm. With per-tensor scalars a fused
+bucket decodes exactly as its tensors compressed one by one, for a few fp32 scalars per tensor.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from .packing import pack_bits, unpack_bits
 
 
 class _SignBits(Compressor):
-    """Payload ``[packed sign bits]`` or ``[(value if bit set, value if not), packed sign bits]``."""
+    """Payload ``[packed sign bits]`` or ``[per-tensor levels, packed sign bits]``."""
 
     summable = False
 
-    def levels(self, g: Tensor) -> Tensor | None:
-        """fp32 ``[positive level, negative level]``, or None for plain ±1."""
+    def levels(self, g: Tensor, bucket: Bucket) -> Tensor | None:
+        """fp32 ``[2, tensors]``: per tensor the value of a set bit and of a clear bit; or None for
+        plain ±1."""
         return None
 
     def signed_input(self, flat: Tensor, bucket: Bucket) -> Tensor:
@@ -33,15 +39,15 @@ class _SignBits(Compressor):
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         g = self.signed_input(flat, bucket).float()
         bits = pack_bits(g >= 0, 1)
-        levels = self.levels(g)
+        levels = self.levels(g, bucket)
         return [bits] if levels is None else [levels, bits]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         bits = unpack_bits(payload[-1], 1, bucket.numel).bool()
         if len(payload) == 1:
             return bits.float() * 2 - 1
-        positive, negative = payload[0][0], payload[0][1]
-        return torch.where(bits, positive, negative)
+        positive, negative = payload[0].view(2, -1)
+        return torch.where(bits, bucket.per_element(positive), bucket.per_element(negative))
 
 
 class _MajorityVote(_SignBits):
@@ -79,23 +85,28 @@ class Signum(_MajorityVote):
 @COMPRESSORS.register("onebit")
 class OneBit(_SignBits):
     """1-bit SGD (Seide et al., Interspeech 2014): the bit says which side of zero ``g_i`` is on;
-    decode gives the mean of the non-negative entries or the mean of the negative entries. Pair
-    it with ``memory='residual'`` (the paper's error feedback)."""
+    decode gives the mean of the tensor's non-negative entries or the mean of its negative entries
+    (2 fp32 scalars per tensor). Pair it with ``memory='residual'`` (the paper's error feedback)."""
 
-    def levels(self, g: Tensor) -> Tensor:
-        positive = g >= 0
-        pos_mean = (g * positive).sum() / positive.sum().clamp_min(1)
-        neg_mean = (g * ~positive).sum() / (~positive).sum().clamp_min(1)
-        return torch.stack([pos_mean, neg_mean])
+    def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
+        positive = (g >= 0).float()
+        count = bucket.sum_per_tensor(positive)
+        pos_mean = bucket.sum_per_tensor(g * positive) / count.clamp_min(1)
+        neg_mean = bucket.sum_per_tensor(g * (1 - positive)) / (bucket.sum_per_tensor(1 - positive)).clamp_min(1)
+        return torch.stack([pos_mean, neg_mean]).flatten()
 
 
 @COMPRESSORS.register("efsignsgd")
 class EFSignSGD(_SignBits):
-    """EF-SignSGD (Karimireddy et al., ICML 2019): the compressed value is
-    ``(‖p‖₁/n) · sign(p)`` for the error-compensated ``p = g + e``; pair it with
-    ``memory='residual'``, which supplies ``p`` and keeps ``e = p - decode``. The paper folds the
-    learning rate into ``p``; here the optimizer keeps it."""
+    """EF-SignSGD (Karimireddy et al., ICML 2019): the compressed value of each tensor is
+    ``(‖p‖₁/n) · sign(p)`` for its error-compensated ``p = g + e`` (1 fp32 scalar per tensor); pair
+    it with ``memory='residual'``, which supplies ``p`` and keeps ``e = p - decode``. The paper folds
+    the learning rate into ``p``; here the optimizer keeps it."""
 
-    def levels(self, g: Tensor) -> Tensor:
-        scale = g.abs().mean()
-        return torch.stack([scale, -scale])
+    def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
+        return bucket.mean_per_tensor(g.abs())
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        scale, bits = payload
+        signs = unpack_bits(bits, 1, bucket.numel).float() * 2 - 1
+        return bucket.per_element(scale) * signs
