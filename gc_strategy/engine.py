@@ -28,6 +28,7 @@ Semantics worth knowing:
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Union
@@ -39,7 +40,9 @@ from torch import Tensor, nn
 from .algos.base import Compressor, Memory
 from .bucket import Bucket
 from .comm import Communicator, Exchange, Round
-from .fusion import FusionPlanner, parse_fusion
+from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
+from .fusion.auto import AutoTuner
+from .fusion.plans import PLAN_FILE_FORMAT
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
@@ -93,7 +96,13 @@ class GradientSynchronizer:
         self.step = 0
         self.telemetry = TelemetryLog()
         self.ready_order: list[str] | None = None  # recorded in the first synchronised backward
-        self._build(list(reversed(self.names)))
+        self.tuner = AutoTuner(self, self.planner) if isinstance(self.planner, AutoPlan) else None
+        if isinstance(self.planner, FilePlan):  # the plan file fixes the order too
+            self.planner.check({name: p.numel() for name, p in zip(self.names, self.params)})
+            self.ready_order = list(self.planner.order)
+            self._build(self.ready_order)
+        else:
+            self._build(list(reversed(self.names)))
         self._enabled = True
         self._reset_step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
@@ -177,6 +186,9 @@ class GradientSynchronizer:
         return hook
 
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
+        if self.tuner is not None and self.tuner.recording:
+            tel = self._step_telemetry  # so far only the hooks' own work has been timed this step
+            self.tuner.on_ready(index, tel.encode_s + tel.decode_s + tel.exposed_wait_s)
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -252,6 +264,8 @@ class GradientSynchronizer:
             self.telemetry.record(self._step_telemetry)
             if self.ready_order is None:
                 self._adopt_recorded_order()
+            if self.tuner is not None and self.tuner.recording:
+                self.tuner.on_step_end()
         finally:
             self._reset_step()
 
@@ -289,6 +303,28 @@ class GradientSynchronizer:
             handle.remove()
         self._hooks = []
 
+    @property
+    def plan_report(self) -> dict[str, Any] | None:
+        """``fusion="auto"``: the chosen plan, its predicted and measured step time, the predictions
+        for fixed plans and for an fp32 allreduce, the cost model (None until planned)."""
+        return self.tuner.report if self.tuner is not None else None
+
+    def export_plan(self, path: str) -> None:
+        """Write the current plan (gradient-ready order and tensors per bucket) as JSON, for
+        ``fusion="file:PATH"``."""
+        if self.ready_order is None:
+            raise RuntimeError("the gradient-ready order is recorded in the first synchronised step; export after it")
+        plan = {
+            "format": PLAN_FILE_FORMAT,
+            "order": self.order,
+            "numels": [self._param(name).numel() for name in self.order],
+            "groups": self.groups,
+            "chosen_by": self.planner.describe(),
+            "report": self.plan_report,
+        }
+        with open(path, "w") as f:
+            json.dump(plan, f, indent=1)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronisation state, on the CPU, keyed by parameter name."""
         return _to_cpu(
@@ -302,6 +338,7 @@ class GradientSynchronizer:
                 "memory": self.memory.state_by_parameter(self.buckets),
                 "compressor": self.compressor.state_by_parameter(self.buckets),
                 "compressor_extra": self.compressor.extra_state(),
+                "auto_plan": self.plan_report if self.tuner is not None and self.tuner.phase != "profile" else None,
             }
         )
 
@@ -322,6 +359,8 @@ class GradientSynchronizer:
             same_plan = state.get("plan") == self.planner.describe()
             self.ready_order = list(order)
             self._build(self.ready_order, list(state["groups"]) if same_plan else None)
+            if same_plan and self.tuner is not None and state.get("auto_plan") is not None:
+                self.tuner.restore(state["auto_plan"])
         self.step = int(state["step"])
         self.memory.load_state_by_parameter(state["memory"], self.buckets)
         self.compressor.load_state_by_parameter(state["compressor"], self.buckets)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Generator, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .algos import Compressor, Memory
@@ -32,7 +32,8 @@ class GCFusedStrategy(DDPStrategy):
     Args:
         compressor, memory, comm, fusion: a registered name (with keyword ``options``) or an object;
             ``comm="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
-            is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"`` or a planner.
+            is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"`` (``"auto:S"``),
+            ``"file:PATH"`` or a planner.
         log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
             (``None``: the Trainer's own ``log_every_n_steps``).
         **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
@@ -73,6 +74,7 @@ class GCFusedStrategy(DDPStrategy):
         self.log_every_n_steps = log_every_n_steps
         self.synchronizer: Optional[GradientSynchronizer] = None
         self._pending_state: Optional[dict[str, Any]] = None
+        self._announced_plan: Optional[dict[str, Any]] = None
 
     # ---------------------------------------------------------------- model set-up
     def configure_ddp(self) -> None:
@@ -131,7 +133,27 @@ class GCFusedStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._log_telemetry()
+        self._announce_plan()
         return output
+
+    def _announce_plan(self) -> None:
+        """``fusion="auto"``: once its plan is chosen and verified, print it and log it."""
+        report = self.synchronizer.plan_report if self.synchronizer is not None else None
+        if report is None or report["measured_step_s"] is None or report is self._announced_plan:
+            return
+        self._announced_plan = report
+        rank_zero_info(
+            f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB): "
+            f"predicted step {report['predicted_step_s']:.4f} s, measured {report['measured_step_s']:.4f} s "
+            f"(profiling {report['profile_s']:.2f} s, search {1000 * report['search_s']:.1f} ms)"
+        )
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not self.is_global_zero:
+            return
+        metrics = {f"gc/plan_{key}": float(report[key]) for key in
+                   ("buckets", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s")}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _log_telemetry(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -2,16 +2,22 @@
 
 A planner receives the byte sizes of the gradient tensors in gradient-ready order and returns the
 sizes of the contiguous groups it cuts them into (each group becomes one bucket). In Python a plan is
-given as a string: ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, or an object.
+given as a string: ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"``
+(``"auto:S"``: profile ``S`` steps), ``"file:PATH"``, or an object.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 from itertools import accumulate
 from typing import Union
 
-FUSION_FORMS = "'layerwise', 'single', 'groups:N' (N >= 1 integer), 'bucket_mb:X' (X > 0 megabytes)"
+FUSION_FORMS = (
+    "'layerwise', 'single', 'groups:N' (N >= 1 integer), 'bucket_mb:X' (X > 0 megabytes), "
+    "'auto' or 'auto:S' (S >= 1 profiled steps), 'file:PATH' (a plan exported by fusion=auto)"
+)
+PLAN_FILE_FORMAT = 1
 
 
 class FusionPlanner:
@@ -104,6 +110,64 @@ class SizeCapPlan(FusionPlanner):
         return f"bucket_mb:{self.cap_mb:g}"
 
 
+class AutoPlan(FusionPlanner):
+    """Chosen by measurement (the Cupcake idea, solved exactly): the synchroniser runs the ``default``
+    plan while it profiles ``profile_steps`` steps, then searches the plan with the smallest
+    simulated step time (:mod:`gc_strategy.fusion.timeline`) and rebuilds its buckets on every rank
+    at the same step. Until then this planner answers with ``default``."""
+
+    def __init__(self, profile_steps: int = 5, default: FusionPlanner | None = None) -> None:
+        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
+            raise ValueError(f"S = {profile_steps!r} must be an integer >= 1")
+        self.profile_steps = profile_steps
+        self.default = default or SizeCapPlan(25)
+
+    def plan(self, sizes: list[int]) -> list[int]:
+        return self.default.plan(sizes)
+
+    def describe(self) -> str:
+        return "auto" if self.profile_steps == 5 else f"auto:{self.profile_steps}"
+
+
+class FilePlan(FusionPlanner):
+    """A plan exported earlier (``GradientSynchronizer.export_plan``): the gradient-ready order of the
+    parameters and the number of tensors in each bucket. It must describe this model exactly."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if data.get("format") != PLAN_FILE_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {PLAN_FILE_FORMAT}")
+            self.order = [str(name) for name in data["order"]]
+            self.numels = [int(n) for n in data["numels"]]
+            self.groups = [int(g) for g in data["groups"]]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"fusion = 'file:{path}': not a readable plan file ({error})") from None
+        if len(self.numels) != len(self.order) or sum(self.groups) != len(self.order) or min(self.groups, default=1) < 1:
+            raise ValueError(f"fusion = 'file:{path}': its groups {self.groups} do not cut its {len(self.order)} tensors")
+
+    def check(self, numels: dict[str, int]) -> None:
+        """Refuse a plan that does not describe the model whose parameter sizes are ``numels``."""
+        missing = sorted(set(numels) - set(self.order))
+        extra = sorted(set(self.order) - set(numels))
+        wrong = [n for n, size in zip(self.order, self.numels) if n in numels and numels[n] != size]
+        if missing or extra or wrong:
+            raise ValueError(
+                f"fusion = 'file:{self.path}' does not match this model: parameters missing from the plan "
+                f"{missing[:5]}, in the plan but not the model {extra[:5]}, with other sizes {wrong[:5]}"
+            )
+
+    def plan(self, sizes: list[int]) -> list[int]:
+        if len(sizes) != len(self.order):
+            raise ValueError(f"fusion = 'file:{self.path}' plans {len(self.order)} tensors, not {len(sizes)}")
+        return list(self.groups)
+
+    def describe(self) -> str:
+        return f"file:{self.path}"
+
+
 def parse_fusion(spec: Union[str, FusionPlanner]) -> FusionPlanner:
     """Build a planner from its string form (or pass a planner object through)."""
     if isinstance(spec, FusionPlanner):
@@ -116,7 +180,13 @@ def parse_fusion(spec: Union[str, FusionPlanner]) -> FusionPlanner:
         return LayerwisePlan()
     if kind == "single" and not arg:
         return SinglePlan()
+    if kind == "auto" and not arg:
+        return AutoPlan()
+    if kind == "file" and arg:
+        return FilePlan(arg)
     try:
+        if kind == "auto":
+            return AutoPlan(int(arg))
         if kind == "groups":
             return GroupsPlan(int(arg))
         if kind == "bucket_mb":

@@ -1,0 +1,133 @@
+"""``fusion=auto`` against fixed plans, measured side by side, with the timeline model's predictions.
+
+On 2 CPU ranks over gloo (one thread each) it trains torchvision ResNet-18 (10 classes, standard
+stem) on a fixed synthetic batch of 32x32 images, one model copy per fusion plan, all with the same
+compressor and memory. After warm-up (``fusion=auto`` profiles and plans during it) the plans run
+interleaved round by round (A B C ... A B C ...) so that machine noise hits all alike. Prints, per
+plan: buckets, median measured step time, the time the auto plan's cost model predicts for that plan,
+and measured time relative to the best fixed plan; then the search time for ResNet-101's 314 tensors.
+
+    python benchmarks/fusion_auto.py --compressor efsignsgd --memory residual --rounds 3 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from gc_strategy import GradientSynchronizer, build_components
+from gc_strategy.fusion import CostModel, best_plan, simulate
+
+FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
+
+
+def train_steps(model, engine, optimizer, batch, steps: int) -> list[float]:
+    x, y = batch
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    from torchvision.models import resnet18
+
+    plans = ["auto", *FIXED]
+    generator = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(args.batch_size, 3, 32, 32, generator=generator), torch.randint(0, 10, (args.batch_size,), generator=generator))
+    runs = {}
+    for plan in plans:
+        torch.manual_seed(0)
+        model = resnet18(num_classes=10)
+        c = build_components(args.compressor, args.memory, fusion=plan)
+        engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        runs[plan] = (model, engine, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    auto_engine = runs["auto"][1]
+    warmup = 1 + 2 * auto_engine.tuner.steps + 1  # record the order, profile, verify
+    for plan in plans:
+        train_steps(*runs[plan], batch, warmup if plan == "auto" else 2)
+        if rank == 0:
+            print(f"warmed up {plan}", flush=True)
+    times: dict[str, list[float]] = {plan: [] for plan in plans}
+    for r in range(args.rounds):
+        for plan in plans:
+            times[plan] += train_steps(*runs[plan], batch, args.steps)
+        if rank == 0:
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    if rank == 0:
+        report = auto_engine.plan_report
+        model = CostModel.from_dict(report["cost_model"])
+        results.put({
+            "report": report,
+            "rows": {plan: (len(runs[plan][1].groups), statistics.median(times[plan]),
+                            simulate(model, runs[plan][1].groups)) for plan in plans},
+        })
+    dist.destroy_process_group()
+
+
+def resnet101_search_seconds(measured: CostModel) -> tuple[int, float]:
+    """(tensors, seconds) of the exact search on ResNet-101's parameter sizes (314 tensors, in
+    reverse registration order), with the cost curves measured here and ready times spread in
+    proportion to the elements at the backward speed measured on ResNet-18."""
+    from torchvision.models import resnet101
+
+    numels = [p.numel() for p in reversed(list(resnet101().parameters()))]
+    per_element = measured.ready[-1] / sum(measured.numels)
+    ready, total = [], 0
+    for n in numels:
+        ready.append(total * per_element)
+        total += n
+    model = CostModel(tuple(ready), tuple(numels), measured.encode, measured.comm, measured.decode, measured.other)
+    start = time.perf_counter()
+    best_plan(model)
+    return len(numels), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compressor", default="efsignsgd")
+    parser.add_argument("--memory", default="residual")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per plan per round")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=rank_main, args=(r, 2, os.path.join(tmp, "init"), args, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        out = results.get()
+        for p in procs:
+            p.join()
+    rows, report = out["rows"], out["report"]
+    best_fixed = min(measured for plan, (_, measured, _) in rows.items() if plan != "auto")
+    print(f"\nResNet-18, 2 CPU ranks, compressor={args.compressor} memory={args.memory}, batch {args.batch_size}/rank, "
+          f"{args.rounds} rounds x {args.steps} steps\n")
+    print("| plan | buckets | measured step (s, median) | predicted (s) | predicted / measured | measured / best fixed |")
+    print("|---|---|---|---|---|---|")
+    for plan, (buckets, measured, predicted) in rows.items():
+        print(f"| {plan} | {buckets} | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} | {measured / best_fixed:.3f} |")
+    print(f"\nauto chose {report['buckets']} buckets of {report['bucket_mb']} MB; profiling took {report['profile_s']:.1f} s, "
+          f"the search {1000 * report['search_s']:.1f} ms; predicted fp32 allreduce step: {report['predicted_fp32_allreduce_s']:.3f} s")
+    count, seconds = resnet101_search_seconds(CostModel.from_dict(report["cost_model"]))
+    print(f"exact search over ResNet-101's {count} tensors with these costs: {1000 * seconds:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

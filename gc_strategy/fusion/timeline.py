@@ -1,0 +1,189 @@
+"""The timeline model of one synchronised backward, and the exact search for the best fusion plan.
+
+A plan cuts the ``N`` gradient tensors (in gradient-ready order) into contiguous buckets. For bucket
+``b`` holding tensors ``i+1..j`` (``n_b`` elements):
+
+- the device runs backward and the encodes one after the other (compression shares the device with
+  backward; on the CPU it runs inside the gradient hook): tensor ``j`` is ready at ``r_j + Σ
+  encodes of the earlier buckets``, ``r_j`` its ready time in a backward without synchronisation, and
+  the bucket's encode ``enc(n_b)`` starts then; it launches at ``L_b = r_j + Σ_{b' ≤ b} enc(n_b')``;
+- the network runs one collective at a time: the bucket's communication ``comm(n_b)`` (all its
+  rounds) runs from ``max(L_b, C_{b-1})`` to ``C_b``;
+- decode runs at the end: all decodes follow the end of backward ``B = r_N + Σ_b enc(n_b)``, and the
+  last bucket's decode follows its collective (earlier buckets' decodes overlap the collectives
+  still running): ``T = max(B + Σ_b dec(n_b), C_m + dec(n_m))`` for ``m`` buckets.
+
+``enc``, ``dec`` and ``comm`` are :class:`Cost` curves: piecewise linear through measured
+``(elements, seconds)`` points (a fixed cost shows at small sizes; on a CPU the cost per element grows
+once a bucket no longer fits in cache, which a single straight line would miss). The simulated
+iteration time adds ``other``: forward, the backward before the first gradient, the optimizer and
+data loading, which no plan changes.
+
+Search (:func:`best_plan`), exact over all ``2^(N-1)`` contiguous plans: a label-setting dynamic
+programme over prefixes. A prefix ending at tensor ``j`` matters to the rest of the plan only
+through three numbers, ``(Σ enc, C, Σ dec)``, and ``T`` is non-decreasing in each, so of the prefixes
+ending at ``j`` only the Pareto-minimal labels are kept (a dominated one can never end a better plan).
+Branch and bound prunes a label whose lower bound ``max(r_N + Σ enc + Σ dec + R_j, C)`` exceeds the
+time of the best plan known (``R_j``: the least ``Σ (enc + dec)`` of any cut of the remaining
+tensors, itself an exact small DP), which keeps the label sets small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds as a function of a bucket's element count ``n``: linear interpolation through the
+    points ``(sizes[i], seconds[i])``, the first value below the first size, and beyond the last
+    size the last segment's slope."""
+
+    sizes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"cost points need increasing sizes with one time each; got {self.sizes}, {self.seconds}")
+
+    @classmethod
+    def linear(cls, fixed: float, per_element: float) -> "Cost":
+        """``fixed + per_element · n``."""
+        return cls((0.0, 1.0), (fixed, fixed + per_element))
+
+    @classmethod
+    def measured(cls, sizes, seconds) -> "Cost":
+        """From measurements: repeated sizes take their median, and times are made non-decreasing
+        in size (a larger bucket never costs less; differences below that are noise)."""
+        by_size: dict[float, list[float]] = {}
+        for size, value in zip(sizes, seconds):
+            by_size.setdefault(float(size), []).append(max(float(value), 0.0))
+        ordered = sorted(by_size)
+        medians = np.maximum.accumulate([float(np.median(by_size[size])) for size in ordered])
+        return cls(tuple(ordered), tuple(float(v) for v in medians))
+
+    def __call__(self, n):
+        n = np.asarray(n, dtype=float)
+        sizes, seconds = np.asarray(self.sizes), np.asarray(self.seconds)
+        if len(sizes) == 1:
+            slope = seconds[0] / sizes[0] if sizes[0] > 0 else 0.0
+        else:
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+        out = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), np.interp(n, sizes, seconds))
+        return out if out.ndim else float(out)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What the timeline needs, measured by the profiler (seconds, elements)."""
+
+    ready: tuple[float, ...]  # r_j: ready time of each tensor after the first, without synchronisation
+    numels: tuple[int, ...]  # elements of each tensor, in gradient-ready order
+    encode: Cost
+    comm: Cost
+    decode: Cost
+    other: float = 0.0  # the rest of the iteration: forward, optimizer, data
+
+    def __post_init__(self) -> None:
+        if len(self.ready) != len(self.numels) or not self.numels:
+            raise ValueError(f"cost model needs one ready time per tensor; got {len(self.ready)} and {len(self.numels)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        costs = {key: Cost(tuple(data[key]["sizes"]), tuple(data[key]["seconds"])) for key in ("encode", "comm", "decode")}
+        return cls(tuple(data["ready"]), tuple(data["numels"]), other=data.get("other", 0.0), **costs)
+
+
+def simulate(model: CostModel, groups: list[int]) -> float:
+    """Simulated iteration time of the plan ``groups`` (tensors per bucket), step by step."""
+    if sum(groups) != len(model.numels) or any(g < 1 for g in groups):
+        raise ValueError(f"plan {groups} does not cover {len(model.numels)} tensors")
+    encoded = network = decoded = last_decode = 0.0
+    start = 0
+    for count in groups:
+        end = start + count
+        n = sum(model.numels[start:end])
+        encoded += model.encode(n)
+        launch = model.ready[end - 1] + encoded
+        network = max(network, launch) + model.comm(n)
+        last_decode = model.decode(n)
+        decoded += last_decode
+        start = end
+    return model.other + max(model.ready[-1] + encoded + decoded, network + last_decode)
+
+
+def _pareto(labels: np.ndarray) -> np.ndarray:
+    """Indices of the rows of ``[n, 3]`` ``labels`` that no other row dominates (≤ in every column;
+    of equal rows the first is kept). After a lexicographic sort a row can only be dominated by one
+    sorted before it, which is already ≤ in the first column."""
+    order = np.lexsort(labels.T[::-1])
+    second, third = labels[order, 1], labels[order, 2]
+    keep = np.ones(len(order), dtype=bool)
+    for start in range(0, len(order), 2048):
+        rows = np.arange(start, min(start + 2048, len(order)))
+        earlier = np.arange(rows[-1] + 1)[None, :] < rows[:, None]
+        dominated = earlier & (second[None, : rows[-1] + 1] <= second[rows, None]) & (third[None, : rows[-1] + 1] <= third[rows, None])
+        keep[rows] = ~dominated.any(axis=1)
+    return order[keep]
+
+
+def best_plan(model: CostModel) -> tuple[list[int], float]:
+    """The plan with the smallest :func:`simulate` time over all contiguous partitions (exact; see
+    the module docstring), and that time."""
+    count = len(model.numels)
+    ready = np.asarray(model.ready, dtype=float)
+    elements = np.concatenate([[0.0], np.cumsum(np.asarray(model.numels, dtype=float))])
+    sizes = elements[None, 1:] - elements[:-1, None]  # [i, j-1]: elements of tensors i+1..j
+    valid = np.triu(np.ones((count, count), dtype=bool))
+    enc, dec, comm = (np.where(valid, cost(sizes), np.inf) for cost in (model.encode, model.decode, model.comm))
+    # least Σ (enc + dec), and least Σ comm + last decode, over the cuts of tensors j+1..N
+    rest_device, rest_network = np.zeros(count + 1), np.zeros(count + 1)
+    for j in range(count - 1, -1, -1):
+        rest_device[j] = np.min(enc[j, j:] + dec[j, j:] + rest_device[j + 1 :])
+        rest_network[j] = min(np.min(comm[j, j:-1] + rest_network[j + 1 : -1], initial=np.inf), comm[j, -1] + dec[j, -1])
+    best_groups = min(_starting_plans(model.numels), key=lambda g: simulate(model, g))
+    bound = simulate(model, best_groups) - model.other
+    # every kept prefix ("label"): where it ends, (Σ enc, C, Σ dec), and the label it extends
+    ends, values, parents = np.zeros(1, dtype=np.int64), np.array([[0.0, -np.inf, 0.0]]), np.full(1, -1)
+    best_label = -1
+    for j in range(1, count + 1):
+        i = ends
+        encoded = values[:, 0] + enc[i, j - 1]
+        network = np.maximum(values[:, 1], ready[j - 1] + encoded) + comm[i, j - 1]
+        decoded = values[:, 2] + dec[i, j - 1]
+        if j == count:
+            totals = np.maximum(ready[-1] + encoded + decoded, network + dec[i, j - 1])
+            k = int(np.argmin(totals))
+            if totals[k] < bound:
+                bound, best_label = float(totals[k]), k
+            break
+        lower = np.maximum(ready[-1] + encoded + decoded + rest_device[j], network + rest_network[j])
+        alive = np.flatnonzero(lower <= bound)
+        if len(alive):
+            new = np.stack([encoded[alive], network[alive], decoded[alive]], 1)
+            kept = _pareto(new)
+            ends = np.concatenate([ends, np.full(len(kept), j)])
+            values = np.concatenate([values, new[kept]])
+            parents = np.concatenate([parents, alive[kept]])
+    if best_label >= 0:
+        cuts, label = [count], best_label
+        while label > 0:
+            cuts.append(int(ends[label]))
+            label = int(parents[label])
+        cuts.append(0)
+        cuts.reverse()
+        best_groups = [b - a for a, b in zip(cuts, cuts[1:])]
+    return best_groups, float(model.other + bound)
+
+
+def _starting_plans(numels: tuple[int, ...]) -> list[list[int]]:
+    """Fixed plans whose best simulated time is the search's first bound."""
+    from .plans import GroupsPlan
+
+    count = len(numels)
+    return [[count], [1] * count] + [GroupsPlan(n).plan(list(numels)) for n in (2, 4, 8, 16, 32, 64) if n < count]

@@ -1,0 +1,192 @@
+"""fusion=auto: the timeline model, the exact search, the profiler and plan files (ALGORITHMS.md §8)."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
+from gc_strategy.fusion import AutoPlan, Cost, CostModel, FilePlan, best_plan, parse_fusion, simulate
+from models import SmallCNN
+
+FREE = Cost.linear(0.0, 0.0)
+
+
+def all_plans(count: int):
+    """Every contiguous partition of ``count`` tensors: 2^(count-1) plans."""
+    for cuts in itertools.product([False, True], repeat=count - 1):
+        groups, size = [], 1
+        for cut in cuts:
+            if cut:
+                groups.append(size)
+                size = 1
+            else:
+                size += 1
+        yield groups + [size]
+
+
+def random_curve(rng: random.Random, scale: float) -> Cost:
+    sizes = sorted(rng.sample(range(1, 200_000), rng.randint(1, 4)))
+    return Cost.measured(sizes, list(itertools.accumulate(rng.uniform(0, scale) for _ in sizes)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_search_matches_exhaustive_enumeration(seed):
+    rng = random.Random(seed)
+    count = rng.randint(1, 12)
+    ready = sorted(rng.uniform(0, 0.1) for _ in range(count))
+    model = CostModel(
+        tuple(r - ready[0] for r in ready), tuple(rng.randint(1, 100_000) for _ in range(count)),
+        random_curve(rng, 0.01), random_curve(rng, 0.03), random_curve(rng, 0.01), other=rng.uniform(0, 0.1),
+    )
+    exhaustive = min(simulate(model, plan) for plan in all_plans(count))
+    groups, predicted = best_plan(model)
+    assert sum(groups) == count
+    assert simulate(model, groups) == pytest.approx(exhaustive, rel=1e-12)
+    assert predicted == pytest.approx(exhaustive, rel=1e-12)
+
+
+def test_simulation_of_a_two_bucket_plan_by_hand():
+    # tensors ready at 0, 1, 2 s with 10, 20, 30 elements; encode 0.1 + 0.01/elem, comm 1 + 0.1/elem,
+    # decode 0.5 flat; plan [2, 1]
+    model = CostModel((0.0, 1.0, 2.0), (10, 20, 30), Cost.linear(0.1, 0.01), Cost.linear(1.0, 0.1),
+                      Cost.linear(0.5, 0.0), other=3.0)
+    # bucket 1 (30 elements): ready at 1, encode 0.4 -> launch 1.4, comm 4 -> ends 5.4
+    # bucket 2 (30 elements): ready at 2 + 0.4, encode 0.4 -> launch 2.8, comm starts 5.4 -> ends 9.4
+    # end: max(backward 2.8 + decodes 1.0, 9.4 + last decode 0.5) = 9.9, + other 3
+    assert simulate(model, [2, 1]) == pytest.approx(12.9)
+
+
+def test_free_network_gives_one_bucket():
+    model = CostModel(tuple(float(i) for i in range(8)), (1000,) * 8, Cost.linear(0.01, 1e-6), FREE,
+                      Cost.linear(0.01, 1e-6))
+    assert best_plan(model)[0] == [8]
+
+
+def test_free_compression_and_costly_startup_give_one_bucket():
+    model = CostModel(tuple(0.001 * i for i in range(10)), (1000,) * 10, FREE, Cost.linear(5.0, 1e-9), FREE)
+    assert best_plan(model)[0] == [10]
+
+
+def test_costly_bytes_and_cheap_startup_give_layerwise():
+    # each tensor's collective (0.9 s) ends before the next tensor is ready (1 s later): send at once
+    model = CostModel(tuple(float(i) for i in range(6)), (1000,) * 6, Cost.linear(1e-6, 0.0),
+                      Cost.linear(1e-6, 9e-4), Cost.linear(1e-6, 0.0))
+    assert best_plan(model)[0] == [1] * 6
+
+
+def test_cost_curves_interpolate_and_extrapolate():
+    cost = Cost.measured([100, 10, 1000, 100], [3.0, 1.0, 5.0, 2.0])  # unsorted, a repeated size
+    assert cost.sizes == (10.0, 100.0, 1000.0)
+    assert cost.seconds == (1.0, 2.5, 5.0)  # the median of the repeated size
+    assert cost(0) == 1.0 and cost(55) == pytest.approx(1.75) and cost(1900) == pytest.approx(7.5)
+    assert Cost.measured([1, 2, 3], [5.0, 1.0, 6.0]).seconds == (5.0, 5.0, 6.0)  # never cheaper when larger
+    assert Cost.linear(2.0, 0.5)(10) == pytest.approx(7.0)
+
+
+def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():
+    """Its time is reported by benchmarks/fusion_auto.py, not asserted here."""
+    rng = random.Random(0)
+    count = 314
+    numels = tuple(rng.randint(64, 2_400_000) for _ in range(count))
+    model = CostModel(tuple(sorted(rng.uniform(0, 0.5) for _ in range(count))), numels,
+                      Cost.measured([1e3, 1e6, 1e7, 4e7], [2e-4, 4e-3, 0.15, 0.9]),
+                      Cost.measured([1e3, 1e7], [5e-4, 0.04]), Cost.measured([1e3, 1e6, 1e7], [1e-4, 5e-3, 0.2]))
+    groups, predicted = best_plan(model)
+    assert predicted == pytest.approx(simulate(model, groups))
+    assert predicted <= min(simulate(model, [count]), simulate(model, [1] * count))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("auto:0", "fusion = 'auto:0' is invalid"),
+        ("auto:x", "fusion = 'auto:x' is invalid"),
+        ("file:/nonexistent/plan.json", "fusion = 'file:/nonexistent/plan.json': not a readable plan file"),
+    ],
+)
+def test_bad_auto_and_file_specs_are_refused(spec, message):
+    with pytest.raises(ValueError) as error:
+        GCFusedStrategy(fusion=spec)
+    assert message in str(error.value)
+
+
+def test_auto_spec_forms():
+    assert isinstance(parse_fusion("auto"), AutoPlan) and parse_fusion("auto").profile_steps == 5
+    assert parse_fusion("auto:3").profile_steps == 3 and parse_fusion("auto:3").describe() == "auto:3"
+
+
+def _train(model, engine, steps, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        x = torch.randn(8, 3, 8, 8, generator=generator)
+        torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,), generator=generator)).backward()
+        optimizer.step()
+
+
+def _auto_plans_agree_and_survive(rank, world_size, plan_path):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    c = build_components("topk", "residual", density=0.1, fusion="auto:2")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    _train(model, engine, 1 + 2 + 2 + 1, seed=rank)  # order, profile, verify, one more
+    report = engine.plan_report
+    if rank == 0:
+        engine.export_plan(plan_path)
+    state = engine.state_dict()
+    # resume: a fresh synchroniser with fusion=auto restores the plan instead of profiling again
+    restored_model = SmallCNN()
+    c2 = build_components("topk", "residual", density=0.1, fusion="auto:2")
+    restored = GradientSynchronizer(restored_model, c2.compressor, c2.memory, c2.communicator, c2.fusion)
+    restored.load_state_dict(state)
+    torch.distributed.barrier()
+    from_file_model = SmallCNN()
+    c3 = build_components("topk", "residual", density=0.1, fusion=f"file:{plan_path}")
+    from_file = GradientSynchronizer(from_file_model, c3.compressor, c3.memory, c3.communicator, c3.fusion)
+    _train(from_file_model, from_file, 2, seed=rank)
+    return {
+        "groups": engine.groups,
+        "order": engine.order,
+        "report": {k: report[k] for k in ("groups", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s")},
+        "restored": (restored.groups, restored.order, restored.tuner.phase, restored.plan_report["groups"]),
+        "from_file": (from_file.groups, from_file.order),
+    }
+
+
+@pytest.mark.slow
+def test_auto_plan_is_the_same_on_every_rank_and_survives_resume_and_files(tmp_path):
+    plan_path = str(tmp_path / "plan.json")
+    results = run_ranks(_auto_plans_agree_and_survive, 2, plan_path)
+    first = results[0]
+    assert all(r["groups"] == first["groups"] and r["order"] == first["order"] for r in results)
+    report = first["report"]
+    assert report["groups"] == first["groups"]
+    assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0 and report["predicted_fp32_allreduce_s"] > 0
+    for r in results:
+        assert r["restored"] == (first["groups"], first["order"], "done", first["groups"])
+        assert r["from_file"] == (first["groups"], first["order"])
+    with open(plan_path) as f:
+        saved = json.load(f)
+    assert saved["groups"] == first["groups"] and saved["order"] == first["order"]
+
+
+def test_a_plan_file_for_another_model_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    model = SmallCNN()
+    names = [name for name, _ in reversed(list(model.named_parameters()))]
+    numels = [p.numel() for _, p in reversed(list(model.named_parameters()))]
+    path.write_text(json.dumps({"format": 1, "order": names[:-1] + ["other.weight"], "numels": numels,
+                                "groups": [len(names)]}))
+    c = build_components(fusion=f"file:{path}")
+    with pytest.raises(ValueError) as error:
+        GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    message = str(error.value)
+    assert "does not match this model" in message and "other.weight" in message and names[-1] in message
+    path.write_text(json.dumps({"format": 1, "order": names, "numels": numels, "groups": [1, 1]}))
+    with pytest.raises(ValueError, match="do not cut its"):
+        FilePlan(str(path))
