@@ -20,16 +20,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import GCFusedStrategy
+from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
 from recipes.monitor import ThroughputMonitor
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
-RECIPES = {"resnet": "images", "lstm": "text"}
+RECIPES = {"resnet": "images", "lstm": "text", "bert": "mlm"}
 
 
 def _options(group: DictConfig) -> dict:
+    missing = [f"{group._key()}.{k}" for k in group if OmegaConf.is_missing(group, k)]
+    if missing:
+        raise ValueError(f"{group._key()}={group.name} needs a value for {', '.join(missing)} (add {missing[0]}=...)")
     return {k: v for k, v in OmegaConf.to_container(group, resolve=True).items() if k != "name"}
 
 
@@ -64,6 +68,10 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
     data_options = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "kind"}
     if recipe == "resnet":
         return ResNetClassifier(**model_options), ImageDataModule(seed=seed, **data_options)
+    if recipe == "bert":
+        data = MaskedTextDataModule(seed=seed, **data_options)
+        data.setup("fit")  # the tokenizer's vocabulary and the block length are the model's
+        return BertMaskedLM(vocab_size=data.vocab_size, max_length=data.max_length, **model_options), data
     data = LanguageModelDataModule(seed=seed, **data_options)
     data.setup("fit")  # the vocabulary size is the model's
     return LSTMLanguageModel(vocab_size=data.vocab_size, **model_options), data
@@ -126,9 +134,18 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0 and summary:
         speedup = summary.get("speedup_vs_fp32_allreduce_measured")
+        estimate = summary.get("speedup_vs_fp32_allreduce_estimated_by_timeline_model")
+        if speedup:
+            verdict = f"{speedup:.2f}x (measured)"
+        elif estimate:
+            verdict = f"{estimate:.2f}x (timeline-model estimate; set speedup.baseline_steps=N to measure it)"
+        else:
+            verdict = "not measured (set speedup.baseline_steps=N, or fusion=auto for an estimate)"
         print(f"\nmedian step {summary['step_time_s']:.3f} s, {summary['throughput_samples_per_s']:.1f} samples/s, "
-              f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: "
-              + (f"{speedup:.2f}x (measured)" if speedup else "not measured (set speedup.baseline_steps=N)"))
+              f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: {verdict}")
+        if "auto_plan_buckets" in summary:
+            print(f"fusion=auto plan: {summary['auto_plan_buckets']} buckets, predicted step "
+                  f"{summary['auto_plan_predicted_step_s']:.3f} s")
         if "wandb_dir" in summary:
             print(f"W&B run: {Path(summary['wandb_dir']).parent}")
         print(f"checkpoints: {output_dir / 'checkpoints'}\nsummary: {output_dir / 'summary.json'}")

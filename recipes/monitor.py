@@ -4,7 +4,9 @@ Step time is the wall time from ``on_train_batch_start`` to ``on_train_batch_end
 (forward, backward, gradient synchronisation, optimizer step; data loading excluded). With
 ``baseline_steps > 0`` the first steps run with ``compressor=none`` (same processes, same fusion
 plan) and the summary reports the **measured** speedup: median baseline step time / median
-compressed step time, each phase without its first ``warmup_steps`` steps.
+compressed step time, each phase without its first ``warmup_steps`` steps. With ``fusion=auto`` the
+summary also carries the timeline model's **estimate** (labelled so): the predicted step time of an
+uncompressed fp32 allreduce / its predicted step time for the chosen plan.
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ class ThroughputMonitor(pl.Callback):
         }
         strategy = trainer.strategy
         if isinstance(strategy, GCFusedStrategy) and strategy.synchronizer is not None:
+            report = strategy.synchronizer.plan_report
+            if report is not None:
+                summary["auto_plan_buckets"] = report["buckets"]
+                summary["auto_plan_predicted_step_s"] = report["predicted_step_s"]
+                summary["speedup_vs_fp32_allreduce_estimated_by_timeline_model"] = (
+                    report["predicted_fp32_allreduce_s"] / report["predicted_step_s"]
+                )
             telemetry = strategy.synchronizer.telemetry
             summary["compression_ratio"] = telemetry.total.compression_ratio
             summary["sent_bytes_per_step"] = telemetry.total.sent_bytes / max(1, telemetry.steps)

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 sys.path.insert(0, str(ROOT))
 
+from recipes.bert import BertMaskedLM, MaskedTextDataModule  # noqa: E402
 from recipes.images import ImageDataModule, MissingDataset  # noqa: E402
 from recipes.lstm import LSTMLanguageModel  # noqa: E402
 from recipes.resnet import ResNetClassifier  # noqa: E402
@@ -130,11 +131,59 @@ def test_wikitext2_loader_reads_token_files(tmp_path, monkeypatch):
     assert torch.isfinite(_one_step(module, data.train_dataloader()))
 
 
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog near the riverbank.",
+    "Gradient compression reduces the traffic of data-parallel training.",
+    "Error feedback keeps what compression dropped and adds it back later.",
+    "Buckets fuse many small tensors into one message on the network.",
+]
+
+
+def test_bert_loader_trains_wordpiece_on_text_files_and_masks_15_percent(tmp_path, monkeypatch):
+    for split, repeat in (("train", 60), ("valid", 10)):
+        (tmp_path / f"{split}.txt").write_text("\n".join(CORPUS * repeat) + "\n")
+    data = MaskedTextDataModule("corpus", data_dir=str(tmp_path), vocab_size=200, max_length=16, batch_size=4)
+    data.setup("fit")
+    tokenizer = data.tokenizer
+    assert tokenizer.tokenize("compression")[0] != "[UNK]"  # learnt from the file
+    block = data.train_set[0]["input_ids"]
+    assert block[0] == tokenizer.cls_token_id and block[-1] == tokenizer.sep_token_id and len(block) == 16
+    torch.manual_seed(0)
+    masked, ordinary = 0, 0
+    while ordinary < 10_000:  # [CLS] and [SEP] are never masked: 15% of the other 14 of 16 tokens
+        for batch in data.train_dataloader():
+            masked += int((batch["labels"] != -100).sum())
+            ordinary += batch["input_ids"].numel() * 14 // 16
+    assert abs(masked / ordinary - 0.15) < 0.015  # the standard error is about 0.0036
+    module = BertMaskedLM(vocab_size=data.vocab_size, max_length=data.max_length)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    batch = next(iter(data.train_dataloader()))
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    assert torch.isfinite(loss) and module.bert.bert.embeddings.word_embeddings.weight.grad is not None
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer.backend_tokenizer.save(str(tokenizer_file))
+    again = MaskedTextDataModule("corpus", data_dir=str(tmp_path), tokenizer_path=str(tokenizer_file), max_length=16)
+    again.setup("fit")
+    assert torch.equal(again.train_set.blocks, data.train_set.blocks)
+
+
+def test_bert_synthetic_tokens_and_sizes():
+    data = MaskedTextDataModule("synthetic", vocab_size=50, max_length=8, batch_size=2, train_tokens=600, val_tokens=120)
+    data.setup("fit")
+    assert data.vocab_size == 55 and len(data.train_set) == 100
+    assert BertMaskedLM(vocab_size=55, max_length=8).bert.config.hidden_size == 128
+    with pytest.raises(ValueError, match="model.size = 'huge' is invalid; allowed: tiny, base, large"):
+        BertMaskedLM(vocab_size=55, max_length=8, size="huge")
+
+
 def test_missing_datasets_name_the_path_and_the_synthetic_option(tmp_path):
     with pytest.raises(MissingDataset, match="cifar-10-batches-py.*data=synthetic_images"):
         ImageDataModule("cifar10", data_dir=str(tmp_path)).setup("fit")
     with pytest.raises(MissingDataset, match="wiki.train.tokens.*data=synthetic_text"):
         LanguageModelDataModule("wikitext2", data_dir=str(tmp_path)).setup("fit")
+    with pytest.raises(MissingDataset, match="train.txt.*data=synthetic_tokens"):
+        MaskedTextDataModule("corpus", data_dir=str(tmp_path)).setup("fit")
 
 
 # ---------------------------------------------------------------- the command line
@@ -150,11 +199,14 @@ def _cli(tmp_path, *args, timeout=300):
 
 @pytest.mark.slow
 def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
-    done = _cli(tmp_path, *QUICK, "compressor=fp16", "speedup.baseline_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    done = _cli(tmp_path, *QUICK, "trainer.max_steps=6", "compressor=fp16", "fusion=auto", "fusion.profile_steps=1",
+                "speedup.baseline_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["compression_ratio"] == 2.0 and summary["speedup_vs_fp32_allreduce_measured"] > 0
+    assert summary["auto_plan_buckets"] >= 1 and summary["speedup_vs_fp32_allreduce_estimated_by_timeline_model"] > 0
+    assert "fusion=auto plan:" in done.stdout
     assert (run / "checkpoints" / "last.ckpt").is_file()
     wandb_runs = list((run / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 1
@@ -164,6 +216,14 @@ def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
     tables = sorted(p.name for p in (wandb_runs[0] / "files" / "media" / "table" / "gc").glob("*.table.json"))
     assert [t.split("_")[0] for t in tables] == ["bucket", "step"]
     assert "W&B run:" in done.stdout and "checkpoints:" in done.stdout
+
+
+def test_help_lists_the_groups_and_the_config():
+    done = _cli(Path("/tmp"), "--help", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for group in ("compressor:", "memory:", "comm:", "fusion:", "model:", "data:", "trainer:", "logger:"):
+        assert group in done.stdout
+    assert "auto, bucket_mb, file, groups, layerwise, single" in done.stdout
 
 
 @pytest.mark.slow
@@ -181,6 +241,8 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
     (["compressor=topk", "compressor.density=2"], "option 'density' = 2 is invalid; allowed: a number in (0, 1]"),
     (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
     (["model=lstm"], "model 'lstm' needs text data"),
+    (["fusion=file"], "fusion.path"),
+    (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
 ])
 def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
     done = _cli(tmp_path, "trainer.max_steps=4", *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)

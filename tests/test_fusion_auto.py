@@ -83,7 +83,6 @@ def test_cost_curves_interpolate_and_extrapolate():
     assert cost.sizes == (10.0, 100.0, 1000.0)
     assert cost.seconds == (1.0, 2.5, 5.0)  # the median of the repeated size
     assert cost(0) == 1.0 and cost(55) == pytest.approx(1.75) and cost(1900) == pytest.approx(7.5)
-    assert Cost.measured([1, 2, 3], [5.0, 1.0, 6.0]).seconds == (5.0, 5.0, 6.0)  # never cheaper when larger
     assert Cost.linear(2.0, 0.5)(10) == pytest.approx(7.0)
 
 
@@ -98,6 +97,18 @@ def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():
     groups, predicted = best_plan(model)
     assert predicted == pytest.approx(simulate(model, groups))
     assert predicted <= min(simulate(model, [count]), simulate(model, [1] * count))
+
+
+def test_calibration_recovers_the_scale_of_the_compression_costs():
+    from gc_strategy.fusion.auto import calibrate
+
+    shape = dict(ready=(0.0, 0.1, 0.2, 0.3), numels=(1000, 2000, 3000, 4000), comm=Cost.linear(0.01, 1e-6), other=0.05)
+    measured_as = CostModel(encode=Cost.linear(0.002, 6e-6), decode=Cost.linear(0.001, 4e-6), **shape)
+    profiled = CostModel(encode=Cost.linear(0.001, 3e-6), decode=Cost.linear(0.0005, 2e-6), **shape)
+    scale, calibrated = calibrate(profiled, [2, 2], simulate(measured_as, [2, 2]))
+    assert scale == pytest.approx(2.0, rel=1e-6)
+    assert simulate(calibrated, [1, 1, 1, 1]) == pytest.approx(simulate(measured_as, [1, 1, 1, 1]), rel=1e-6)
+    assert calibrate(profiled, [4], 1e-9)[0] == 0.25  # out of range: clamped
 
 
 @pytest.mark.parametrize(

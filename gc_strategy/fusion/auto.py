@@ -38,8 +38,8 @@ from .timeline import Cost, CostModel, best_plan, simulate
 if TYPE_CHECKING:
     from ..engine import GradientSynchronizer
 
-#: timed runs per sample bucket (after one warm-up run); the median is kept
-RUNS = 3
+#: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
+RUNS = 5
 #: fixed plans whose predicted times the report lists next to the chosen one
 REFERENCE_PLANS = [LayerwisePlan(), SinglePlan(), GroupsPlan(4), GroupsPlan(16), SizeCapPlan(25)]
 
@@ -83,13 +83,13 @@ class AutoTuner:
             period = end - self._last_end
             if self.phase == "profile":
                 self._other.append(period - (end - self._first_wall))
-            else:
-                self._periods.append(period)
+            self._periods.append(period)
         if self.phase == "profile" and self._step_marks:
             self._ready.append(self._ready_times())
         self._last_end, self._first_wall, self._step_marks = end, None, {}
         if self.phase == "profile" and len(self._ready) >= self.steps and self._other:
             self._plan()
+            self._last_end = time.perf_counter()  # the next period starts after the planning
         elif self.phase == "verify" and len(self._periods) >= self.steps:
             self.report["measured_step_s"] = statistics.median(self._periods)
             self.phase = "done"
@@ -117,13 +117,15 @@ class AutoTuner:
         numels = [engine._param(name).numel() for name in engine.order]
         sizes, costs = measure_costs(engine, numels)
         ready = [statistics.median(column) for column in zip(*self._ready)]
-        measured = torch.tensor([*ready, statistics.median(self._other), *costs.flatten().tolist()], dtype=torch.float64)
+        steps = [statistics.median(self._other), statistics.median(self._periods)]
+        measured = torch.tensor([*ready, *steps, *costs.flatten().tolist()], dtype=torch.float64)
         if engine.world_size > 1:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.group)
         values = measured.tolist()
-        ready, other = values[: len(numels)], max(values[len(numels)], 0.0)
-        encode, comm, decode, fp32 = (Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(4, -1).tolist())
-        model = CostModel(tuple(ready), tuple(numels), encode, comm, decode, other=other)
+        ready, (other, default_step) = values[: len(numels)], values[len(numels) : len(numels) + 2]
+        encode, comm, decode, fp32 = (Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 2 :]).view(4, -1).tolist())
+        uncalibrated = CostModel(tuple(ready), tuple(numels), encode, comm, decode, other=max(other, 0.0))
+        scale, model = calibrate(uncalibrated, engine.groups, default_step)
         search = time.perf_counter()
         groups, _ = best_plan(model)
         search_s = time.perf_counter() - search
@@ -138,6 +140,8 @@ class AutoTuner:
         nbytes = [n * element_size for n in numels]
         self.report = {
             "groups": groups,
+            "default_plan_measured_step_s": default_step,
+            "compression_cost_scale": scale,
             "buckets": len(groups),
             "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(groups)],
             "predicted_step_s": simulate(model, groups),
@@ -149,11 +153,35 @@ class AutoTuner:
             "cost_model": model.to_dict(),
         }
         engine._rebuild(engine.order, groups)
+        self._periods = []
         self.phase = "verify"
 
     def restore(self, report: dict[str, Any]) -> None:
         """A plan restored from a checkpoint: nothing left to profile."""
         self.report, self.phase = report, "done"
+
+
+def calibrate(model: CostModel, groups: list[int], measured_step: float) -> tuple[float, CostModel]:
+    """Scale the encode and decode curves by the factor ``s`` (within [1/4, 4]) under which the model
+    reproduces ``measured_step``, the step time measured with the plan ``groups`` during profiling.
+    The microbenchmark gives the shape of the compression cost over sizes; the real training step,
+    where compression competes with everything else on the device, gives its level."""
+
+    def scaled(s: float) -> CostModel:
+        def times(cost: Cost) -> Cost:
+            return Cost(cost.sizes, tuple(s * t for t in cost.seconds))
+
+        return CostModel(model.ready, model.numels, times(model.encode), model.comm, times(model.decode), model.other)
+
+    low, high = 0.25, 4.0
+    if simulate(scaled(low), groups) >= measured_step:
+        return low, scaled(low)
+    if simulate(scaled(high), groups) <= measured_step:
+        return high, scaled(high)
+    for _ in range(50):  # the simulated time is non-decreasing in s
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulate(scaled(middle), groups) < measured_step else (low, middle)
+    return (low + high) / 2, scaled((low + high) / 2)
 
 
 def _rank0(engine: "GradientSynchronizer") -> int:
@@ -202,16 +230,20 @@ def measure_costs(engine: "GradientSynchronizer", numels: list[int]) -> tuple[li
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
-    sizes, rows = [], []
+    samples = []
     for index, (a, b) in enumerate(sample_ranges(numels)):
         names = engine.order[a:b]
         bucket = Bucket(index, names, [engine._param(name).shape for name in names], torch.float32, engine.device)
-        flat = gradient[offsets[a] : offsets[b]]
-        runs = [time_exchange(engine, compressor, memory, engine.comm, flat, bucket) for _ in range(RUNS + 1)][1:]
-        fp32 = [time_exchange(engine, plain, None, allreduce, flat, bucket)[1] for _ in range(RUNS + 1)][1:]
-        sizes.append(bucket.numel)
-        rows.append([*(statistics.median(r[k] for r in runs) for k in range(3)), statistics.median(fp32)])
-    return sizes, torch.tensor(rows, dtype=torch.float64).T
+        samples.append((bucket, gradient[offsets[a] : offsets[b]]))
+    times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, fp32 comm]
+    for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
+        for (bucket, flat), timed in zip(samples, times):
+            ours = time_exchange(engine, compressor, memory, engine.comm, flat, bucket)
+            fp32 = time_exchange(engine, plain, None, allreduce, flat, bucket)[1]
+            if run:
+                timed.append([*ours, fp32])
+    rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
+    return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T
 
 
 def _gradient(param: torch.nn.Parameter) -> Tensor:

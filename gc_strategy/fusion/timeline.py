@@ -55,14 +55,12 @@ class Cost:
 
     @classmethod
     def measured(cls, sizes, seconds) -> "Cost":
-        """From measurements: repeated sizes take their median, and times are made non-decreasing
-        in size (a larger bucket never costs less; differences below that are noise)."""
+        """From measurements; a repeated size takes the median of its times."""
         by_size: dict[float, list[float]] = {}
         for size, value in zip(sizes, seconds):
             by_size.setdefault(float(size), []).append(max(float(value), 0.0))
         ordered = sorted(by_size)
-        medians = np.maximum.accumulate([float(np.median(by_size[size])) for size in ordered])
-        return cls(tuple(ordered), tuple(float(v) for v in medians))
+        return cls(tuple(ordered), tuple(float(np.median(by_size[size])) for size in ordered))
 
     def __call__(self, n):
         n = np.asarray(n, dtype=float)
