@@ -57,7 +57,7 @@ def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None
         engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
         runs[plan] = (model, engine, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     auto_engine = runs["auto"][1]
-    warmup = 1 + 2 * auto_engine.tuner.steps + 1  # record the order, profile, verify
+    warmup = 1 + 3 * auto_engine.tuner.steps + 1  # record the order, settle, profile, verify
     for plan in plans:
         train_steps(*runs[plan], batch, warmup if plan == "auto" else 2)
         if rank == 0:

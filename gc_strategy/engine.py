@@ -338,7 +338,7 @@ class GradientSynchronizer:
                 "memory": self.memory.state_by_parameter(self.buckets),
                 "compressor": self.compressor.state_by_parameter(self.buckets),
                 "compressor_extra": self.compressor.extra_state(),
-                "auto_plan": self.plan_report if self.tuner is not None and self.tuner.phase != "profile" else None,
+                "auto_plan": self.plan_report,
             }
         )
 
@@ -366,6 +366,28 @@ class GradientSynchronizer:
         self.compressor.load_state_by_parameter(state["compressor"], self.buckets)
         self.compressor.load_extra_state(state["compressor_extra"])
         self._reset_step()
+
+
+def gather_rank_states(synchronizer: GradientSynchronizer) -> dict[str, Any]:
+    """Every rank's :meth:`~GradientSynchronizer.state_dict`, gathered on every rank (a collective:
+    call it on all ranks): ``{"world_size": W, "ranks": [state of rank 0, ...]}``. Error-feedback
+    state is per rank, so a checkpoint needs all of them."""
+    state = synchronizer.state_dict()
+    if synchronizer.world_size == 1:
+        return {"world_size": 1, "ranks": [state]}
+    states: list[Any] = [None] * synchronizer.world_size
+    dist.all_gather_object(states, state, group=synchronizer.group)
+    return {"world_size": synchronizer.world_size, "ranks": states}
+
+
+def load_rank_state(synchronizer: GradientSynchronizer, states: dict[str, Any]) -> None:
+    """Restore this rank's entry of :func:`gather_rank_states`' result."""
+    if states["world_size"] != synchronizer.world_size:
+        raise ValueError(
+            f"the checkpoint holds compression state for {states['world_size']} ranks, this run has "
+            f"{synchronizer.world_size}; per-rank error-feedback state cannot be resharded"
+        )
+    synchronizer.load_state_dict(states["ranks"][synchronizer.comm.rank])
 
 
 def _to_cpu(value: Any) -> Any:

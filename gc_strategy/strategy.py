@@ -20,7 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 from .algos import Compressor, Memory
 from .comm import Communicator
 from .components import Components, build_components
-from .engine import GradientSynchronizer
+from .engine import GradientSynchronizer, gather_rank_states, load_rank_state
 from .fusion import FusionPlanner
 
 CHECKPOINT_KEY = "gc_strategy"
@@ -170,14 +170,9 @@ class GCFusedStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Gather every rank's synchroniser state into the checkpoint rank 0 writes."""
         if self.synchronizer is not None:
-            state = self.synchronizer.state_dict()
-            states = [None] * self.world_size if self.is_global_zero else None
-            if self.world_size > 1:
-                dist.gather_object(state, states, dst=0)
-            else:
-                states = [state]
+            states = gather_rank_states(self.synchronizer)
             if self.is_global_zero:
-                checkpoint = {**checkpoint, CHECKPOINT_KEY: {"world_size": self.world_size, "ranks": states}}
+                checkpoint = {**checkpoint, CHECKPOINT_KEY: states}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -191,12 +186,7 @@ class GCFusedStrategy(DDPStrategy):
         return checkpoint
 
     def _restore(self, state: dict[str, Any]) -> None:
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"the checkpoint holds compression state for {state['world_size']} ranks, this run has "
-                f"{self.world_size}; per-rank error-feedback state cannot be resharded"
-            )
-        self.synchronizer.load_state_dict(state["ranks"][self.global_rank])
+        load_rank_state(self.synchronizer, state)
 
     # ---------------------------------------------------------------- registration
     @classmethod

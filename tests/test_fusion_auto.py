@@ -145,7 +145,7 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     model = SmallCNN()
     c = build_components("topk", "residual", density=0.1, fusion="auto:2")
     engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-    _train(model, engine, 1 + 2 + 2 + 1, seed=rank)  # order, profile, verify, one more
+    _train(model, engine, 1 + 2 + 2 + 2 + 1, seed=rank)  # order, settle, profile, verify, one more
     report = engine.plan_report
     if rank == 0:
         engine.export_plan(plan_path)

@@ -1,8 +1,9 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
 The :class:`AutoTuner` lives inside a :class:`~gc_strategy.engine.GradientSynchronizer` whose planner
-is an :class:`~gc_strategy.fusion.plans.AutoPlan`. Once the gradient-ready order is known it records,
-for ``profile_steps`` steps run with the default plan:
+is an :class:`~gc_strategy.fusion.plans.AutoPlan`. Once the gradient-ready order is known it lets
+``profile_steps`` steps pass (the first steps of a process are slower than the rest: the allocator
+and caches are still cold), then records, for ``profile_steps`` steps run with the default plan:
 
 - each tensor's ready time within backward, on a clock that leaves out the synchroniser's own work
   in the gradient hooks (a monotonic host clock on the CPU; CUDA events on the compute stream on GPU),
@@ -50,7 +51,8 @@ class AutoTuner:
     def __init__(self, engine: "GradientSynchronizer", planner: AutoPlan) -> None:
         self.engine = engine
         self.steps = planner.profile_steps
-        self.phase = "profile"  # -> "verify" after planning -> "done"
+        self.phase = "settle"  # -> "profile" -> "verify" after planning -> "done"
+        self._settled = 0
         self.report: dict[str, Any] | None = None
         self._ready: list[list[float]] = []
         self._other: list[float] = []
@@ -79,6 +81,11 @@ class AutoTuner:
     def on_step_end(self) -> None:
         """After the synchronised backward's results are applied."""
         end = time.perf_counter()
+        if self.phase == "settle":  # the first steps of a process run slower than the rest
+            self._settled += 1
+            self.phase = "profile" if self._settled >= self.steps else "settle"
+            self._last_end, self._first_wall, self._step_marks = end, None, {}
+            return
         if self._last_end is not None and self._first_wall is not None:
             period = end - self._last_end
             if self.phase == "profile":

@@ -112,7 +112,7 @@ class SizeCapPlan(FusionPlanner):
 
 class AutoPlan(FusionPlanner):
     """Chosen by measurement (the Cupcake idea, solved exactly): the synchroniser runs the ``default``
-    plan while it profiles ``profile_steps`` steps, then searches the plan with the smallest
+    plan for ``profile_steps`` steps to settle and ``profile_steps`` steps of profiling, then searches the plan with the smallest
     simulated step time (:mod:`gc_strategy.fusion.timeline`) and rebuilds its buckets on every rank
     at the same step. Until then this planner answers with ``default``."""
 

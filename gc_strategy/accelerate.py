@@ -1,0 +1,94 @@
+"""🤗 Accelerate integration: the gradient synchroniser in an Accelerate training loop.
+
+Accelerate has no plugin point for custom gradient synchronisation (its DDP kwargs take only the
+built-in fp16 / bf16 / PowerSGD hooks), so :func:`prepare` installs the engine itself, in place of
+DDP::
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model, optimizer, loader = gc_strategy.accelerate.prepare(
+        accelerator, model, optimizer, loader, compressor="dgc", memory="dgc", fusion="auto")
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model(batch)))
+            optimizer.step()
+            optimizer.zero_grad()
+
+What it does: moves the model to ``accelerator.device`` and broadcasts its parameters and buffers
+from rank 0; attaches a :class:`~gc_strategy.engine.GradientSynchronizer` (never a DDP wrapper) and
+gives the model a ``no_sync()`` so that ``accelerator.accumulate`` / ``accelerator.no_sync`` skip
+synchronisation on micro-batches that do not step; wraps ``forward`` in ``accelerator.autocast()``
+under mixed precision (as Accelerate does for the models it wraps); registers the compression state
+(error feedback, factors, the fusion plan) for ``accelerator.save_state`` / ``load_state``, gathered
+from every rank into the main process's file; then hands the model and the other objects to
+``accelerator.prepare`` (which places optimizers, schedulers and data loaders as usual, and keeps
+the model as it is). The synchroniser is ``model.gc_synchronizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from .algos import Compressor, Memory
+from .comm import Communicator
+from .components import build_components
+from .engine import GradientSynchronizer, gather_rank_states, load_rank_state
+from .fusion import FusionPlanner
+
+#: Accelerate distributed types the engine can replace DDP in
+SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
+
+
+class CompressionState:
+    """The synchroniser's state as an Accelerate checkpointing object: ``state_dict`` gathers every
+    rank's state (Accelerate calls it on all ranks and writes the main process's copy), and
+    ``load_state_dict`` restores this rank's part."""
+
+    def __init__(self, synchronizer: GradientSynchronizer) -> None:
+        self.synchronizer = synchronizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return gather_rank_states(self.synchronizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_rank_state(self.synchronizer, state)
+
+
+def prepare(
+    accelerator: Any,
+    model: Any,
+    *objects: Any,
+    compressor: Union[str, Compressor] = "none",
+    memory: Union[str, Memory] = "none",
+    comm: Union[str, Communicator] = "auto",
+    fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+    **options: Any,
+) -> Any:
+    """Like ``accelerator.prepare(model, *objects)``, with compressed fused gradient synchronisation
+    in place of DDP. Returns what ``accelerator.prepare`` returns (the model first)."""
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    if kind not in SUPPORTED:
+        raise ValueError(
+            f"gc_strategy.accelerate.prepare: Accelerate's distributed type is {kind}; supported: "
+            f"{', '.join(SUPPORTED)} (plain data parallelism). DeepSpeed, FSDP, XLA and the others shard or "
+            "synchronise gradients themselves, so compression cannot replace their DDP."
+        )
+    if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
+        raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
+    components = build_components(compressor, memory, comm, fusion, **options)
+    model = model.to(accelerator.device)
+    synchronizer = GradientSynchronizer(
+        model, components.compressor, components.memory, components.communicator, components.fusion
+    )
+    if accelerator.mixed_precision in ("fp16", "bf16"):
+        forward = model.forward
+
+        def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+            with accelerator.autocast():
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
+    model.gc_synchronizer = synchronizer
+    model.no_sync = synchronizer.no_sync
+    model._is_accelerate_prepared = True  # accelerator.prepare then registers the model without wrapping it
+    accelerator.register_for_checkpointing(CompressionState(synchronizer))
+    return accelerator.prepare(model, *objects)
