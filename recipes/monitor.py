@@ -75,6 +75,7 @@ class ThroughputMonitor(pl.Callback):
         median = statistics.median(compressed)
         summary: dict[str, Any] = {
             "step_time_s": median,
+            "step_times_s": compressed,
             "throughput_samples_per_s": self.batch_size * trainer.world_size / median,
         }
         strategy = trainer.strategy

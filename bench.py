@@ -1,0 +1,253 @@
+"""Benchmark harness: measured step times of gc_fused configurations against DDP and its compression
+hooks, on loopback or an emulated network, as a table, CSV, charts and a W&B run.
+
+    python bench.py                                   # the default configurations on loopback
+    python bench.py net.rate=1gbit                    # ranks in network namespaces on a 1 Gbit/s link (root)
+    python bench.py 'configs=[ddp,gc_fused:compressor=topk,memory=residual,density=0.01]' rounds=5
+
+Every configuration runs ``steps`` measured steps after ``warmup`` steps, in fresh processes (one
+per rank; see ``recipes/bench_worker.py``), and the configurations are interleaved round by round
+(A B C ... A B C ...) so that machine noise hits all alike; medians pool all rounds. A configuration
+that fails or hangs is reported as such and the others go on. Outputs, in the Hydra run directory:
+``results.md`` (also printed), ``results.csv``, ``speedup.png`` (speedup vs ``ddp``),
+``breakdown.png`` (compute / encode+decode / exposed communication and the rest), the W&B run
+(offline unless ``logger=wandb_online``) and ``logs/`` (each rank's output).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from gc_strategy import GCFusedStrategy
+from recipes.bench_worker import BASELINES, parse_config
+from recipes.netns import check_can_emulate, emulated_network, loopback
+
+ROOT = Path(__file__).resolve().parent
+COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step", "step / compute",
+           "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd"]
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every configuration and setting is checked before any process starts."""
+    for name, value in (("world_size", cfg.world_size), ("rounds", cfg.rounds), ("steps", cfg.steps)):
+        if not isinstance(value, int) or value < (2 if name == "world_size" else 1):
+            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= {2 if name == 'world_size' else 1}")
+    if not isinstance(cfg.warmup, int) or cfg.warmup < 0:
+        raise ValueError(f"warmup = {cfg.warmup!r} is invalid; allowed: an integer >= 0")
+    if len(set(cfg.configs)) != len(cfg.configs) or not cfg.configs:
+        raise ValueError(f"configs = {list(cfg.configs)} must be a non-empty list without repeats")
+    for name in cfg.configs:
+        options = parse_config(name)
+        if name not in BASELINES:
+            GCFusedStrategy(**options)  # names, options and values checked here
+    if cfg.net.rate:
+        check_can_emulate(cfg.net.rate)
+
+
+def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, port: int, out: Path, tag: str) -> dict[str, Any]:
+    """One configuration once: its ranks as processes. Returns the summary or ``{"failed": why}``."""
+    world_size = 1 if name == "compute" else cfg.world_size
+    result = out / "runs" / f"{tag}.json"
+    logs = [out / "logs" / f"{tag}-rank{r}.log" for r in range(world_size)]
+    processes = []
+    for r in range(world_size):
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONPATH": str(ROOT)}
+        if world_size > 1:
+            env.update(MASTER_ADDR=network[0].address, MASTER_PORT=str(port), NODE_RANK=str(r), WORLD_SIZE=str(world_size),
+                       LOCAL_RANK="0", GLOO_SOCKET_IFNAME=network[r].interface)
+        command = network[r].command + [sys.executable, "-m", "recipes.bench_worker", str(config_file), name, str(result)]
+        with open(logs[r], "w") as log:
+            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + cfg.timeout_s
+    try:
+        for process in processes:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return {"failed": f"timed out after {cfg.timeout_s} s"}
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    failed = [r for r, process in enumerate(processes) if process.returncode != 0]
+    if failed or not result.is_file():
+        lines = logs[failed[0] if failed else 0].read_text().strip().splitlines() or ["no output"]
+        reason = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1])
+        return {"failed": f"rank {failed[0] if failed else 0} exited with {processes[failed[0]].returncode if failed else 0}: "
+                          f"{reason.strip()[:300]}"}
+    return json.loads(result.read_text())
+
+
+def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, Any]]:
+    """One row per configuration: pooled median, throughput, bytes, ratios to the baselines."""
+    medians: dict[str, float] = {}
+    rows = []
+    for name, results in runs.items():
+        ok = [r for r in results if "failed" not in r]
+        row: dict[str, Any] = {"configuration": name}
+        if not ok:
+            row["status"] = results[0]["failed"]
+        else:
+            times = [t for r in ok for t in r["step_times_s"]]
+            medians[name] = statistics.median(times)
+            failures = len(results) - len(ok)
+            row["status"] = "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds ({results[0].get('failed', '')})"
+            row["median step (s)"] = medians[name]
+            row["samples/s"] = cfg.data.batch_size * ok[0]["world_size"] / medians[name]
+            row["bytes sent / step"] = ok[0].get("sent_bytes_per_step")
+            row["encode+decode (s)"] = (ok[0].get("breakdown") or {}).get("encode+decode", 0.0)
+        rows.append(row)
+    for row in rows:
+        median = medians.get(row["configuration"])
+        if median is None:
+            continue
+        if "compute" in medians:
+            row["step / compute"] = median / medians["compute"]
+        for baseline in ("ddp", "ddp+fp16", "ddp+powersgd"):
+            if baseline in medians:
+                row[f"speedup vs {baseline}"] = medians[baseline] / median
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if value < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def write_outputs(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str:
+    link = f"{cfg.net.rate} per rank (netns + tc tbf)" if cfg.net.rate else "loopback"
+    stem = "CIFAR 3x3" if cfg.model.get("cifar_stem") else "standard"
+    header = (f"{cfg.model.get('arch', cfg.model.recipe)} ({stem} stem), batch {cfg.data.batch_size} per rank, "
+              f"{cfg.world_size} CPU ranks x {cfg.threads_per_rank} thread, {link}; {cfg.rounds} rounds x "
+              f"{cfg.steps} measured steps after {cfg.warmup}, interleaved; medians over all rounds")
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    table += ["| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    markdown = header + "\n\n" + "\n".join(table) + "\n"
+    (out / "results.md").write_text(markdown)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + ["encode+decode (s)"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, out, header)
+    return markdown
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [row for row in rows if "median step (s)" in row]
+    names = [row["configuration"].replace("gc_fused:", "gc_fused\n").replace(",", ",\n") for row in ran]
+    figure, axis = plt.subplots(figsize=(max(6, 1.4 * len(ran)), 5))
+    speedups = [row.get("speedup vs ddp", float("nan")) for row in ran]
+    axis.bar(names, speedups, color=["#888888" if row["configuration"] in BASELINES else "#2a7ab9" for row in ran])
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_ylabel("speedup vs ddp (step time ratio)")
+    axis.set_title(title, fontsize=8, wrap=True)
+    axis.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "speedup.png", dpi=120)
+    plt.close(figure)
+
+    compute = next((row["median step (s)"] for row in ran if row["configuration"] == "compute"), None)
+    figure, axis = plt.subplots(figsize=(max(6, 1.4 * len(ran)), 5))
+    parts = {"compute": [], "encode+decode": [], "exposed communication and the rest": []}
+    for row in ran:
+        step = row["median step (s)"]
+        base = min(step, compute) if compute is not None else 0.0
+        codec = min(row.get("encode+decode (s)", 0.0), step - base)
+        parts["compute"].append(base)
+        parts["encode+decode"].append(codec)
+        parts["exposed communication and the rest"].append(step - base - codec)
+    bottom = [0.0] * len(ran)
+    for label, values in parts.items():
+        axis.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axis.set_ylabel("median step time (s)")
+    axis.set_title("step-time breakdown (compute = the one-rank `compute` configuration)", fontsize=9)
+    axis.legend(fontsize=8)
+    axis.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "breakdown.png", dpi=120)
+    plt.close(figure)
+
+
+def log_to_wandb(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str | None:
+    if cfg.logger.kind != "wandb":
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(project=cfg.logger.project, mode=cfg.logger.mode, dir=str(out), name="bench",
+                     config=OmegaConf.to_container(cfg, resolve=True), job_type="benchmark")
+    run.log({
+        "bench/results": wandb.Table(columns=COLUMNS, data=[[_cell(row.get(c)) for c in COLUMNS] for row in rows]),
+        "bench/speedup": wandb.Image(str(out / "speedup.png")),
+        "bench/breakdown": wandb.Image(str(out / "breakdown.png")),
+    })
+    directory = run.dir
+    run.finish()
+    return directory
+
+
+def benchmark(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
+    validate(cfg)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    config_file = out / "bench_config.yaml"
+    OmegaConf.save(cfg, config_file, resolve=True)
+    runs: dict[str, list[dict]] = {name: [] for name in cfg.configs}
+    network = (emulated_network(cfg.world_size, cfg.net.rate, cfg.net.burst, cfg.net.latency) if cfg.net.rate
+               else loopback(cfg.world_size))
+    port = 29400 + os.getpid() % 500
+    with network as ranks:
+        for round_index in range(cfg.rounds):
+            for index, name in enumerate(cfg.configs):
+                port += 1
+                tag = f"r{round_index}-c{index}"
+                started = time.monotonic()
+                result = run_config(name, cfg, config_file, ranks, port, out, tag)
+                state = result.get("failed") or f"median {result['step_time_s']:.3f} s"
+                print(f"[round {round_index + 1}/{cfg.rounds}] {name}: {state} ({time.monotonic() - started:.0f} s)", flush=True)
+                runs[name].append(result)
+    return aggregate(cfg, runs)
+
+
+@hydra.main(config_path="conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the network is torn down on kill
+    out = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        rows = benchmark(cfg, out)
+    except (ValueError, PermissionError, FileNotFoundError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    markdown = write_outputs(cfg, rows, out)
+    print("\n" + markdown)
+    directory = log_to_wandb(cfg, rows, out)
+    print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'speedup.png'}, {out / 'breakdown.png'}"
+          + (f"\nW&B run: {Path(directory).parent}" if directory else ""))
+
+
+if __name__ == "__main__":
+    main()

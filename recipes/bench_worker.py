@@ -1,0 +1,106 @@
+"""One rank of one benchmark configuration (started by ``bench.py``, one process per rank).
+
+    python -m recipes.bench_worker CONFIG.yaml NAME RESULT.json
+
+The rank, world size and rendezvous come from the environment (``NODE_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), so each rank can run in its own network
+namespace; every rank is a Lightning "node" with one CPU device. Rank 0 writes ``RESULT.json``: the
+step times after ``warmup`` steps (``ThroughputMonitor``'s summary) and the payload bytes per step.
+
+Configuration names: ``compute`` (one rank, no communication), ``ddp``, ``ddp+fp16`` (torch's
+``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook``, rank 4), and
+``gc_fused[:key=value,...]`` with the options of :class:`gc_strategy.GCFusedStrategy`
+(``gc_fused:compressor=dgc,memory=dgc,density=0.01,fusion=auto:2``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+BASELINES = ("compute", "ddp", "ddp+fp16", "ddp+powersgd")
+
+
+def parse_config(name: str) -> dict[str, Any]:
+    """``gc_fused:compressor=topk,density=0.01`` -> ``{"compressor": "topk", "density": 0.01}``; a
+    baseline name -> ``{}``. Raises ValueError naming what is wrong."""
+    if name in BASELINES:
+        return {}
+    kind, _, spec = name.partition(":")
+    if kind != "gc_fused":
+        raise ValueError(f"configs: {name!r} is invalid; allowed: {', '.join(BASELINES)}, or gc_fused[:key=value,...]")
+    options: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, separator, value = item.partition("=")
+        if not separator:
+            raise ValueError(f"configs: {name!r}: {item!r} is not key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    return options
+
+
+def make_strategy(name: str, warmup: int):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import gc_strategy
+
+    if name == "compute":
+        return "auto"
+    if name == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    if name == "ddp+fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return DDPStrategy(process_group_backend="gloo", ddp_comm_hook=default_hooks.fp16_compress_hook)
+    if name == "ddp+powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=max(2, warmup // 2))
+        return DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook)
+    return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
+
+
+def main(config_path: str, name: str, result_path: str) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from omegaconf import OmegaConf
+
+    from recipes.monitor import ThroughputMonitor
+    from train import build_recipe
+
+    cfg = OmegaConf.load(config_path)
+    torch.set_num_threads(cfg.threads_per_rank)
+    world_size = 1 if name == "compute" else cfg.world_size
+    steps = cfg.warmup + cfg.steps
+    cfg.data.train_samples = cfg.data.batch_size * world_size * steps
+    cfg.data.val_samples = cfg.data.batch_size
+    pl.seed_everything(cfg.seed, verbose=False)
+    module, data = build_recipe(cfg, cfg.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = ThroughputMonitor(cfg.data.batch_size, tmp, baseline_steps=0, warmup_steps=cfg.warmup)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, num_nodes=world_size, strategy=make_strategy(name, cfg.warmup),
+            max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+        )
+        trainer.fit(module, datamodule=data)
+    if trainer.is_global_zero:
+        summary = dict(monitor.summary)
+        elements = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if name in ("ddp", "ddp+fp16"):  # what the hook puts on the wire: every gradient, fp32 or fp16
+            summary["sent_bytes_per_step"] = elements * (4 if name == "ddp" else 2)
+        summary["world_size"] = world_size
+        with open(result_path, "w") as f:
+            json.dump(summary, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main(*sys.argv[1:4])

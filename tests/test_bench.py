@@ -1,0 +1,88 @@
+"""The benchmark harness: outputs, failure reporting, network namespaces, bad input."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import bench  # noqa: E402
+from recipes import netns  # noqa: E402
+from recipes.bench_worker import parse_config  # noqa: E402
+
+
+def _bench(tmp_path, *args, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(ROOT / "bench.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_two_config_run_on_loopback_writes_table_csv_charts_and_wandb(tmp_path):
+    done = _bench(tmp_path, 'configs=[ddp,"gc_fused:compressor=fp16"]', "rounds=1", "steps=3", "warmup=1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    run = tmp_path / "run"
+    rows = list(csv.DictReader(open(run / "results.csv")))
+    assert [r["configuration"] for r in rows] == ["ddp", "gc_fused:compressor=fp16"]
+    assert all(r["status"] == "ok" and float(r["median step (s)"]) > 0 for r in rows)
+    assert float(rows[0]["bytes sent / step"]) == 2 * float(rows[1]["bytes sent / step"])  # fp32 vs fp16 payload
+    assert float(rows[0]["speedup vs ddp"]) == 1.0
+    assert "| ddp | ok |" in (run / "results.md").read_text() and "| ddp | ok |" in done.stdout
+    for chart in ("speedup.png", "breakdown.png"):
+        assert (run / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    wandb_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1 and list(wandb_runs[0].glob("files/media/images/bench/*.png"))
+
+
+def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
+    cfg = OmegaConf.create({"world_size": 2, "threads_per_rank": 1, "timeout_s": 60, "data": {"batch_size": 4},
+                            "model": {"recipe": "resnet", "arch": "resnet18"}, "rounds": 1, "steps": 1, "warmup": 0,
+                            "net": {"rate": None}})
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "logs").mkdir()
+    crash = netns.RankNetwork(["sh", "-c", "echo 'RuntimeError: boom' >&2; exit 3", "--"], "127.0.0.1", "lo")
+    failed = bench.run_config("ddp", cfg, tmp_path / "none.yaml", [crash, crash], 29999, tmp_path, "r0-c0")
+    assert failed == {"failed": "rank 0 exited with 3: RuntimeError: boom"}
+    fine = {"step_times_s": [0.5, 0.7, 0.6], "world_size": 2, "sent_bytes_per_step": 100, "step_time_s": 0.6}
+    rows = bench.aggregate(cfg, {"ddp": [failed], "gc_fused:compressor=fp16": [fine]})
+    assert rows[0]["status"] == failed["failed"] and "median step (s)" not in rows[0]
+    assert rows[1]["status"] == "ok" and rows[1]["median step (s)"] == 0.6 and rows[1]["samples/s"] == 4 * 2 / 0.6
+    markdown = bench.write_outputs(OmegaConf.merge(cfg, {"model": {"cifar_stem": False}}), rows, tmp_path)
+    assert "| ddp | rank 0 exited with 3: RuntimeError: boom | n/a |" in markdown
+    assert (tmp_path / "speedup.png").is_file()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_the_emulated_network_is_removed_afterwards_also_on_error():
+    with pytest.raises(KeyError):
+        with netns.emulated_network(2, "100mbit") as ranks:
+            assert sorted(netns.existing()[0]) == ["gcb0", "gcb1"]
+            server = subprocess.Popen(ranks[1].command + [sys.executable, "-c", (
+                "import socket; s = socket.create_server(('%s', 29111)); c, _ = s.accept(); c.sendall(b'hello')"
+                % ranks[1].address)])
+            client = subprocess.run(ranks[0].command + [sys.executable, "-c", (
+                "import socket, time\nfor _ in range(50):\n    try:\n        c = socket.create_connection(('%s', 29111)); break\n"
+                "    except OSError:\n        time.sleep(0.1)\nprint(c.recv(5).decode())" % ranks[1].address)],
+                capture_output=True, text=True, timeout=30)
+            server.wait(timeout=30)
+            assert client.stdout.strip() == "hello"  # rank 0's namespace reaches rank 1's address
+            raise KeyError("a failure inside the benchmark")
+    assert netns.existing() == ([], [])
+
+
+def test_bad_configs_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="configs: 'dpp' is invalid; allowed: compute, ddp"):
+        parse_config("dpp")
+    assert parse_config("gc_fused:compressor=topk,density=0.01") == {"compressor": "topk", "density": 0.01}
+    done = _bench(tmp_path, 'configs=[ddp,"gc_fused:compressor=topk,density=2"]', timeout=120)
+    assert done.returncode == 2 and "option 'density' = 2 is invalid" in done.stderr
+    assert not (tmp_path / "run" / "runs").exists()
+    done = _bench(tmp_path, "world_size=1", timeout=120)
+    assert done.returncode == 2 and "world_size = 1 is invalid" in done.stderr
