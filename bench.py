@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -84,11 +85,18 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
                 process.wait()
     failed = [r for r, process in enumerate(processes) if process.returncode != 0]
     if failed or not result.is_file():
-        lines = logs[failed[0] if failed else 0].read_text().strip().splitlines() or ["no output"]
-        reason = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1])
-        return {"failed": f"rank {failed[0] if failed else 0} exited with {processes[failed[0]].returncode if failed else 0}: "
-                          f"{reason.strip()[:300]}"}
+        reasons = [(r, _reason(logs[r])) for r in failed or [0]]
+        # a rank that lost its peer only reports the peer's failure: prefer the peer's own error
+        rank, reason = next(((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0])
+        return {"failed": f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"}
     return json.loads(result.read_text())
+
+
+def _reason(log: Path) -> str:
+    """The last line of a rank's output that reports an error (or its last line)."""
+    lines = log.read_text(errors="replace").strip().splitlines() or ["no output"]
+    marked = [line for line in lines if re.search(r"error|what\(\)|exception", line, re.IGNORECASE)]
+    return (marked or lines)[-1].strip()
 
 
 def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, Any]]:

@@ -22,7 +22,22 @@ import sys
 import tempfile
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy
+
 BASELINES = ("compute", "ddp", "ddp+fp16", "ddp+powersgd")
+
+
+class DDPWithCommHook(DDPStrategy):
+    """Lightning's DDP with a torch communication hook registered on any device: Lightning itself
+    registers ``ddp_comm_hook`` only when the root device is CUDA (``DDPStrategy._register_ddp_hooks``)
+    and silently ignores it on CPU, while torch's hooks also run over gloo."""
+
+    def __init__(self, hook: Any, state: Any = None) -> None:
+        super().__init__(process_group_backend="gloo")
+        self._hook, self._state = hook, state
+
+    def _register_ddp_hooks(self) -> None:
+        self.model.register_comm_hook(self._state, self._hook)
 
 
 def parse_config(name: str) -> dict[str, Any]:
@@ -46,8 +61,6 @@ def parse_config(name: str) -> dict[str, Any]:
 
 
 def make_strategy(name: str, warmup: int):
-    from lightning.pytorch.strategies import DDPStrategy
-
     import gc_strategy
 
     if name == "compute":
@@ -57,13 +70,13 @@ def make_strategy(name: str, warmup: int):
     if name == "ddp+fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        return DDPStrategy(process_group_backend="gloo", ddp_comm_hook=default_hooks.fp16_compress_hook)
+        return DDPWithCommHook(default_hooks.fp16_compress_hook)
     if name == "ddp+powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                             start_powerSGD_iter=max(2, warmup // 2))
-        return DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=powerSGD_hook.powerSGD_hook)
+        return DDPWithCommHook(powerSGD_hook.powerSGD_hook, state)
     return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
 
 

@@ -245,8 +245,8 @@ def measure_costs(engine: "GradientSynchronizer", numels: list[int]) -> tuple[li
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, fp32 comm]
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
-            ours = time_exchange(engine, compressor, memory, engine.comm, flat, bucket)
-            fp32 = time_exchange(engine, plain, None, allreduce, flat, bucket)[1]
+            ours = time_exchange(compressor, memory, engine.comm, flat, bucket)[:3]
+            fp32 = time_exchange(plain, None, allreduce, flat, bucket)[1]
             if run:
                 timed.append([*ours, fp32])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
@@ -259,8 +259,9 @@ def _gradient(param: torch.nn.Parameter) -> Tensor:
     return param.grad.detach().flatten().float()
 
 
-def time_exchange(engine, compressor, memory, communicator, flat: Tensor, bucket: Bucket) -> tuple[float, float, float]:
-    """(encode, communication, decode) seconds of one bucket's exchange, all ranks starting together.
+def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket) -> tuple[float, float, float, int]:
+    """(encode, communication, decode) seconds of one bucket's exchange, all ranks of the
+    communicator's group starting together (``memory`` may be None), and the bytes it sent.
     Encode includes the memory's compensation, communication every round and the work between
     rounds, decode the last combine and the memory's update."""
     cuda = flat.is_cuda
@@ -270,15 +271,17 @@ def time_exchange(engine, compressor, memory, communicator, flat: Tensor, bucket
             torch.cuda.synchronize(flat.device)
         return time.perf_counter()
 
-    if engine.world_size > 1:
-        dist.barrier(group=engine.group)
+    if communicator.world_size > 1:
+        dist.barrier(group=communicator.group)
     start = now()
     need_local = memory is not None and memory.needs_local_estimate
     compensated = memory.compensate(flat, bucket) if memory is not None else flat
     exchange = compressor.exchange(compensated, bucket, communicator, need_local)
     current = next(exchange)
     encoded = now()
+    sent = 0
     while True:
+        sent += current.nbytes
         value = current.wait()
         received = now()
         try:
@@ -289,4 +292,4 @@ def time_exchange(engine, compressor, memory, communicator, flat: Tensor, bucket
                 memory.update(compensated, local, bucket, torch.isfinite(flat).all())
             finished = now()
             break
-    return encoded - start, received - encoded, finished - received
+    return encoded - start, received - encoded, finished - received, sent

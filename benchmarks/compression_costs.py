@@ -1,0 +1,137 @@
+"""Compression cost of every compressor on real gradients, layer-wise vs fused vs the plan
+``fusion=auto`` picks, next to the memory-bandwidth floor (the GPU mode of the benchmark harness).
+
+For each model (torchvision ResNet-50 and ResNet-101 on 224x224 images, ``transformers`` BERT-base
+masked LM on 128 tokens; batch ``--batch``), one backward gives the gradients; each compressor (with
+its usual memory and options) then encodes, exchanges and decodes every bucket of a plan in one
+process (the collectives are then no-ops: the time is the compression alone), timed with device
+synchronisation, median of ``--runs``. Plans: ``layerwise`` (one tensor per bucket), ``single`` (one
+bucket), ``bucket_mb:25``, and the plan ``fusion=auto:2`` chooses after profiling this model here.
+
+Floor = bytes the method must move / copy bandwidth measured here: read the gradient (4n), read and
+write the error-feedback memory when it has one (8n), write the payload, write the decoded result (4n).
+
+    python benchmarks/compression_costs.py --device cuda
+    python benchmarks/compression_costs.py --device cpu --models resnet50 --compressors fp16 topk --image-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
+from gc_strategy.fusion.auto import time_exchange
+
+#: memory and options each compressor is usually run with
+USUAL = {
+    "topk": ("residual", {"density": 0.01}), "randk": ("residual", {"density": 0.01}),
+    "dgc": ("dgc", {"density": 0.01}), "threshold": ("residual", {}), "sidco": ("residual", {"density": 0.01}),
+    "qsgd": ("none", {"levels": 127}), "onebit": ("residual", {}), "efsignsgd": ("residual", {}),
+    "powersgd": ("none", {"rank": 4, "start_iter": 0}), "acpsgd": ("none", {"rank": 4, "start_iter": 0}),
+}
+PLANS = ("layerwise", "single", "bucket_mb:25")
+
+
+def model_and_loss(name: str, batch: int, image_size: int, device: torch.device):
+    """The model and a function computing a loss on a fixed random batch."""
+    generator = torch.Generator().manual_seed(0)
+    if name == "bert-base":
+        from transformers import BertConfig, BertForMaskedLM
+
+        model = BertForMaskedLM(BertConfig()).to(device)
+        ids = torch.randint(0, model.config.vocab_size, (batch, 128), generator=generator).to(device)
+        return model, lambda: model(input_ids=ids, labels=ids).loss
+    from torchvision import models
+
+    model = getattr(models, name)(num_classes=1000).to(device)
+    x = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+    y = torch.randint(0, 1000, (batch,), generator=generator).to(device)
+    return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def buckets_of(model: nn.Module, loss, compressor: str, fusion: str) -> tuple[list, list]:
+    """The buckets a synchroniser with ``fusion`` forms (after its plan is final) and their gradients."""
+    memory, options = USUAL.get(compressor, ("none", {}))
+    c = build_components(compressor, memory, fusion=fusion, **options)
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    steps = 1 + 3 * engine.tuner.steps + 1 if engine.tuner is not None else 2  # order (+ settle, profile, verify)
+    for _ in range(steps):
+        model.zero_grad()
+        loss().backward()
+    buckets, flats = list(engine.buckets), [buffer.clone() for buffer in engine.buffers]
+    engine.close()
+    return buckets, flats
+
+
+def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[float, int]:
+    """Median seconds of compressing every bucket once, and the payload bytes."""
+    memory, options = USUAL.get(compressor, ("none", {}))
+    c = build_components(compressor, memory, **options)
+    c.communicator.bind(None)
+    c.compressor.world_size, c.compressor.step = 1, 1 << 30  # steady state
+    totals, sent = [], 0
+    for run in range(runs + 1):  # the first run warms up
+        total, sent = 0.0, 0
+        for bucket, flat in zip(buckets, flats):
+            encode, comm, decode, nbytes = time_exchange(c.compressor, c.memory, c.communicator, flat, bucket)
+            total, sent = total + encode + comm + decode, sent + nbytes
+        if run:
+            totals.append(total)
+    return statistics.median(totals), sent
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device copy (read + write counted)."""
+    source = torch.empty(64 * 2**20, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * source.numel() * 4 / statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", default=["resnet50", "resnet101", "bert-base"])
+    parser.add_argument("--compressors", nargs="+", default=[n for n in COMPRESSORS.names() if n != "none"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device)
+    print(f"device {device}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
+    for model_name in args.models:
+        torch.manual_seed(0)
+        model, loss = model_and_loss(model_name, args.batch, args.image_size, device)
+        elements = sum(p.numel() for p in model.parameters())
+        tensors = sum(1 for _ in model.parameters())
+        print(f"### {model_name}: {tensors} tensors, {elements:,} elements\n")
+        print("| compressor | layerwise (ms) | single bucket (ms) | bucket_mb:25 (ms) | auto plan (ms) | auto buckets | floor (ms) |")
+        print("|---|---|---|---|---|---|---|")
+        for compressor in args.compressors:
+            cells, sent = [], 0
+            for plan in (*PLANS, "auto:2"):
+                buckets, flats = buckets_of(model, loss, compressor, plan)
+                seconds, sent = time_plan(compressor, buckets, flats, args.runs)
+                cells.append(f"{1000 * seconds:.2f}")
+            memory = USUAL.get(compressor, ("none", {}))[0]
+            moved = 4 * elements + (8 * elements if memory != "none" else 0) + sent + 4 * elements
+            print(f"| {compressor} | {' | '.join(cells)} | {len(buckets)} | {1000 * moved / bandwidth:.2f} |", flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    main()
