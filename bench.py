@@ -112,7 +112,8 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
             times = [t for r in ok for t in r["step_times_s"]]
             medians[name] = statistics.median(times)
             failures = len(results) - len(ok)
-            row["status"] = "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds ({results[0].get('failed', '')})"
+            first_failure = next((r["failed"] for r in results if "failed" in r), "")
+            row["status"] = "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds; otherwise {first_failure}"
             row["median step (s)"] = medians[name]
             row["samples/s"] = cfg.data.batch_size * ok[0]["world_size"] / medians[name]
             row["bytes sent / step"] = ok[0].get("sent_bytes_per_step")
