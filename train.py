@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import GCFusedStrategy
+from gc_strategy.lowrank_models import PufferfishWarmup, enable_factorized_loading, select_layers
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
@@ -77,6 +78,17 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
     return LSTMLanguageModel(vocab_size=data.vocab_size, **model_options), data
 
 
+def build_lowrank(cfg: DictConfig, module: pl.LightningModule) -> list[pl.Callback]:
+    """``lowrank=pufferfish`` / ``lowrank=powerfish``: the full-rank warm-up callback, checked now."""
+    options = OmegaConf.to_container(cfg.lowrank, resolve=True)
+    if not options.pop("enabled"):
+        return []
+    warmup = PufferfishWarmup(**options)
+    select_layers(module, warmup.keep_full_rank)  # a keep_full_rank pattern matching nothing fails here
+    enable_factorized_loading(module)  # resuming from a checkpoint saved after the conversion
+    return [warmup]
+
+
 def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
     kind = cfg.logger.kind
     if kind == "wandb":
@@ -117,7 +129,8 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         log_every_n_steps=t.log_every_n_steps,
         strategy=strategy,
         logger=build_logger(cfg, output_dir, run_name),
-        callbacks=[monitor, ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps)],
+        callbacks=[monitor, *build_lowrank(cfg, module),
+                   ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps)],
     )
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     summary_file = output_dir / "summary.json"

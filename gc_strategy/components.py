@@ -23,6 +23,15 @@ class Components:
     communicator: Communicator
     fusion: FusionPlanner
 
+    def renewed(self) -> "Components":
+        """The same roles with the same options and fresh state (e.g. for a model whose parameters
+        changed); the fusion planner is parsed again from its string form."""
+        def fresh(role: Any) -> Any:
+            return type(role)(**getattr(role, "options", {}))
+
+        return Components(fresh(self.compressor), fresh(self.memory), fresh(self.communicator),
+                          parse_fusion(self.fusion.describe()))
+
     def describe(self) -> str:
         return (
             f"compressor={self.compressor.name} memory={self.memory.name} "

@@ -85,16 +85,17 @@ class GCFusedStrategy(DDPStrategy):
             self._restore(self._pending_state)
             self._pending_state = None
 
-    def switch_components(self, components: Components) -> None:
-        """Synchronise with other roles from now on (e.g. an uncompressed baseline phase, or a new
-        compressor after a model conversion). Call it on every rank between the same two steps;
-        the new roles start with fresh state and record the gradient order again."""
+    def switch_components(self, components: Components, broadcast_from_rank0: bool = False) -> None:
+        """Synchronise with other roles from now on (e.g. an uncompressed baseline phase, or the
+        parameters of a converted model). Call it on every rank between the same two steps; the new
+        roles start with fresh state, cover the module's current parameters and record the gradient
+        order again; ``broadcast_from_rank0`` first copies rank 0's parameters and buffers to all."""
         self.components = components
         if self.synchronizer is not None:
             self.synchronizer.close()
             c = components
             self.synchronizer = GradientSynchronizer(
-                self.model, c.compressor, c.memory, c.communicator, c.fusion, broadcast_from_rank0=False
+                self.model, c.compressor, c.memory, c.communicator, c.fusion, broadcast_from_rank0=broadcast_from_rank0
             )
 
     def setup_optimizers(self, trainer: Any) -> None:

@@ -221,9 +221,21 @@ def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
 def test_help_lists_the_groups_and_the_config():
     done = _cli(Path("/tmp"), "--help", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    for group in ("compressor:", "memory:", "comm:", "fusion:", "model:", "data:", "trainer:", "logger:"):
+    for group in ("compressor:", "memory:", "comm:", "fusion:", "lowrank:", "model:", "data:", "trainer:", "logger:"):
         assert group in done.stdout
     assert "auto, bucket_mb, file, groups, layerwise, single" in done.stdout
+
+
+@pytest.mark.slow
+def test_cli_powerfish_converts_after_the_warmup_and_checkpoints_the_low_rank_model(tmp_path):
+    done = _cli(tmp_path, *QUICK, "logger=csv", "compressor=powersgd", "lowrank=powerfish", "lowrank.warmup_steps=2",
+                f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2: full-rank warm-up over. Pufferfish: 14 layers factorised, 7 kept full-rank" in done.stderr
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert "net.layer2.0.conv1.u.weight" in state["state_dict"] and "net.layer1.0.conv1.weight" in state["state_dict"]
+    synchronizer = state["gc_strategy"]["ranks"][0]  # saved by the synchroniser of the low-rank phase: no PowerSGD state
+    assert "net.layer2.0.conv1.u.weight" in synchronizer["ready_order"] and not synchronizer["compressor_extra"]
 
 
 @pytest.mark.slow
@@ -243,6 +255,9 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
     (["model=lstm"], "model 'lstm' needs text data"),
     (["fusion=file"], "fusion.path"),
     (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
+    (["lowrank=pufferfish", "lowrank.ratio=1.5"], "ratio = 1.5 is invalid; allowed: a number in (0, 1]"),
+    (["lowrank=pufferfish", "lowrank.warmup_steps=-3"], "warmup_steps = -3 is invalid"),
+    (["lowrank=pufferfish", "lowrank.keep_full_rank=[net.layer9.*]"], "pattern 'net.layer9.*' matches no factorisable"),
 ])
 def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
     done = _cli(tmp_path, "trainer.max_steps=4", *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
