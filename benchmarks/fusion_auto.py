@@ -4,8 +4,9 @@ On 2 CPU ranks over gloo (one thread each) it trains torchvision ResNet-18 (10 c
 stem) on a fixed synthetic batch of 32x32 images, one model copy per fusion plan, all with the same
 compressor and memory. After warm-up (``fusion=auto`` profiles and plans during it) the plans run
 interleaved round by round (A B C ... A B C ...) so that machine noise hits all alike. Prints, per
-plan: buckets, median measured step time, the time the auto plan's cost model predicts for that plan,
-and measured time relative to the best fixed plan; then the search time for ResNet-101's 314 tensors.
+plan: buckets, median measured step time, the time the auto plan's fitted cost model predicts for
+that plan, and measured time relative to the best fixed plan; then what the auto run measured and
+fitted while it planned, and the search time for ResNet-101's 314 tensors.
 
     python benchmarks/fusion_auto.py --compressor efsignsgd --memory residual --rounds 3 --steps 5
 """
@@ -57,9 +58,10 @@ def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None
         engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
         runs[plan] = (model, engine, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     auto_engine = runs["auto"][1]
-    warmup = 1 + 3 * auto_engine.tuner.steps + 1  # record the order, settle, profile, verify
+    while auto_engine.tuner.phase != "done":  # settle, profile, trials, verify
+        train_steps(*runs["auto"], batch, 1)
     for plan in plans:
-        train_steps(*runs[plan], batch, warmup if plan == "auto" else 2)
+        train_steps(*runs[plan], batch, 2)
         if rank == 0:
             print(f"warmed up {plan}", flush=True)
     times: dict[str, list[float]] = {plan: [] for plan in plans}
@@ -123,7 +125,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for plan, (buckets, measured, predicted) in rows.items():
         print(f"| {plan} | {buckets} | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} | {measured / best_fixed:.3f} |")
-    print(f"\nauto chose {report['buckets']} buckets of {report['bucket_mb']} MB; profiling took {report['profile_s']:.1f} s, "
+    print("\nInside the auto run, before the benchmark: the plans it tried and the fitted model's times "
+          f"(compression costs x{report['compression_cost_scale']:.2f}, communication x{report['communication_cost_scale']:.2f})\n")
+    print("| plan tried | buckets | measured step (s) | fitted model (s) |")
+    print("|---|---|---|---|")
+    for trial in report["trials"]:
+        print(f"| {trial['plan']} | {len(trial['groups'])} | {trial['measured_step_s']:.3f} | {trial['predicted_step_s']:.3f} |")
+    print(f"| searched plan | {len(report['searched_groups'])} | {report['searched_measured_step_s']:.3f} | "
+          f"{simulate(CostModel.from_dict(report['cost_model']), report['searched_groups']):.3f} |")
+    print(f"\nauto kept the plan chosen by {report['chosen_by']}: {report['buckets']} buckets of {report['bucket_mb']} MB; "
+          f"profiling and fitting took {report['profile_s']:.1f} s, "
           f"the search {1000 * report['search_s']:.1f} ms; predicted fp32 allreduce step: {report['predicted_fp32_allreduce_s']:.3f} s")
     count, seconds = resnet101_search_seconds(CostModel.from_dict(report["cost_model"]))
     print(f"exact search over ResNet-101's {count} tensors with these costs: {1000 * seconds:.0f} ms")

@@ -144,9 +144,10 @@ class GCFusedStrategy(DDPStrategy):
             return
         self._announced_plan = report
         rank_zero_info(
-            f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB): "
-            f"predicted step {report['predicted_step_s']:.4f} s, measured {report['measured_step_s']:.4f} s "
-            f"(profiling {report['profile_s']:.2f} s, search {1000 * report['search_s']:.1f} ms)"
+            f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB) "
+            f"by {report['chosen_by']}: predicted step {report['predicted_step_s']:.4f} s, measured "
+            f"{report['measured_step_s']:.4f} s ({len(report['trials'])} plans tried; profiling {report['profile_s']:.2f} s, "
+            f"search {1000 * report['search_s']:.1f} ms)"
         )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not self.is_global_zero:

@@ -199,7 +199,7 @@ def _cli(tmp_path, *args, timeout=300):
 
 @pytest.mark.slow
 def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
-    done = _cli(tmp_path, *QUICK, "trainer.max_steps=7", "compressor=fp16", "fusion=auto", "fusion.profile_steps=1",
+    done = _cli(tmp_path, *QUICK, "trainer.max_steps=12", "compressor=fp16", "fusion=auto", "fusion.profile_steps=1",
                 "speedup.baseline_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"

@@ -99,16 +99,22 @@ def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():
     assert predicted <= min(simulate(model, [count]), simulate(model, [1] * count))
 
 
-def test_calibration_recovers_the_scale_of_the_compression_costs():
-    from gc_strategy.fusion.auto import calibrate
+def test_fit_recovers_the_scales_of_compression_and_communication():
+    from gc_strategy.fusion.auto import fit_scales
 
-    shape = dict(ready=(0.0, 0.1, 0.2, 0.3), numels=(1000, 2000, 3000, 4000), comm=Cost.linear(0.01, 1e-6), other=0.05)
-    measured_as = CostModel(encode=Cost.linear(0.002, 6e-6), decode=Cost.linear(0.001, 4e-6), **shape)
-    profiled = CostModel(encode=Cost.linear(0.001, 3e-6), decode=Cost.linear(0.0005, 2e-6), **shape)
-    scale, calibrated = calibrate(profiled, [2, 2], simulate(measured_as, [2, 2]))
-    assert scale == pytest.approx(2.0, rel=1e-6)
-    assert simulate(calibrated, [1, 1, 1, 1]) == pytest.approx(simulate(measured_as, [1, 1, 1, 1]), rel=1e-6)
-    assert calibrate(profiled, [4], 1e-9)[0] == 0.25  # out of range: clamped
+    profiled = CostModel(ready=tuple(0.02 * i for i in range(8)), numels=tuple(1000 * (i + 1) for i in range(8)),
+                         encode=Cost.linear(0.001, 3e-6), comm=Cost.linear(0.004, 2e-6),
+                         decode=Cost.linear(0.0005, 2e-6), other=0.05)
+    truth = CostModel(profiled.ready, profiled.numels, Cost.linear(0.002, 6e-6), Cost.linear(0.001, 5e-7),
+                      Cost.linear(0.001, 4e-6), other=0.05)  # compression 2x, communication 1/4
+    trials = [[1] * 8, [2] * 4, [4, 4], [8], [3, 5]]
+    measured = {tuple(g): simulate(truth, g) for g in trials}
+    (a, b), fitted = fit_scales(profiled, measured)
+    assert a == pytest.approx(2.0, rel=0.03) and b == pytest.approx(0.25, rel=0.03)
+    for groups in ([1, 7], [2, 2, 2, 2], [5, 1, 1, 1]):  # plans not in the fit
+        assert simulate(fitted, groups) == pytest.approx(simulate(truth, groups), rel=0.02)
+    (a, b), _ = fit_scales(profiled, {tuple(g): 1e-6 for g in trials})  # out of range: clamped
+    assert a == pytest.approx(1 / 8) and b == pytest.approx(1 / 8)
 
 
 @pytest.mark.parametrize(
@@ -145,7 +151,11 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     model = SmallCNN()
     c = build_components("topk", "residual", density=0.1, fusion="auto:2")
     engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-    _train(model, engine, 1 + 2 + 2 + 2 + 1, seed=rank)  # order, settle, profile, verify, one more
+    planning_steps = 0
+    while engine.tuner.phase != "done":  # order, settle, profile, trials, verify
+        _train(model, engine, 1, seed=rank + 100 * planning_steps)
+        planning_steps += 1
+    _train(model, engine, 1, seed=rank)
     report = engine.plan_report
     if rank == 0:
         engine.export_plan(plan_path)
@@ -163,7 +173,9 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     return {
         "groups": engine.groups,
         "order": engine.order,
-        "report": {k: report[k] for k in ("groups", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s")},
+        "report": {k: report[k] for k in ("groups", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s",
+                                          "trials", "searched_groups", "searched_measured_step_s")},
+        "planning_steps": planning_steps,
         "restored": (restored.groups, restored.order, restored.tuner.phase, restored.plan_report["groups"]),
         "from_file": (from_file.groups, from_file.order),
     }
@@ -178,6 +190,14 @@ def test_auto_plan_is_the_same_on_every_rank_and_survives_resume_and_files(tmp_p
     report = first["report"]
     assert report["groups"] == first["groups"]
     assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0 and report["predicted_fp32_allreduce_s"] > 0
+    # SmallCNN's 8 tensors: the default plan (1 bucket), layerwise, groups:2, groups:4 (8 and 16 are layerwise)
+    assert [len(t["groups"]) for t in report["trials"]] == [1, 8, 2, 4]
+    assert first["planning_steps"] == 2 + 2 + 3 * 2 + 2  # settle (the first records the order), profile, 3 trials, verify
+    # the plan kept is the fastest measured one
+    candidates = {tuple(t["groups"]): t["measured_step_s"] for t in report["trials"]}
+    candidates[tuple(report["searched_groups"])] = report["searched_measured_step_s"]  # verified
+    assert report["measured_step_s"] == min(candidates.values())
+    assert candidates[tuple(report["groups"])] == report["measured_step_s"]
     for r in results:
         assert r["restored"] == (first["groups"], first["order"], "done", first["groups"])
         assert r["from_file"] == (first["groups"], first["order"])

@@ -3,6 +3,8 @@
 import random
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from gc_strategy.fusion import GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan, parse_fusion
 
@@ -43,8 +45,19 @@ def test_groups_balance_on_random_sizes():
 
 def test_size_cap_closes_a_bucket_once_it_reaches_the_cap():
     sizes = [MB, MB, 3 * MB, MB // 2, MB // 2, MB]
-    assert SizeCapPlan(2).plan(sizes) == [2, 1, 3]
-    assert SizeCapPlan(100).plan(sizes) == [6]
+    assert SizeCapPlan(2).plan(sizes) == [1, 2, 3]  # the first bucket closes at 1 MiB, like DDP's
+    assert SizeCapPlan(100).plan(sizes) == [1, 5]
+    assert SizeCapPlan(0.25).plan([MB // 8] * 4) == [2, 2]  # a cap below 1 MiB applies to the first too
+
+
+@pytest.mark.parametrize("cap_mb", [25, 4, 1.5])
+def test_size_cap_buckets_like_ddp(cap_mb):
+    """The reference is DDP's own assignment (first bucket 1 MiB, then the cap) on fp32 tensors."""
+    g = torch.Generator().manual_seed(int(cap_mb * 10))
+    numels = [int(n) for n in torch.randint(1, 3_000_000, (40,), generator=g)]
+    reference, _ = dist._compute_bucket_assignment_by_size(
+        [torch.empty(n) for n in numels], [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * MB)])
+    assert SizeCapPlan(cap_mb).plan([4 * n for n in numels]) == [len(bucket) for bucket in reference]
 
 
 @pytest.mark.parametrize(

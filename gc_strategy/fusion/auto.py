@@ -1,25 +1,31 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
 The :class:`AutoTuner` lives inside a :class:`~gc_strategy.engine.GradientSynchronizer` whose planner
-is an :class:`~gc_strategy.fusion.plans.AutoPlan`. Once the gradient-ready order is known it lets
-``profile_steps`` steps pass (the first steps of a process are slower than the rest: the allocator
-and caches are still cold), then records, for ``profile_steps`` steps run with the default plan:
+is an :class:`~gc_strategy.fusion.plans.AutoPlan` (``auto:S``). Once the gradient-ready order is known:
 
-- each tensor's ready time within backward, on a clock that leaves out the synchroniser's own work
-  in the gradient hooks (a monotonic host clock on the CPU; CUDA events on the compute stream on GPU),
-- the iteration period, hence ``other`` = period - (first gradient ready -> end of synchronisation).
+1. **Settle**: ``S`` steps pass (the first steps of a process are slower than the rest: the
+   allocator and caches are still cold).
+2. **Profile**, ``S`` steps with the default plan: each tensor's ready time within backward, on a
+   clock that leaves out the synchroniser's own work in the gradient hooks (a monotonic host clock on
+   the CPU; CUDA events on the compute stream on GPU), and the iteration period, hence ``other`` =
+   period - (first gradient ready -> end of synchronisation). At the end of that step, on every rank,
+   the compressor's encode and decode and the communicator's exchange are timed with real
+   collectives on buckets cut from the model's own tensors (real shapes, real gradient values) at
+   sizes spread geometrically from one tensor to the whole model: the *shape* of the cost curves.
+3. **Trials**, ``S`` steps each with a few fixed plans of different granularity (:data:`TRIAL_PLANS`):
+   real step times of real plans in this training run.
+4. **Fit and search**: the compression and communication curves are scaled by the two factors under
+   which the timeline model best reproduces every measured step time (least squares on log times);
+   the exact search (:func:`~gc_strategy.fusion.timeline.best_plan`) then picks the plan.
+5. **Verify**, ``S`` steps with that plan. The plan kept is the fastest *measured* one: the searched
+   plan unless a trial plan was measured faster (the model is a model; the measurement decides).
 
-Then, at the end of the same step on every rank, it measures the compressor's encode and decode and
-the communicator's exchange with real collectives on buckets cut from the model's own tensors
-(real shapes, real gradient values) at sizes spread geometrically from one tensor to the whole
-model, reduces every measurement across ranks with ``max`` (all ranks then hold the same numbers),
-makes :class:`~gc_strategy.fusion.timeline.Cost` curves of them, searches
-the plan exactly (:func:`~gc_strategy.fusion.timeline.best_plan`), broadcasts rank 0's plan and has
-the synchroniser rebuild its buckets. For ``profile_steps`` more steps it measures the period again,
-so :attr:`AutoTuner.report` holds the predicted and the measured step time side by side.
-
-Re-planning when measurements drift is not done: a plan is chosen once per synchroniser (a resumed
-run keeps the plan stored in its checkpoint).
+Every measurement is reduced across ranks with ``max`` before it is used, so all ranks fit the same
+model, and rank 0's plan is broadcast; the synchroniser rebuilds its buckets on every rank at the
+same step (error-feedback state carries over by parameter name). :attr:`AutoTuner.report` holds the
+plan, its predicted and measured step time, the trials with their measured and fitted times, and the
+cost model. Re-planning later when conditions drift is not done: a plan is chosen once per
+synchroniser (a resumed run keeps the plan stored in its checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -43,15 +50,19 @@ if TYPE_CHECKING:
 RUNS = 5
 #: fixed plans whose predicted times the report lists next to the chosen one
 REFERENCE_PLANS = [LayerwisePlan(), SinglePlan(), GroupsPlan(4), GroupsPlan(16), SizeCapPlan(25)]
+#: plans run for S steps each after the profile: measured step times over a spread of bucket counts
+TRIAL_PLANS = [LayerwisePlan(), GroupsPlan(2), GroupsPlan(4), GroupsPlan(8), GroupsPlan(16)]
+#: the fitted scale factors of the compression and the communication costs lie in [1/RANGE, RANGE]
+SCALE_RANGE = 8.0
 
 
 class AutoTuner:
-    """Profiles, plans and verifies for one synchroniser (see the module docstring)."""
+    """Profiles, tries, plans and verifies for one synchroniser (see the module docstring)."""
 
     def __init__(self, engine: "GradientSynchronizer", planner: AutoPlan) -> None:
         self.engine = engine
         self.steps = planner.profile_steps
-        self.phase = "settle"  # -> "profile" -> "verify" after planning -> "done"
+        self.phase = "settle"  # -> "profile" -> "trial" -> "verify" -> "done"
         self._settled = 0
         self.report: dict[str, Any] | None = None
         self._ready: list[list[float]] = []
@@ -60,6 +71,11 @@ class AutoTuner:
         self._last_end: float | None = None
         self._step_marks: dict[int, Any] = {}
         self._first_wall: float | None = None
+        self._model: CostModel | None = None  # the profiled cost model, before fitting
+        self._profile_s = 0.0
+        self._measured: dict[tuple[int, ...], float] = {}  # plan -> median step time (this rank)
+        self._names: dict[tuple[int, ...], str] = {}
+        self._queue: list[tuple[int, ...]] = []
 
     @property
     def recording(self) -> bool:
@@ -93,13 +109,19 @@ class AutoTuner:
             self._periods.append(period)
         if self.phase == "profile" and self._step_marks:
             self._ready.append(self._ready_times())
-        self._last_end, self._first_wall, self._step_marks = end, None, {}
-        if self.phase == "profile" and len(self._ready) >= self.steps and self._other:
-            self._plan()
-            self._last_end = time.perf_counter()  # the next period starts after the planning
-        elif self.phase == "verify" and len(self._periods) >= self.steps:
-            self.report["measured_step_s"] = statistics.median(self._periods)
-            self.phase = "done"
+        self._first_wall, self._step_marks = None, {}
+        if len(self._periods) < self.steps or (self.phase == "profile" and (len(self._ready) < self.steps or not self._other)):
+            self._last_end = end
+            return
+        self._measured[tuple(self.engine.groups)] = statistics.median(self._periods)
+        self._periods = []
+        if self.phase == "profile":
+            self._profile()
+        if self.phase in ("profile", "trial"):
+            self._next_trial_or_plan()
+        elif self.phase == "verify":
+            self._decide()
+        self._last_end = time.perf_counter()  # the next period starts after this work
 
     def _ready_times(self) -> list[float]:
         """This step's ready times in bucket order, relative to the first (a tensor that got no
@@ -117,78 +139,137 @@ class AutoTuner:
             times.append(last)
         return times
 
-    # ------------------------------------------------------------------ planning
-    def _plan(self) -> None:
+    # ------------------------------------------------------------------ profile, trials, plan
+    def _profile(self) -> None:
+        """The cost curves (microbenchmarks) and the ready times, reduced across ranks; the trials."""
         engine = self.engine
         start = time.perf_counter()
         numels = [engine._param(name).numel() for name in engine.order]
         sizes, costs = measure_costs(engine, numels)
         ready = [statistics.median(column) for column in zip(*self._ready)]
-        steps = [statistics.median(self._other), statistics.median(self._periods)]
-        measured = torch.tensor([*ready, *steps, *costs.flatten().tolist()], dtype=torch.float64)
-        if engine.world_size > 1:
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.group)
-        values = measured.tolist()
-        ready, (other, default_step) = values[: len(numels)], values[len(numels) : len(numels) + 2]
-        encode, comm, decode, fp32 = (Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 2 :]).view(4, -1).tolist())
-        uncalibrated = CostModel(tuple(ready), tuple(numels), encode, comm, decode, other=max(other, 0.0))
-        scale, model = calibrate(uncalibrated, engine.groups, default_step)
+        values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
+        ready, other = values[: len(numels)], values[len(numels)]
+        encode, comm, decode, fp32 = (Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(4, -1).tolist())
+        self._model = CostModel(tuple(ready), tuple(numels), encode, comm, decode, other=max(other, 0.0))
+        self._fp32 = fp32
+        nbytes = self._nbytes()
+        self._names = {tuple(engine.groups): engine.planner.default.describe()}
+        for plan in TRIAL_PLANS:
+            self._names.setdefault(tuple(plan.plan(nbytes)), plan.describe())
+        self._queue = [groups for groups in self._names if groups not in self._measured]
+        self._profile_s = time.perf_counter() - start
+        self.phase = "trial"
+
+    def _nbytes(self) -> list[int]:
+        engine = self.engine
+        return [engine._param(name).numel() * engine._param(name).element_size() for name in engine.order]
+
+    def _next_trial_or_plan(self) -> None:
+        if self._queue:
+            self.engine._rebuild(self.engine.order, list(self._queue.pop(0)))
+        else:
+            self._plan()
+
+    def _plan(self) -> None:
+        engine = self.engine
+        start = time.perf_counter()
+        tried = list(self._measured)
+        measured = dict(zip(tried, _max_across_ranks(engine, [self._measured[g] for g in tried])))
+        scales, model = fit_scales(self._model, measured)
         search = time.perf_counter()
         groups, _ = best_plan(model)
         search_s = time.perf_counter() - search
-        if engine.world_size > 1:  # identical inputs give identical plans; rank 0's is authoritative
-            padded = torch.zeros(len(numels), dtype=torch.int64)
-            padded[: len(groups)] = torch.tensor(groups)
-            dist.broadcast(padded, _rank0(engine), group=engine.group)
-            groups = [g for g in padded.tolist() if g > 0]
+        groups = _broadcast_plan(engine, groups)
         free = Cost.linear(0.0, 0.0)
-        baseline = CostModel(model.ready, model.numels, free, fp32, free, other=model.other)
-        element_size = engine._param(engine.order[0]).element_size()
-        nbytes = [n * element_size for n in numels]
+        baseline = CostModel(model.ready, model.numels, free, self._fp32, free, other=model.other)
+        nbytes = self._nbytes()
+        self._measured = measured
         self.report = {
-            "groups": groups,
-            "default_plan_measured_step_s": default_step,
-            "compression_cost_scale": scale,
-            "buckets": len(groups),
-            "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(groups)],
-            "predicted_step_s": simulate(model, groups),
+            "searched_groups": groups,
+            "searched_measured_step_s": None,
+            "compression_cost_scale": scales[0],
+            "communication_cost_scale": scales[1],
+            "trials": [{"plan": self._names[g], "groups": list(g), "measured_step_s": t,
+                        "predicted_step_s": simulate(model, list(g))} for g, t in measured.items()],
             "predicted_other_plans_s": {p.describe(): simulate(model, p.plan(nbytes)) for p in REFERENCE_PLANS},
             "predicted_fp32_allreduce_s": simulate(baseline, SizeCapPlan(25).plan(nbytes)),
-            "measured_step_s": None,
-            "profile_s": time.perf_counter() - start,
+            "profile_s": self._profile_s + time.perf_counter() - start,
             "search_s": search_s,
             "cost_model": model.to_dict(),
         }
+        self._fitted = model
+        self._describe_plan(groups, measured_s=None)
         engine._rebuild(engine.order, groups)
-        self._periods = []
         self.phase = "verify"
+
+    def _decide(self) -> None:
+        """Keep the fastest measured plan: the searched one (as verified: if it was also a trial, the
+        newer measurement counts), or a trial that was measured faster."""
+        searched = tuple(self.report["searched_groups"])
+        (verified,) = _max_across_ranks(self.engine, [self._measured[searched]])
+        self._measured[searched] = verified
+        self.report["searched_measured_step_s"] = verified
+        best = min(self._measured, key=lambda g: (self._measured[g], g != searched))
+        if best != searched:
+            self.engine._rebuild(self.engine.order, list(best))
+        self._describe_plan(list(best), measured_s=self._measured[best])
+        self.report["chosen_by"] = "search" if best == searched else f"measurement (trial {self._names[best]})"
+        self.phase = "done"
+
+    def _describe_plan(self, groups: list[int], measured_s: float | None) -> None:
+        nbytes = self._nbytes()
+        self.report.update({
+            "groups": groups,
+            "buckets": len(groups),
+            "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(groups)],
+            "predicted_step_s": simulate(self._fitted, groups),
+            "measured_step_s": measured_s,
+        })
 
     def restore(self, report: dict[str, Any]) -> None:
         """A plan restored from a checkpoint: nothing left to profile."""
         self.report, self.phase = report, "done"
 
 
-def calibrate(model: CostModel, groups: list[int], measured_step: float) -> tuple[float, CostModel]:
-    """Scale the encode and decode curves by the factor ``s`` (within [1/4, 4]) under which the model
-    reproduces ``measured_step``, the step time measured with the plan ``groups`` during profiling.
-    The microbenchmark gives the shape of the compression cost over sizes; the real training step,
-    where compression competes with everything else on the device, gives its level."""
+def fit_scales(model: CostModel, measured: dict[tuple[int, ...], float]) -> tuple[tuple[float, float], CostModel]:
+    """The factors ``(a, b)`` by which to scale the compression (encode, decode) and the
+    communication cost curves so that the timeline model best reproduces the step times
+    ``measured`` of the plans tried: least squares on ``log(simulated) - log(measured)``, over a
+    geometric grid in ``[1/SCALE_RANGE, SCALE_RANGE]`` refined three times around its best point. The
+    microbenchmarks give the shape of each cost over sizes; the training steps, where compression
+    and collectives compete with everything else on the device, give their level."""
+    plans = [(list(groups), np.log(seconds)) for groups, seconds in measured.items()]
 
-    def scaled(s: float) -> CostModel:
-        def times(cost: Cost) -> Cost:
-            return Cost(cost.sizes, tuple(s * t for t in cost.seconds))
+    def error(a: float, b: float) -> float:
+        scaled = model.scaled(a, b)
+        return sum((np.log(simulate(scaled, groups)) - target) ** 2 for groups, target in plans)
 
-        return CostModel(model.ready, model.numels, times(model.encode), model.comm, times(model.decode), model.other)
+    limit = np.log2(SCALE_RANGE)
+    centre, half_width = (0.0, 0.0), limit
+    for points in (13, 7, 7, 7):  # log2 grid: 0.5 steps, then 3 refinements around the best
+        axis = np.linspace(-half_width, half_width, points)
+        grid = [(np.clip(centre[0] + x, -limit, limit), np.clip(centre[1] + y, -limit, limit)) for x in axis for y in axis]
+        centre = min(grid, key=lambda p: (error(2 ** p[0], 2 ** p[1]), abs(p[0]) + abs(p[1])))
+        half_width = 2 * half_width / (points - 1)
+    a, b = 2 ** centre[0], 2 ** centre[1]
+    return (float(a), float(b)), model.scaled(a, b)
 
-    low, high = 0.25, 4.0
-    if simulate(scaled(low), groups) >= measured_step:
-        return low, scaled(low)
-    if simulate(scaled(high), groups) <= measured_step:
-        return high, scaled(high)
-    for _ in range(50):  # the simulated time is non-decreasing in s
-        middle = (low + high) / 2
-        low, high = (middle, high) if simulate(scaled(middle), groups) < measured_step else (low, middle)
-    return (low + high) / 2, scaled((low + high) / 2)
+
+def _max_across_ranks(engine: "GradientSynchronizer", values: list[float]) -> list[float]:
+    measured = torch.tensor(values, dtype=torch.float64)
+    if engine.world_size > 1:
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.group)
+    return measured.tolist()
+
+
+def _broadcast_plan(engine: "GradientSynchronizer", groups: list[int]) -> list[int]:
+    """Identical inputs give identical plans; rank 0's is authoritative."""
+    if engine.world_size == 1:
+        return groups
+    padded = torch.zeros(len(engine.order), dtype=torch.int64)
+    padded[: len(groups)] = torch.tensor(groups)
+    dist.broadcast(padded, _rank0(engine), group=engine.group)
+    return [g for g in padded.tolist() if g > 0]
 
 
 def _rank0(engine: "GradientSynchronizer") -> int:

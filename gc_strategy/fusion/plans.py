@@ -86,7 +86,11 @@ class GroupsPlan(FusionPlanner):
 
 
 class SizeCapPlan(FusionPlanner):
-    """Like DDP's ``bucket_cap_mb``: close a bucket once it holds at least ``cap_mb`` megabytes."""
+    """DDP's bucketing (``bucket_cap_mb``): close a bucket once it holds at least ``cap_mb``
+    megabytes, except the first, which closes at ``min(1 MiB, cap_mb)`` as in DDP
+    (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``) so that communication starts early in backward."""
+
+    FIRST_BUCKET_BYTES = 1024 * 1024
 
     def __init__(self, cap_mb: float) -> None:
         if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)) or not cap_mb > 0:
@@ -95,13 +99,14 @@ class SizeCapPlan(FusionPlanner):
 
     def plan(self, sizes: list[int]) -> list[int]:
         cap = self.cap_mb * 1024 * 1024
+        limit = min(self.FIRST_BUCKET_BYTES, cap)
         groups, count, held = [], 0, 0
         for size in sizes:
             count += 1
             held += size
-            if held >= cap:
+            if held >= limit:
                 groups.append(count)
-                count, held = 0, 0
+                count, held, limit = 0, 0, cap
         if count:
             groups.append(count)
         return groups

@@ -72,6 +72,9 @@ class Cost:
         out = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), np.interp(n, sizes, seconds))
         return out if out.ndim else float(out)
 
+    def scaled(self, factor: float) -> "Cost":
+        return Cost(self.sizes, tuple(factor * t for t in self.seconds))
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -88,6 +91,12 @@ class CostModel:
         if len(self.ready) != len(self.numels) or not self.numels:
             raise ValueError(f"cost model needs one ready time per tensor; got {len(self.ready)} and {len(self.numels)}")
 
+    def scaled(self, compression: float, communication: float) -> "CostModel":
+        """The same model with encode and decode times times ``compression`` and communication
+        times times ``communication``."""
+        return CostModel(self.ready, self.numels, self.encode.scaled(compression), self.comm.scaled(communication),
+                         self.decode.scaled(compression), self.other)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -101,18 +110,15 @@ def simulate(model: CostModel, groups: list[int]) -> float:
     """Simulated iteration time of the plan ``groups`` (tensors per bucket), step by step."""
     if sum(groups) != len(model.numels) or any(g < 1 for g in groups):
         raise ValueError(f"plan {groups} does not cover {len(model.numels)} tensors")
-    encoded = network = decoded = last_decode = 0.0
-    start = 0
-    for count in groups:
-        end = start + count
-        n = sum(model.numels[start:end])
-        encoded += model.encode(n)
-        launch = model.ready[end - 1] + encoded
-        network = max(network, launch) + model.comm(n)
-        last_decode = model.decode(n)
-        decoded += last_decode
-        start = end
-    return model.other + max(model.ready[-1] + encoded + decoded, network + last_decode)
+    ends = np.cumsum(groups)
+    cumulative = np.concatenate([[0], np.cumsum(model.numels, dtype=np.float64)])
+    sizes = cumulative[ends] - cumulative[ends - np.asarray(groups)]
+    encode, decode = np.asarray(model.encode(sizes)), np.asarray(model.decode(sizes))
+    launches = np.asarray(model.ready)[ends - 1] + np.cumsum(encode)
+    network = 0.0
+    for launch, comm in zip(launches.tolist(), np.asarray(model.comm(sizes)).tolist()):
+        network = max(network, launch) + comm
+    return float(model.other + max(model.ready[-1] + encode.sum() + decode.sum(), network + decode[-1]))
 
 
 def _pareto(labels: np.ndarray) -> np.ndarray:
