@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
-from gc_strategy import GCFusedStrategy, build_components
+from gc_strategy import GCFusedStrategy, StepTelemetry, build_components
 
 
 class ThroughputMonitor(pl.Callback):
@@ -36,6 +37,7 @@ class ThroughputMonitor(pl.Callback):
         self.batch_size, self.baseline_steps, self.warmup_steps = batch_size, baseline_steps, warmup_steps
         self.output_dir = Path(output_dir)
         self.times: dict[str, list[float]] = {"baseline": [], "compressed": []}
+        self.telemetry: list[StepTelemetry] = []  # the synchroniser's record of each timed compressed step
         self.summary: dict[str, Any] = {}
         self._configured = None
         self._start = 0.0
@@ -62,6 +64,9 @@ class ThroughputMonitor(pl.Callback):
         first = 0 if phase == "baseline" else self.baseline_steps
         if step - first >= self.warmup_steps:
             self.times[phase].append(elapsed)
+            synchronizer = getattr(trainer.strategy, "synchronizer", None)
+            if phase == "compressed" and synchronizer is not None:
+                self.telemetry.append(replace(synchronizer.telemetry.last))
         samples = self.batch_size * trainer.world_size
         pl_module.log_dict(
             {"perf/step_time_s": elapsed, "perf/samples_per_s": samples / elapsed, "perf/baseline_phase": float(phase == "baseline")},
@@ -78,6 +83,11 @@ class ThroughputMonitor(pl.Callback):
             "step_times_s": compressed,
             "throughput_samples_per_s": self.batch_size * trainer.world_size / median,
         }
+        if self.telemetry:  # over the timed steps only (not the warm-up, e.g. PowerSGD's start_iter)
+            raw, sent = (sum(getattr(t, key) for t in self.telemetry) for key in ("raw_bytes", "sent_bytes"))
+            summary["compression_ratio"] = raw / sent if sent else float("inf")
+            summary["sent_bytes_per_step"] = sent / len(self.telemetry)
+            summary["breakdown"] = self._breakdown(median, self.telemetry)
         strategy = trainer.strategy
         if isinstance(strategy, GCFusedStrategy) and strategy.synchronizer is not None:
             report = strategy.synchronizer.plan_report
@@ -87,10 +97,6 @@ class ThroughputMonitor(pl.Callback):
                 summary["speedup_vs_fp32_allreduce_estimated_by_timeline_model"] = (
                     report["predicted_fp32_allreduce_s"] / report["predicted_step_s"]
                 )
-            telemetry = strategy.synchronizer.telemetry
-            summary["compression_ratio"] = telemetry.total.compression_ratio
-            summary["sent_bytes_per_step"] = telemetry.total.sent_bytes / max(1, telemetry.steps)
-            summary["breakdown"] = self._breakdown(median, telemetry)
             summary["buckets"] = [
                 {"bucket": b.index, "tensors": len(b.names), "elements": b.numel, "bytes": b.nbytes, "first": b.names[0]}
                 for b in strategy.synchronizer.buckets
@@ -133,9 +139,8 @@ class ThroughputMonitor(pl.Callback):
                 logger.experiment.finish()
 
     @staticmethod
-    def _breakdown(step_time: float, telemetry) -> dict[str, float]:
-        """Mean seconds per step: compression (encode + decode), exposed communication, the rest."""
-        steps = max(1, telemetry.steps)
-        compression = (telemetry.total.encode_s + telemetry.total.decode_s) / steps
-        exposed = telemetry.total.exposed_wait_s / steps
+    def _breakdown(step_time: float, telemetry: list[StepTelemetry]) -> dict[str, float]:
+        """Median seconds per timed step: compression (encode + decode), exposed communication, the rest."""
+        compression = statistics.median(t.encode_s + t.decode_s for t in telemetry)
+        exposed = statistics.median(t.exposed_wait_s for t in telemetry)
         return {"compute": max(0.0, step_time - compression - exposed), "encode+decode": compression, "exposed communication": exposed}

@@ -264,3 +264,28 @@ def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
     assert done.returncode != 0
     assert message in done.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_summary_bytes_and_breakdown_cover_the_timed_steps_only(tmp_path):
+    """PowerSGD-like: the first steps (start_iter) send everything, the timed ones a little."""
+    from types import SimpleNamespace
+
+    from gc_strategy import StepTelemetry
+    from recipes.monitor import ThroughputMonitor
+
+    monitor = ThroughputMonitor(batch_size=4, output_dir=str(tmp_path), warmup_steps=2)
+    synchronizer = SimpleNamespace(telemetry=SimpleNamespace(last=None))
+    trainer = SimpleNamespace(global_step=0, world_size=2, strategy=SimpleNamespace(synchronizer=synchronizer),
+                              is_global_zero=True, loggers=[])
+    module = SimpleNamespace(log_dict=lambda *a, **k: None)
+    for step, sent in enumerate([1000, 1000, 10, 10, 10]):
+        synchronizer.telemetry.last = StepTelemetry(raw_bytes=1000, sent_bytes=sent, encode_s=0.01 * step, exposed_wait_s=0.001)
+        monitor.on_train_batch_start(trainer, module, None, step)
+        trainer.global_step = step + 1
+        monitor.on_train_batch_end(trainer, module, None, None, step)
+    monitor.on_train_end(trainer, module)
+    summary = monitor.summary
+    assert len(summary["step_times_s"]) == 3
+    assert summary["sent_bytes_per_step"] == 10 and summary["compression_ratio"] == 100
+    assert summary["breakdown"]["encode+decode"] == pytest.approx(0.03)
+    assert summary["breakdown"]["exposed communication"] == pytest.approx(0.001)

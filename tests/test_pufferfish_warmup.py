@@ -8,7 +8,6 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gc_strategy import GCFusedStrategy
@@ -140,7 +139,7 @@ def test_learning_rate_rewarms_linearly_after_the_conversion():
 
 
 def test_strategies_that_keep_the_old_parameters_are_refused():
+    """Refused in ``setup``, the first hook of a fit (before any process group or step)."""
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, logger=False)
     with pytest.raises(ValueError, match="strategy DDPStrategy keeps references to the old parameters"):
-        fit(ParityModule(), "ddp", devices=1, callbacks=[PufferfishWarmup(warmup_steps=1)])
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        PufferfishWarmup(warmup_steps=1).setup(trainer, ParityModule(), "fit")
