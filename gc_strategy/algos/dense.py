@@ -24,20 +24,25 @@ class NoCompression(Compressor):
 
 
 class _Cast(Compressor):
-    """Sends ``g / W`` in a 16-bit float type (divide before casting so the sum cannot overflow, as
-    torch's ``fp16_compress_hook`` does); the sum of the payloads is already the average."""
+    """Sends ``g / W`` in a 16-bit float type (divided before the cast, so that the sum cannot
+    overflow where ``g`` alone would not); the sum of the payloads is already the average.
+
+    The division writes the 16-bit payload directly (one pass, no fp32 temporary), and the average
+    stays in the wire type: the engine's copy into ``param.grad`` converts it on the way.
+    """
 
     summable = True
     wire_dtype: torch.dtype
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
-        return [(flat / self.world_size).to(self.wire_dtype)]
+        wire = torch.empty(flat.numel(), dtype=self.wire_dtype, device=flat.device)
+        return [torch.div(flat, self.world_size, out=wire)]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return payload[0].to(bucket.dtype).mul_(self.world_size)
 
     def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
-        return summed[0].to(bucket.dtype)
+        return summed[0]
 
 
 @COMPRESSORS.register("fp16")
