@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .algos.base import Compressor, Memory
-from .bucket import Bucket
+from .bucket import Bucket, all_finite
 from .comm import Communicator, Exchange, Round
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.auto import AutoTuner
@@ -218,7 +218,7 @@ class GradientSynchronizer:
                     self._advance(job)
             start = time.perf_counter()
             stateful = self.memory.needs_local_estimate
-            finite = torch.isfinite(flat).all() if stateful else None
+            finite = all_finite(flat) if stateful else None
             compensated = self.memory.compensate(flat, bucket)
             job = _Job(bucket, self.compressor.exchange(compensated, bucket, self.comm, stateful), compensated, finite)
             job.round = next(job.exchange)

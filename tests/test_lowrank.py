@@ -82,9 +82,9 @@ def test_rank_clamping_and_the_compression_rule():
     compressor = build("powersgd", rank=8, min_compression_rate=2)
     bucket = _matrix_bucket((64, 3, 3, 3), (4, 5), (100,), (512, 512))
     layout = compressor.layout(bucket)
-    shapes = {key: [m.name for m in ms] for key, ms in layout.groups.items()}
+    shapes = {(m.rows, m.cols, m.rank): m.name for ms in layout.groups.values() for m in ms}
     # conv [64, 27]: (64+27)*8*2 = 1456 < 1728 compress; [4, 5]: rank 4, (9)*4*2 = 72 > 20 dense
-    assert shapes == {(64, 27, 8): ["w0"], (512, 512, 8): ["w3"]}
+    assert shapes == {(64, 27, 8): "w0", (512, 512, 8): "w3"}
     assert layout.dense.numel() == 20 + 100
 
 
@@ -209,3 +209,25 @@ def test_acpsgd_alternates_p_and_q_steps():
         with pytest.raises(StopIteration):
             exchange.send(round_.wait())
     assert sizes == [[600], [600], [60], [40], [60], [40], [60], [40]]
+
+
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_batched_same_shape_matrices_give_the_per_matrix_results(name, monkeypatch):
+    """The GPU layout (same-shape matrices in one bmm) against the CPU one (one matrix per bmm)."""
+    shapes = [(6, 4, 3, 3), (5,), (6, 4, 3, 3), (8, 9), (6, 4, 3, 3), (8, 9)]
+    bucket = _matrix_bucket(*shapes)
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(bucket.numel, generator=g) for _ in range(3)]
+    results = {}
+    for batched in (False, True):
+        monkeypatch.setattr(type(build(name)), "batch_by_shape", staticmethod(lambda device, b=batched: b))
+        compressor = build(name, rank=2, start_iter=0)
+        assert len(compressor.layout(bucket).groups) == (2 if batched else 5)
+        results[batched] = []
+        for step, flat in enumerate(steps):
+            compressor.step = step
+            average, local = _single_rank_exchange(compressor, flat, bucket)
+            results[batched].append((average, local, compressor.buffer("error", bucket).clone()))
+    for unbatched, batched in zip(results[False], results[True]):
+        for a, b in zip(unbatched, batched):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

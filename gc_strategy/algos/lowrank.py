@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket
+from ..bucket import Bucket, all_finite
 from ..comm import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
@@ -66,7 +66,7 @@ class _Matrix:
 class _Layout:
     """Which parts of a bucket are compressed, grouped by shape for batching."""
 
-    groups: dict[tuple[int, int, int], list[_Matrix]]
+    groups: dict[tuple, list[_Matrix]]
     dense: Tensor  # int64 positions of the densely averaged elements
 
 
@@ -80,10 +80,16 @@ class _LowRank(Compressor):
         self._layouts: dict[tuple[str, ...], _Layout] = {}
 
     # ---------------------------------------------------------------- layout
+    @staticmethod
+    def batch_by_shape(device: torch.device) -> bool:
+        """Batch same-shape matrices into one ``bmm`` on a GPU (fewer kernel launches); one matrix
+        per batch on the CPU, where a batch of several costs a copy of each matrix in and out."""
+        return device.type == "cuda"
+
     def layout(self, bucket: Bucket) -> _Layout:
         key = tuple(bucket.names)
         if key not in self._layouts:
-            groups: dict[tuple[int, int, int], list[_Matrix]] = {}
+            groups: dict[tuple, list[_Matrix]] = {}
             dense_mask = torch.ones(bucket.numel, dtype=torch.bool)
             for name, shape, offset, numel in zip(bucket.names, bucket.shapes, bucket.offsets, bucket.numels):
                 if len(shape) < 2:
@@ -91,7 +97,8 @@ class _LowRank(Compressor):
                 rows, cols = shape[0], numel // shape[0]
                 rank = min(self.options["rank"], rows, cols)
                 if (rows + cols) * rank * self.options["min_compression_rate"] < rows * cols:
-                    groups.setdefault((rows, cols, rank), []).append(_Matrix(name, offset, rows, cols, rank))
+                    key = (rows, cols, rank) if self.batch_by_shape(bucket.device) else (rows, cols, rank, name)
+                    groups.setdefault(key, []).append(_Matrix(name, offset, rows, cols, rank))
                     dense_mask[offset : offset + numel] = False
             dense = torch.nonzero(dense_mask).view(-1).to(bucket.device)
             self._layouts[key] = _Layout(groups, dense)
@@ -132,11 +139,18 @@ class _LowRank(Compressor):
 
     @staticmethod
     def _matrices(m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
-        return torch.stack([m_flat[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in matrices])
+        """The batch ``[b, rows, cols]`` of same-shape matrices: a view of ``m_flat`` when there is
+        one, a stacked copy otherwise."""
+        views = [m_flat[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in matrices]
+        return views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
 
-    @staticmethod
-    def _write(out: Tensor, matrices: list[_Matrix], batch: Tensor) -> None:
-        for m, value in zip(matrices, batch):
+    @classmethod
+    def _write_product(cls, out: Tensor, matrices: list[_Matrix], p: Tensor, q: Tensor) -> None:
+        """``P Qᵀ`` of each matrix into its place in the flat ``out`` (directly, for a batch of one)."""
+        if len(matrices) == 1:
+            torch.bmm(p, q.transpose(1, 2), out=cls._matrices(out, matrices))
+            return
+        for m, value in zip(matrices, torch.bmm(p, q.transpose(1, 2))):
             out[m.offset : m.offset + m.rows * m.cols] = value.reshape(-1)
 
     def _keep_error(self, m_flat: Tensor, approximation: Tensor, bucket: Bucket, finite: Tensor) -> None:
@@ -144,9 +158,8 @@ class _LowRank(Compressor):
         if not self.options["use_error_feedback"]:
             return
         error = self.buffer("error", bucket)
-        new = m_flat - approximation
-        new[self.layout(bucket).dense] = 0
-        error.copy_(torch.where(finite, new, error))
+        torch.where(finite, m_flat - approximation, error, out=error)
+        error[self.layout(bucket).dense] = 0
 
     def _dense_exchange(self, flat: Tensor, comm: Communicator, need_local: bool) -> Exchange:
         """Plain allreduce of the whole bucket (before ``start_iter``, or nothing to compress)."""
@@ -187,7 +200,7 @@ class PowerSGD(_LowRank):
         if self.step < self.options["start_iter"] or not layout.groups:
             return (yield from self._dense_exchange(flat, comm, need_local))
         eps = self.options["orthogonalization_epsilon"]
-        finite = torch.isfinite(flat).all()
+        finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket)
         groups = list(layout.groups.items())
         mats = [self._matrices(m_flat, ms) for _, ms in groups]
@@ -200,10 +213,10 @@ class PowerSGD(_LowRank):
         qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, ps)]
         (summed_q,) = yield from comm.exchange([torch.cat([q.reshape(-1) for q in qs])], False)
         qs = [piece.view_as(q).div_(comm.world_size) for piece, q in zip(self._split(summed_q, [q.numel() for q in qs]), qs)]
-        result = torch.zeros_like(m_flat)
+        result = torch.empty_like(m_flat)  # every element is written: the dense part, then each matrix
         result[layout.dense] = pieces[-1] / comm.world_size
         for (_, ms), p, q in zip(groups, ps, qs):
-            self._write(result, ms, torch.bmm(p, q.transpose(1, 2)))
+            self._write_product(result, ms, p, q)
             self.keep_factors("q", ms, q, finite)
         self._keep_error(m_flat, result, bucket, finite)
         return result, result if need_local else None
@@ -235,7 +248,7 @@ class ACPSGD(_LowRank):
             return (yield from self._dense_exchange(flat, comm, need_local))
         layout = self.layout(bucket)
         eps = self.options["orthogonalization_epsilon"]
-        finite = torch.isfinite(flat).all()
+        finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket)
         groups = list(layout.groups.items())
         mats = [self._matrices(m_flat, ms) for _, ms in groups]
@@ -245,21 +258,21 @@ class ACPSGD(_LowRank):
             factors = [torch.bmm(m, q) for m, q in zip(mats, fixed_factors)]
         else:
             factors = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, fixed_factors)]
-        local = torch.zeros_like(m_flat)
+        local = torch.empty_like(m_flat)  # every element is written: the dense part, then each matrix
         local[layout.dense] = m_flat[layout.dense]
         for (_, ms), fac, fix in zip(groups, factors, fixed_factors):
             p, q = (fac, fix) if sent == "p" else (fix, fac)
-            self._write(local, ms, torch.bmm(p, q.transpose(1, 2)))
+            self._write_product(local, ms, p, q)
         self._keep_error(m_flat, local, bucket, finite)
         payload = torch.cat([f.reshape(-1) for f in factors] + [m_flat[layout.dense]])
         (summed,) = yield from comm.exchange([payload], False)
         pieces = self._split(summed.div_(comm.world_size), [f.numel() for f in factors] + [layout.dense.numel()])
-        result = torch.zeros_like(m_flat)
+        result = torch.empty_like(m_flat)
         result[layout.dense] = pieces[-1]
         for (_, ms), piece, fac, fix in zip(groups, pieces, factors, fixed_factors):
             averaged = piece.view_as(fac)
             p, q = (averaged, fix) if sent == "p" else (fix, averaged)
-            self._write(result, ms, torch.bmm(p, q.transpose(1, 2)))
+            self._write_product(result, ms, p, q)
             self.keep_factors(sent, ms, averaged, finite)
             self.keep_factors(fixed, ms, fix, finite)
         return result, local if need_local else None

@@ -1,13 +1,16 @@
 """Bit packing of small unsigned codes into bytes (real wire formats, ALGORITHMS.md §4).
 
 ``pack_bits(codes, bits)`` stores ``8 // bits`` codes per byte (``bits`` in 1, 2, 4, 8), the first
-code in the lowest bits, so ``n`` codes take ``ceil(n * bits / 8)`` bytes.
+code in the lowest bits, so ``n`` codes take ``ceil(n * bits / 8)`` bytes. On CUDA with Triton the
+one-pass kernels of :mod:`~gc_strategy.algos.triton_bits` do the work; this torch code everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import triton_bits
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -26,6 +29,8 @@ def _shifts(bits: int, device: torch.device) -> Tensor:
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
     """Pack codes (integers in ``[0, 2**bits)``) into a uint8 vector of ``ceil(n*bits/8)`` bytes."""
+    if bits != 8 and triton_bits.usable(codes):
+        return triton_bits.pack_bits(codes, bits)
     codes = codes.reshape(-1).to(torch.uint8)
     if bits == 8:
         return codes
@@ -37,10 +42,19 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     return groups.sum(dim=1, dtype=torch.uint8)  # the codes occupy disjoint bits: sum == or
 
 
+def pack_signs(values: Tensor) -> Tensor:
+    """``pack_bits(values >= 0, 1)``: one bit per element, set for ``values_i >= 0``."""
+    if triton_bits.usable(values):
+        return triton_bits.pack_signs(values)
+    return pack_bits(values >= 0, 1)
+
+
 def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
     if bits == 8:
         return packed[:n]
+    if triton_bits.usable(packed):
+        return triton_bits.unpack_bits(packed, bits, n)
     mask = (1 << bits) - 1
     codes = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & mask
     return codes.reshape(-1)[:n]

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket
+from ..bucket import Bucket, all_finite
 from ..comm import Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
-from .packing import pack_bits, unpack_bits
+from .packing import pack_signs, unpack_bits
 
 
 class _SignBits(Compressor):
@@ -38,7 +38,7 @@ class _SignBits(Compressor):
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         g = self.signed_input(flat, bucket).float()
-        bits = pack_bits(g >= 0, 1)
+        bits = pack_signs(g)
         levels = self.levels(g, bucket)
         return [bits] if levels is None else [levels, bits]
 
@@ -78,7 +78,7 @@ class Signum(_MajorityVote):
         momentum = self.buffer("momentum", bucket)
         beta = self.options["momentum"]
         updated = torch.add(momentum * beta, flat.float(), alpha=1 - beta)
-        momentum.copy_(torch.where(torch.isfinite(flat).all(), updated, momentum))
+        momentum.copy_(torch.where(all_finite(flat), updated, momentum))
         return updated
 
 

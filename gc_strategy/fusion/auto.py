@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..bucket import Bucket
+from ..bucket import Bucket, all_finite
 from .plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .timeline import Cost, CostModel, best_plan, simulate
 
@@ -370,7 +370,7 @@ def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket
         except StopIteration as stop:
             average, local = stop.value
             if need_local:
-                memory.update(compensated, local, bucket, torch.isfinite(flat).all())
+                memory.update(compensated, local, bucket, all_finite(flat))
             finished = now()
             break
     return encoded - start, received - encoded, finished - received, sent
