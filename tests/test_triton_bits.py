@@ -85,3 +85,25 @@ def test_the_torch_code_is_used_on_the_cpu_without_the_interpreter():
     codes = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)
     assert packing.pack_bits(codes, 1).tolist() == [0b10001101, 0b1]
     assert packing.pack_signs(torch.tensor([1.0, -1.0, 0.0])).tolist() == [0b101]
+
+
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd"])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_mean_of_signs_equals_the_mean_of_the_decodes(kernels, name, ranks):
+    """The Triton aggregate of the scaled sign methods against their torch decode-and-average."""
+    from gc_strategy.algos import COMPRESSORS
+    from gc_strategy.bucket import Bucket
+
+    bucket = Bucket(0, ["a", "b", "c"], [torch.Size([7, 3]), torch.Size([5]), torch.Size([40, 33])], torch.float32,
+                    kernels.device)
+    compressor = COMPRESSORS.build(name)
+    g = torch.Generator().manual_seed(ranks)
+    gathered = [compressor.encode(torch.randn(bucket.numel, generator=g).to(kernels.device), bucket) for _ in range(ranks)]
+    bits = torch.stack([payload[-1] for payload in gathered])
+    pairs = [compressor.level_pair(payload[0]) for payload in gathered]
+    positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
+    fused = kernels.mean_of_signs(bits, positive, negative, bucket.tensor_ids(kernels.device), bucket.numel)
+    expected = compressor.decode(gathered[0], bucket).clone()
+    for payload in gathered[1:]:
+        expected += compressor.decode(payload, bucket)
+    assert torch.equal(fused.cpu(), expected.div_(ranks).cpu())

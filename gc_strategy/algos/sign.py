@@ -19,6 +19,7 @@ from ..bucket import Bucket, all_finite
 from ..comm import Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
+from . import triton_bits
 from .packing import pack_signs, unpack_bits
 
 
@@ -28,9 +29,12 @@ class _SignBits(Compressor):
     summable = False
 
     def levels(self, g: Tensor, bucket: Bucket) -> Tensor | None:
-        """fp32 ``[2, tensors]``: per tensor the value of a set bit and of a clear bit; or None for
-        plain ±1."""
+        """The fp32 per-tensor scalars sent with the bits, or None for plain ±1."""
         return None
+
+    def level_pair(self, levels: Tensor) -> tuple[Tensor, Tensor]:
+        """Per tensor, the decoded value of a set bit and of a clear bit."""
+        raise NotImplementedError
 
     def signed_input(self, flat: Tensor, bucket: Bucket) -> Tensor:
         """What to take the sign of (signum: the momentum)."""
@@ -46,8 +50,21 @@ class _SignBits(Compressor):
         bits = unpack_bits(payload[-1], 1, bucket.numel).bool()
         if len(payload) == 1:
             return bits.float() * 2 - 1
-        positive, negative = payload[0].view(2, -1)
+        positive, negative = self.level_pair(payload[0])
         return torch.where(bits, bucket.per_element(positive), bucket.per_element(negative))
+
+
+class _ScaledSigns(_SignBits):
+    """Averages the scaled decodes of all ranks; on CUDA with Triton in one pass over the gathered
+    bits (:func:`~gc_strategy.algos.triton_bits.mean_of_signs`, equal to the decodes' mean)."""
+
+    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+        bits = torch.stack([payload[-1] for payload in gathered])
+        if not triton_bits.usable(bits):
+            return super().aggregate(gathered, bucket)
+        pairs = [self.level_pair(payload[0]) for payload in gathered]
+        positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
+        return triton_bits.mean_of_signs(bits, positive, negative, bucket.tensor_ids(bits.device), bucket.numel)
 
 
 class _MajorityVote(_SignBits):
@@ -83,7 +100,7 @@ class Signum(_MajorityVote):
 
 
 @COMPRESSORS.register("onebit")
-class OneBit(_SignBits):
+class OneBit(_ScaledSigns):
     """1-bit SGD (Seide et al., Interspeech 2014): the bit says which side of zero ``g_i`` is on;
     decode gives the mean of the tensor's non-negative entries or the mean of its negative entries
     (2 fp32 scalars per tensor). Pair it with ``memory='residual'`` (the paper's error feedback)."""
@@ -95,9 +112,13 @@ class OneBit(_SignBits):
         neg_mean = bucket.sum_per_tensor(g * (1 - positive)) / (bucket.sum_per_tensor(1 - positive)).clamp_min(1)
         return torch.stack([pos_mean, neg_mean]).flatten()
 
+    def level_pair(self, levels: Tensor) -> tuple[Tensor, Tensor]:
+        positive, negative = levels.view(2, -1)
+        return positive, negative
+
 
 @COMPRESSORS.register("efsignsgd")
-class EFSignSGD(_SignBits):
+class EFSignSGD(_ScaledSigns):
     """EF-SignSGD (Karimireddy et al., ICML 2019): the compressed value of each tensor is
     ``(‖p‖₁/n) · sign(p)`` for its error-compensated ``p = g + e`` (1 fp32 scalar per tensor); pair
     it with ``memory='residual'``, which supplies ``p`` and keeps ``e = p - decode``. The paper folds
@@ -106,7 +127,5 @@ class EFSignSGD(_SignBits):
     def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
         return bucket.mean_per_tensor(g.abs())
 
-    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
-        scale, bits = payload
-        signs = unpack_bits(bits, 1, bucket.numel).float() * 2 - 1
-        return bucket.per_element(scale) * signs
+    def level_pair(self, levels: Tensor) -> tuple[Tensor, Tensor]:
+        return levels, -levels

@@ -6,9 +6,11 @@ several (compare, shift, sum, with their temporaries):
 
 - :func:`pack_bits`: ``8 / bits`` codes per byte, the first in the lowest bits;
 - :func:`pack_signs`: bit ``i`` = ``x_i >= 0`` straight from the float input (no bool tensor);
-- :func:`unpack_bits`: the codes back, one per element.
+- :func:`unpack_bits`: the codes back, one per element;
+- :func:`mean_of_signs`: the average over ranks of sign bits decoded with per-tensor levels
+  (``onebit``, ``efsignsgd``), without unpacking or decoding each rank's payload to a float vector.
 
-The results are bit-identical to ``packing.py``'s (tests run the kernels on the CPU under
+The results are bit-identical to the torch code's (tests run the kernels on the CPU under
 ``TRITON_INTERPRET=1`` and compare).
 """
 
@@ -62,6 +64,21 @@ if triton is not None:
         tl.store(out_ptr + index, code.to(tl.uint8), mask=index < n)
 
 
+    @triton.jit
+    def _mean_of_signs_kernel(bits_ptr, positive_ptr, negative_ptr, ids_ptr, out_ptr, n, nbytes, tensors, ranks,
+                              BLOCK: tl.constexpr):
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = index < n
+        tensor = tl.load(ids_ptr + index, mask=inside, other=0)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for rank in range(ranks):  # the same order as the torch code's sum of decodes
+            byte = tl.load(bits_ptr + rank * nbytes + index // 8, mask=inside, other=0).to(tl.int32)
+            positive = tl.load(positive_ptr + rank * tensors + tensor, mask=inside, other=0.0)
+            negative = tl.load(negative_ptr + rank * tensors + tensor, mask=inside, other=0.0)
+            total += tl.where(((byte >> (index % 8)) & 1) == 1, positive, negative)
+        tl.store(out_ptr + index, total / ranks, mask=inside)
+
+
 def _pack(values: Tensor, bits: int, signs: bool) -> Tensor:
     values = values.reshape(-1).contiguous()
     n, per_byte = values.numel(), 8 // bits
@@ -86,4 +103,16 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     out = torch.empty(n, dtype=torch.uint8, device=packed.device)
     if n:
         _unpack_kernel[(triton.cdiv(n, BLOCK),)](packed.contiguous(), out, n, BITS=bits, BLOCK=BLOCK)
+    return out
+
+
+def mean_of_signs(bits: Tensor, positive: Tensor, negative: Tensor, tensor_ids: Tensor, n: int) -> Tensor:
+    """``(1/W) Σ_r (bit_r(i) ? positive[r, t(i)] : negative[r, t(i)])`` for ``bits`` ``[W, ceil(n/8)]``
+    (packed sign bits of W ranks), per-tensor levels ``[W, tensors]`` and ``tensor_ids`` ``t(i)``."""
+    out = torch.empty(n, dtype=torch.float32, device=bits.device)
+    if n:
+        ranks, nbytes = bits.shape
+        _mean_of_signs_kernel[(triton.cdiv(n, BLOCK),)](
+            bits.contiguous(), positive.float().contiguous(), negative.float().contiguous(), tensor_ids.contiguous(),
+            out, n, nbytes, positive.shape[1], ranks, BLOCK=BLOCK)
     return out
