@@ -106,3 +106,25 @@ def test_bytes_on_the_wire(name, options, expected):
     n = 10_007
     g = torch.randn(n)
     assert payload_bytes(build(name, **options).encode(g, bucket(n))) == expected(n, g)
+
+
+def test_sample_without_replacement_draws_every_subset_equally_often():
+    """n = 6, k = 2: each of the 15 subsets with probability 1/15, checked by sampling (the counts'
+    chi-square statistic, 14 degrees of freedom, stays far below its 0.1% quantile 36.1)."""
+    from collections import Counter
+
+    from gc_strategy.algos.sparse import sample_without_replacement
+
+    generator = torch.Generator().manual_seed(0)
+    draws = 15_000
+    counts = Counter()
+    for _ in range(draws):
+        chosen = sample_without_replacement(6, 2, generator)
+        assert chosen.numel() == 2 and chosen.unique().numel() == 2 and 0 <= int(chosen.min()) and int(chosen.max()) < 6
+        counts[tuple(sorted(chosen.tolist()))] += 1
+    assert len(counts) == 15
+    expected = draws / 15
+    chi_square = sum((c - expected) ** 2 / expected for c in counts.values())
+    assert chi_square < 36.1
+    big = sample_without_replacement(11_000_000, 110_000, generator)
+    assert big.unique().numel() == 110_000
