@@ -64,13 +64,18 @@ class Bucket:
         return self.sum_per_tensor(values) / torch.tensor(self.numels, dtype=values.dtype, device=values.device)
 
     def per_element(self, per_tensor: Tensor) -> Tensor:
-        """Spread one value per tensor over the tensor's elements (the inverse layout of the sums):
-        a gather on a GPU, a fill of each tensor's slice on the CPU (~3x faster there)."""
-        if per_tensor.device.type == "cuda":
-            return per_tensor[self.tensor_ids(per_tensor.device)]
-        out = torch.empty(self.numel, dtype=per_tensor.dtype)
-        for o, n, value in zip(self.offsets, self.numels, per_tensor):
-            out[o : o + n].fill_(value)
+        """Spread one value per tensor over the tensor's elements (the inverse layout of the sums)."""
+        return per_tensor[self.tensor_ids(per_tensor.device)]
+
+    def select_per_tensor(self, mask: Tensor, if_true: Tensor, if_false: Tensor) -> Tensor:
+        """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
+        the tensor of element ``j``): two gathers on a GPU, one ``where`` per tensor's slice with
+        scalars on the CPU (no full-size spreads of the values)."""
+        if mask.device.type == "cuda":
+            return torch.where(mask, self.per_element(if_true), self.per_element(if_false))
+        out = torch.empty(self.numel, dtype=torch.promote_types(if_true.dtype, if_false.dtype))
+        for o, n, yes, no in zip(self.offsets, self.numels, if_true, if_false):
+            torch.where(mask[o : o + n], yes, no, out=out[o : o + n])
         return out
 
     @property

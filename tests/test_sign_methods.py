@@ -87,3 +87,21 @@ def test_sign_methods_survive_edge_inputs(name, case):
     g = EDGE_INPUTS[case]()
     out = roundtrip(build(name), g)
     assert out.shape == g.shape and torch.isfinite(out).all()
+
+
+def test_bucket_per_tensor_helpers_equal_their_definitions():
+    """Per-tensor sums and per-tensor selection, against the plain per-tensor loops."""
+    from gc_strategy.bucket import Bucket
+
+    shapes = [torch.Size([3, 4]), torch.Size([1]), torch.Size([50]), torch.Size([2, 2, 3])]
+    bucket = Bucket(0, ["a", "b", "c", "d"], shapes, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(bucket.numel, generator=g)
+    sums = torch.stack([v.sum() for v in bucket.views(values)])
+    torch.testing.assert_close(bucket.sum_per_tensor(values), sums)
+    torch.testing.assert_close(bucket.mean_per_tensor(values), sums / torch.tensor([12.0, 1.0, 50.0, 12.0]))
+    mask = values > 0
+    yes, no = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    expected = torch.cat([torch.where(m.reshape(-1), yes[i], no[i]) for i, m in enumerate(bucket.views(mask))])
+    assert torch.equal(bucket.select_per_tensor(mask, yes, no), expected)
+    assert torch.equal(bucket.per_element(yes), torch.cat([yes[i].expand(n) for i, n in enumerate(bucket.numels)]))

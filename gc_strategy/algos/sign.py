@@ -50,8 +50,7 @@ class _SignBits(Compressor):
         bits = unpack_bits(payload[-1], 1, bucket.numel).bool()
         if len(payload) == 1:
             return bits.float() * 2 - 1
-        positive, negative = self.level_pair(payload[0])
-        return torch.where(bits, bucket.per_element(positive), bucket.per_element(negative))
+        return bucket.select_per_tensor(bits, *self.level_pair(payload[0]))
 
 
 class _ScaledSigns(_SignBits):
