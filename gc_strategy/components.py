@@ -14,6 +14,7 @@ from typing import Any, Union
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .comm import COMMUNICATORS, Communicator
 from .fusion import FusionPlanner, parse_fusion
+from .registry import renewed
 
 
 @dataclass
@@ -26,10 +27,7 @@ class Components:
     def renewed(self) -> "Components":
         """The same roles with the same options and fresh state (e.g. for a model whose parameters
         changed); the fusion planner is parsed again from its string form."""
-        def fresh(role: Any) -> Any:
-            return type(role)(**getattr(role, "options", {}))
-
-        return Components(fresh(self.compressor), fresh(self.memory), fresh(self.communicator),
+        return Components(renewed(self.compressor), renewed(self.memory), renewed(self.communicator),
                           parse_fusion(self.fusion.describe()))
 
     def describe(self) -> str:

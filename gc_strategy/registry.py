@@ -78,6 +78,11 @@ class Option:
         return value
 
 
+def renewed(role: T) -> T:
+    """A new instance of a built role with the same validated options and fresh state."""
+    return type(role)(**getattr(role, "options", {}))
+
+
 class Registry(Generic[T]):
     """Maps names to classes that declare their options in a class attribute ``OPTIONS``."""
 

@@ -58,9 +58,9 @@ class _ScaledSigns(_SignBits):
     bits (:func:`~gc_strategy.algos.triton_bits.mean_of_signs`, equal to the decodes' mean)."""
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
-        bits = torch.stack([payload[-1] for payload in gathered])
-        if not triton_bits.usable(bits):
+        if not triton_bits.usable(gathered[0][-1]):
             return super().aggregate(gathered, bucket)
+        bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
         return triton_bits.mean_of_signs(bits, positive, negative, bucket.tensor_ids(bits.device), bucket.numel)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..bucket import Bucket, all_finite
+from ..registry import renewed
 from .plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .timeline import Cost, CostModel, best_plan, simulate
 
@@ -72,6 +73,8 @@ class AutoTuner:
         self._step_marks: dict[int, Any] = {}
         self._first_wall: float | None = None
         self._model: CostModel | None = None  # the profiled cost model, before fitting
+        self._fitted: CostModel | None = None  # after fitting its scales to the measured steps
+        self._fp32: Cost | None = None  # an fp32 allreduce's cost curve (the uncompressed baseline)
         self._profile_s = 0.0
         self._measured: dict[tuple[int, ...], float] = {}  # plan -> median step time (this rank)
         self._names: dict[tuple[int, ...], str] = {}
@@ -306,8 +309,7 @@ def measure_costs(engine: "GradientSynchronizer", numels: list[int]) -> tuple[li
     from ..algos import COMPRESSORS
     from ..comm import COMMUNICATORS
 
-    compressor = type(engine.compressor)(**engine.compressor.options)
-    memory = type(engine.memory)(**engine.memory.options)
+    compressor, memory = renewed(engine.compressor), renewed(engine.memory)
     compressor.world_size, compressor.rank = engine.world_size, engine.comm.rank
     compressor.step = 1 << 30  # steady state: past start_iter / density warm-up
     plain = COMPRESSORS.build("none")

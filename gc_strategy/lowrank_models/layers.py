@@ -3,7 +3,8 @@
 A weight ``W`` (``m × n`` once reshaped to a matrix) is replaced by the product ``U V`` of an
 ``m × r`` and an ``r × n`` factor; the layer applies ``V`` first and ``U`` second, so it costs
 ``r (m + n)`` parameters and multiply-adds per output position instead of ``m n``.
-Converting a trained layer uses the truncated SVD ``W = Σ σ_i u_i v_iᵀ``:
+``from_full(layer, rank, copy_weights=False)`` builds the structure only (for loading saved
+factors). Converting a trained layer uses the truncated SVD ``W = Σ σ_i u_i v_iᵀ``:
 ``U = U_r √S_r`` and ``V = √S_r V_rᵀ``, the best rank-``r`` approximation of ``W`` in Frobenius
 and spectral norm (Eckart–Young); at ``r = min(m, n)`` the product is ``W`` itself.
 """
@@ -52,11 +53,12 @@ class LowRankLinear(nn.Module):
         return self.u(self.v(x))
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, rank: int) -> "LowRankLinear":
+    def from_full(cls, linear: nn.Linear, rank: int, copy_weights: bool = True) -> "LowRankLinear":
         layer = cls(linear.in_features, linear.out_features, rank, linear.bias is not None,
                     linear.weight.device, linear.weight.dtype)
-        _load_factors(layer.u, layer.v, linear.weight, rank)
-        _copy_bias(layer.u, linear.bias)
+        if copy_weights:
+            _load_factors(layer.u, layer.v, linear.weight, rank)
+            _copy_bias(layer.u, linear.bias)
         return layer
 
 
@@ -79,10 +81,11 @@ class LowRankConv2d(nn.Module):
         return self.u(self.v(x))
 
     @classmethod
-    def from_full(cls, conv: nn.Conv2d, rank: int) -> "LowRankConv2d":
+    def from_full(cls, conv: nn.Conv2d, rank: int, copy_weights: bool = True) -> "LowRankConv2d":
         layer = cls(conv, rank)
-        _load_factors(layer.u, layer.v, conv.weight.reshape(conv.out_channels, -1), rank)
-        _copy_bias(layer.u, conv.bias)
+        if copy_weights:
+            _load_factors(layer.u, layer.v, conv.weight.reshape(conv.out_channels, -1), rank)
+            _copy_bias(layer.u, conv.bias)
         return layer
 
 
@@ -139,13 +142,13 @@ class LowRankLSTM(nn.Module):
         return output, (torch.stack(last_h), torch.stack(last_c))
 
     @classmethod
-    def from_full(cls, lstm: nn.LSTM, ranks: list[tuple[int, int]]) -> "LowRankLSTM":
+    def from_full(cls, lstm: nn.LSTM, ranks: list[tuple[int, int]], copy_weights: bool = True) -> "LowRankLSTM":
         if lstm.bidirectional or lstm.proj_size:
             raise ValueError("only unidirectional LSTMs without projections can be factorised; keep this one full-rank")
         w = lstm.weight_ih_l0
         layer = cls(lstm.input_size, lstm.hidden_size, lstm.num_layers, ranks, lstm.bias, lstm.batch_first,
                     lstm.dropout, w.device, w.dtype)
-        for index, (r_ih, r_hh) in enumerate(ranks):
+        for index, (r_ih, r_hh) in enumerate(ranks if copy_weights else []):
             for pair, kind, rank in ((layer.ih[index], "ih", r_ih), (layer.hh[index], "hh", r_hh)):
                 _load_factors(pair.u, pair.v, getattr(lstm, f"weight_{kind}_l{index}"), rank)
                 _copy_bias(pair.u, getattr(lstm, f"bias_{kind}_l{index}", None))

@@ -155,9 +155,9 @@ def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
-def _convert(module: nn.Module, ranks: list[int]) -> nn.Module:
+def _convert(module: nn.Module, ranks: list[int], copy_weights: bool = True) -> nn.Module:
     kind = KINDS[type(module)]
-    return kind.low_rank.from_full(module, kind.rank_argument(ranks)).train(module.training)
+    return kind.low_rank.from_full(module, kind.rank_argument(ranks), copy_weights).train(module.training)
 
 
 def check_ratio(ratio: Any) -> float:
@@ -188,7 +188,7 @@ def factorize_like(model: nn.Module, state_dict: Mapping[str, Tensor], prefix: s
     for name, module in _candidates(model).items():
         keys = [f"{prefix}{name}.{key}" for key in KINDS[type(module)].factor_keys(module)]
         if keys[0] in state_dict:
-            _replace(model, name, _convert(module, [state_dict[key].shape[0] for key in keys]))
+            _replace(model, name, _convert(module, [state_dict[key].shape[0] for key in keys], copy_weights=False))
             converted.append(name)
     return converted
 

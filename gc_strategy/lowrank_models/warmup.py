@@ -120,6 +120,11 @@ class PufferfishWarmup(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install_rewarmup(trainer)
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._rewarmup_hooks and trainer.global_step - self.converted_at_step >= self.lr_rewarmup_steps:
+            self._install_rewarmup(trainer)  # the window is over: this only removes the hooks
+
     # ------------------------------------------------------------------ the conversion
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.warmup_epochs is not None and self.converted_at_step is None and trainer.current_epoch >= self.warmup_epochs:
