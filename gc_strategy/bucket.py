@@ -27,7 +27,7 @@ class Bucket:
     offsets: list[int] = field(init=False)
     numels: list[int] = field(init=False)
     numel: int = field(init=False)
-    _tensor_ids: dict[torch.device, Tensor] = field(init=False, default_factory=dict, repr=False, compare=False)
+    _device_cache: dict[tuple[str, torch.device], Tensor] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.numels = [shape.numel() for shape in self.shapes]
@@ -44,24 +44,36 @@ class Bucket:
 
     def tensor_ids(self, device: torch.device) -> Tensor:
         """``ids[j]`` = which of the bucket's tensors element ``j`` of the flat vector belongs to."""
-        device = torch.device(device)
-        if device not in self._tensor_ids:
-            counts = torch.tensor(self.numels, device=device)
-            self._tensor_ids[device] = torch.repeat_interleave(torch.arange(len(self.numels), device=device), counts)
-        return self._tensor_ids[device]
+        return self._cached("tensor_ids", device,
+                            lambda: torch.repeat_interleave(torch.arange(len(self.numels)), torch.tensor(self.numels)))
 
     def sum_per_tensor(self, values: Tensor) -> Tensor:
         """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]``. One
-        ``index_add`` on a GPU (one kernel); on the CPU one sum per tensor's slice, ~20x faster than
-        the scattered adds there."""
+        segmented reduction on a GPU (``index_add`` there serialises on the atomics of each tensor's
+        one slot: 38 ms for ResNet-50's 25.6M elements on an H100); on the CPU one sum per tensor's
+        slice, ~20x faster than the scattered adds there."""
         if values.device.type == "cuda":
-            out = torch.zeros(len(self.numels), dtype=values.dtype, device=values.device)
-            return out.index_add_(0, self.tensor_ids(values.device), values)
+            return torch.segment_reduce(values, "sum", lengths=self.lengths(values.device))
         return torch.stack([values[o : o + n].sum() for o, n in zip(self.offsets, self.numels)])
+
+    def lengths(self, device: torch.device) -> Tensor:
+        """The tensors' element counts, on ``device`` (cached: no host-to-device copy, which would
+        block the host, in the step)."""
+        return self._cached("lengths", device, lambda: torch.tensor(self.numels))
+
+    def boundaries(self, device: torch.device) -> Tensor:
+        """``[0, end of tensor 0, end of tensor 1, ...]`` (int64, ``tensors + 1``), on ``device`` (cached)."""
+        return self._cached("boundaries", device, lambda: torch.tensor([0, *self.numels]).cumsum(0))
+
+    def _cached(self, what: str, device: torch.device, make) -> Tensor:
+        key = (what, torch.device(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = make().to(key[1])
+        return self._device_cache[key]
 
     def mean_per_tensor(self, values: Tensor) -> Tensor:
         """Per-tensor means of a flat fp32 vector."""
-        return self.sum_per_tensor(values) / torch.tensor(self.numels, dtype=values.dtype, device=values.device)
+        return self.sum_per_tensor(values) / self.lengths(values.device)
 
     def per_element(self, per_tensor: Tensor) -> Tensor:
         """Spread one value per tensor over the tensor's elements (the inverse layout of the sums)."""

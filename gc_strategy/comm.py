@@ -111,18 +111,19 @@ class AllGather(Communicator):
 
     def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
         payload = [t.contiguous().view(-1) for t in payload]
-        lengths = torch.tensor([t.numel() for t in payload], dtype=torch.int64, device=_device(payload))
         nbytes = sum(t.numel() * t.element_size() for t in payload)
         if self.world_size == 1:
             return (yield Round([], lambda: [payload], nbytes))
-        if variable_size:
-            all_lengths = yield self._gather(lengths, eager=True)
-        else:
-            all_lengths = [lengths] * self.world_size
+        counts = [t.numel() for t in payload]
+        if variable_size:  # the one host synchronisation: every rank's lengths are needed to unpack
+            lengths = torch.tensor(counts, dtype=torch.int64, device=_device(payload))
+            all_counts = [lens.tolist() for lens in (yield self._gather(lengths, eager=True))]
+        else:  # known on the host: no device round trip
+            all_counts = [counts] * self.world_size
         dtypes = [t.dtype for t in payload]
-        sizes = [[int(n) * _itemsize(d) for n, d in zip(lens.tolist(), dtypes)] for lens in all_lengths]
+        sizes = [[n * _itemsize(d) for n, d in zip(rank_counts, dtypes)] for rank_counts in all_counts]
         padded = max(1, max(sum(s) for s in sizes))  # never gather zero bytes (no rank selected anything)
-        packed = torch.zeros(padded, dtype=torch.uint8, device=lengths.device)
+        packed = torch.zeros(padded, dtype=torch.uint8, device=_device(payload))
         if nbytes:
             torch.cat([t.view(torch.uint8) for t in payload], out=packed[:nbytes])
         gathered = yield self._gather(packed, nbytes=nbytes)

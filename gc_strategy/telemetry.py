@@ -6,7 +6,9 @@ count the host time to issue the work (the side stream runs it asynchronously).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+
+from torch import Tensor
 
 
 @dataclass
@@ -22,8 +24,10 @@ class StepTelemetry:
     collective_s: float = 0.0
     #: time the end-of-backward flush spent waiting for collectives (communication not hidden)
     exposed_wait_s: float = 0.0
-    #: buckets whose gradient held inf/NaN (their error-feedback memory was left unchanged)
-    nonfinite_buckets: int = 0
+    #: buckets whose gradient held inf/NaN (their error-feedback memory was left unchanged); a 0-d
+    #: tensor on the gradients' device, so that the step needs no host synchronisation (``int()``
+    #: of it synchronises, e.g. when the metrics are logged)
+    nonfinite_buckets: int | Tensor = 0
     collectives: int = 0
     #: method-specific measurements (e.g. achieved vs target density of a sparsifier)
     extra: dict[str, float] = field(default_factory=dict)
@@ -33,7 +37,7 @@ class StepTelemetry:
         return self.raw_bytes / self.sent_bytes if self.sent_bytes else float("inf")
 
     def as_metrics(self, prefix: str = "gc/") -> dict[str, float]:
-        values = {key: float(value) for key, value in asdict(self).items() if key != "extra"}
+        values = {item.name: float(getattr(self, item.name)) for item in fields(self) if item.name != "extra"}
         values["compression_ratio"] = self.compression_ratio
         values.update(self.extra)
         return {prefix + key: value for key, value in values.items()}
@@ -50,6 +54,6 @@ class TelemetryLog:
     def record(self, step: StepTelemetry) -> None:
         self.last = step
         self.steps += 1
-        for key, value in asdict(step).items():
-            if key != "extra":
-                setattr(self.total, key, getattr(self.total, key) + value)
+        for item in fields(step):
+            if item.name != "extra":
+                setattr(self.total, item.name, getattr(self.total, item.name) + getattr(step, item.name))
