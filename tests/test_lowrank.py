@@ -126,9 +126,11 @@ def _against_torch_hook(rank, world_size):
     names = dict(ours.named_parameters())
     bucket_order = [n for n, _ in reversed(list(ours.named_parameters()))]
     torch.manual_seed(np.random.RandomState(0).randint(1_000_000_000))
+    initial_q = {}
     for name in bucket_order:
         rows, cols = names[name].shape
-        engine.compressor.factors["q"][name] = torch.randn(1, cols, 2)[0]
+        initial_q[name] = torch.randn(1, cols, 2)[0]
+    engine.compressor.load_extra_state({"factors": {"q": initial_q}})
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
     errors = []

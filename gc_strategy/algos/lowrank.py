@@ -34,22 +34,25 @@ LOWRANK_OPTIONS = {
 
 
 def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
-    """Orthonormalise the columns of a batch ``[b, n, r]`` in place.
+    """Orthonormalise the columns of a batch ``[b, n, r]`` in place, by classical Gram–Schmidt with
+    each column projected off the previous ones twice (CGS2: "twice is enough", Giraud, Langou &
+    Rozložník 2005): orthogonal to working precision like Householder QR, also for (nearly)
+    dependent columns, e.g. a rank-r factor of a matrix of lower rank, where a single pass is not.
+    A column is divided by ``‖col‖ + ε`` (torch's ``powerSGD_hook``'s ε, which keeps vanishing
+    columns finite); with ``ε = 0`` an exactly zero column stays zero (zero-padded batches too).
 
-    With ``epsilon = 0``: Householder QR, stable also when the columns are (nearly) dependent, e.g.
-    a rank-r' factor of a matrix of lower rank (single-pass Gram–Schmidt loses orthogonality there).
-    With ``epsilon > 0``: Gram–Schmidt with ``col /= ‖col‖ + ε``, as torch's ``powerSGD_hook``
-    does, which keeps vanishing columns finite.
+    All of it is batched: ``2r`` small ``bmm`` and ``r`` norms for the whole batch, however many
+    matrices, where a QR per batch runs one solver call per matrix (on a GPU, ~0.2 ms each).
     """
-    if epsilon == 0:
-        matrices.copy_(torch.linalg.qr(matrices).Q)
-        return matrices
+    tiny = torch.finfo(matrices.dtype).tiny
     for i in range(matrices.shape[2]):
         col = matrices[:, :, i : i + 1]
-        col /= torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
-        if i + 1 < matrices.shape[2]:
-            rest = matrices[:, :, i + 1 :]
-            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+        if i:
+            done = matrices[:, :, :i]
+            for _ in range(2):
+                col -= torch.bmm(done, torch.bmm(done.transpose(1, 2), col))
+        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+        col /= norm + epsilon if epsilon > 0 else norm.clamp_min(tiny)
     return matrices
 
 
@@ -64,10 +67,32 @@ class _Matrix:
 
 @dataclass
 class _Layout:
-    """Which parts of a bucket are compressed, grouped by shape for batching."""
+    """Which parts of a bucket are compressed, grouped by shape for batching.
+
+    The factors of all compressed matrices are held as two zero-padded batches, ``P`` as
+    ``[matrices, largest rows, r]`` and ``Q`` as ``[matrices, largest cols, r]``, the matrices of
+    group ``k`` at positions ``slots[k]``: one orthogonalisation covers them all. ``index[kind]``
+    lists, in payload order (group by group, each factor row-major), the positions of the real
+    factor entries in the flattened padded batch.
+    """
 
     groups: dict[tuple, list[_Matrix]]
     dense: Tensor  # int64 positions of the densely averaged elements
+    slots: list[slice]
+    sizes: dict[str, int]  # kind -> padded size
+    index: dict[str, Tensor]
+
+    @property
+    def matrices(self) -> list[_Matrix]:
+        return [m for ms in self.groups.values() for m in ms]
+
+    def views(self, kind: str, batch: Tensor) -> list[Tensor]:
+        """Per group, its factors ``[b, rows or cols, rank]`` as views of the padded ``batch``."""
+        views = []
+        for ms, slot in zip(self.groups.values(), self.slots):
+            size = ms[0].rows if kind == "p" else ms[0].cols
+            views.append(batch[slot, :size, : ms[0].rank])
+        return views
 
 
 class _LowRank(Compressor):
@@ -76,7 +101,8 @@ class _LowRank(Compressor):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.factors: dict[str, dict[str, Tensor]] = {"p": {}, "q": {}}
+        self._batches: dict[tuple[str, tuple[str, ...]], Tensor] = {}  # (kind, bucket names) -> padded factors
+        self._restored: dict[str, dict[str, Tensor]] = {"p": {}, "q": {}}  # from a checkpoint, by parameter
         self._layouts: dict[tuple[str, ...], _Layout] = {}
 
     # ---------------------------------------------------------------- layout
@@ -97,40 +123,70 @@ class _LowRank(Compressor):
                 rows, cols = shape[0], numel // shape[0]
                 rank = min(self.options["rank"], rows, cols)
                 if (rows + cols) * rank * self.options["min_compression_rate"] < rows * cols:
-                    key = (rows, cols, rank) if self.batch_by_shape(bucket.device) else (rows, cols, rank, name)
-                    groups.setdefault(key, []).append(_Matrix(name, offset, rows, cols, rank))
+                    group = (rows, cols, rank) if self.batch_by_shape(bucket.device) else (rows, cols, rank, name)
+                    groups.setdefault(group, []).append(_Matrix(name, offset, rows, cols, rank))
                     dense_mask[offset : offset + numel] = False
             dense = torch.nonzero(dense_mask).view(-1).to(bucket.device)
-            self._layouts[key] = _Layout(groups, dense)
+            slots, start = [], 0
+            for ms in groups.values():
+                slots.append(slice(start, start + len(ms)))
+                start += len(ms)
+            sizes = {"p": max((m.rows for ms in groups.values() for m in ms), default=0),
+                     "q": max((m.cols for ms in groups.values() for m in ms), default=0)}
+            layout = _Layout(groups, dense, slots, sizes, {})
+            for kind, size in sizes.items():
+                positions = torch.arange(start * size * self.options["rank"]).view(start, size, self.options["rank"])
+                pieces = [view.reshape(-1) for view in layout.views(kind, positions)] or [positions.view(-1)]
+                layout.index[kind] = torch.cat(pieces).to(bucket.device)
+            self._layouts[key] = layout
         return self._layouts[key]
 
     def compressed_elements(self, bucket: Bucket) -> tuple[int, int, int]:
         """(elements of all P factors, of all Q factors, dense elements) sent for this bucket."""
         layout = self.layout(bucket)
-        p = sum(m.rows * m.rank for ms in layout.groups.values() for m in ms)
-        q = sum(m.cols * m.rank for ms in layout.groups.values() for m in ms)
-        return p, q, layout.dense.numel()
+        return layout.index["p"].numel(), layout.index["q"].numel(), layout.dense.numel()
 
     # ---------------------------------------------------------------- factors
-    def _initial(self, kind: str, m: _Matrix, bucket: Bucket, device: torch.device) -> Tensor:
+    def _initial(self, kind: str, m: _Matrix) -> Tensor:
         size = m.rows if kind == "p" else m.cols
         # seeded by (seed, parameter name, factor): the same on every rank and in every process
         generator = torch.Generator().manual_seed(self.options["seed"] * 1_000_003 + zlib.crc32(f"{kind}:{m.name}".encode()))
-        return torch.randn(size, m.rank, generator=generator).to(device)
+        return torch.randn(size, m.rank, generator=generator)
 
-    def stacked_factor(self, kind: str, matrices: list[_Matrix], bucket: Bucket, device: torch.device) -> Tensor:
-        """The stored factors of ``matrices`` as a batch ``[b, size, r]`` (initial ones from the shared seed)."""
-        store = self.factors[kind]
-        for m in matrices:
-            if m.name not in store or not self.options.get("warm_start", True):
-                store[m.name] = self._initial(kind, m, bucket, device)
-        return torch.stack([store[m.name] for m in matrices]).to(device)
+    def factor_batch(self, kind: str, bucket: Bucket, device: torch.device) -> Tensor:
+        """This bucket's stored factors as one zero-padded batch (see :class:`_Layout`): last step's
+        (``warm_start``), a checkpoint's, or initial ones from the seed all ranks share. A batch
+        built for new buckets (a changed fusion plan) takes over the factors of the old ones by name."""
+        key = (kind, tuple(bucket.names))
+        if key not in self._batches or not self.options.get("warm_start", True):
+            layout = self.layout(bucket)
+            known = {**self.factors_by_parameter(kind), **self._restored[kind]}
+            batch = torch.zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
+            for slot, m in enumerate(layout.matrices):
+                value = known.get(m.name) if self.options.get("warm_start", True) else None
+                value = self._initial(kind, m) if value is None else value
+                batch[slot, : value.shape[0], : m.rank] = value
+                self._restored[kind].pop(m.name, None)
+            names = set(bucket.names)
+            for old in [k for k in self._batches if k[0] == kind and names & set(k[1])]:
+                del self._batches[old]
+            self._batches[key] = batch.to(device)
+        return self._batches[key]
 
-    def keep_factors(self, kind: str, matrices: list[_Matrix], batch: Tensor, finite: Tensor) -> None:
+    def keep_factors(self, kind: str, bucket: Bucket, batch: Tensor, finite: Tensor) -> None:
         """Store the factors for the next step (not from a bucket holding inf/NaN)."""
-        store = self.factors[kind]
-        for m, value in zip(matrices, batch):
-            store[m.name] = value.clone() if m.name not in store else torch.where(finite, value, store[m.name])
+        stored = self.factor_batch(kind, bucket, batch.device)
+        torch.where(finite, batch, stored, out=stored)
+
+    def factors_by_parameter(self, kind: str) -> dict[str, Tensor]:
+        """The stored factors ``[rows or cols, rank]`` by parameter name."""
+        out = {}
+        for (k, names), batch in self._batches.items():
+            if k == kind:
+                layout = self._layouts[names]
+                for slot, m in enumerate(layout.matrices):
+                    out[m.name] = batch[slot, : m.rows if kind == "p" else m.cols, : m.rank]
+        return out
 
     # ---------------------------------------------------------------- shared pieces
     def _compensated(self, flat: Tensor, bucket: Bucket) -> Tensor:
@@ -145,13 +201,29 @@ class _LowRank(Compressor):
         return views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
 
     @classmethod
-    def _write_product(cls, out: Tensor, matrices: list[_Matrix], p: Tensor, q: Tensor) -> None:
-        """``P Qᵀ`` of each matrix into its place in the flat ``out`` (directly, for a batch of one)."""
-        if len(matrices) == 1:
-            torch.bmm(p, q.transpose(1, 2), out=cls._matrices(out, matrices))
-            return
-        for m, value in zip(matrices, torch.bmm(p, q.transpose(1, 2))):
-            out[m.offset : m.offset + m.rows * m.cols] = value.reshape(-1)
+    def _write_products(cls, out: Tensor, layout: _Layout, p: Tensor, q: Tensor) -> None:
+        """``P Qᵀ`` of every matrix (padded factor batches ``p``, ``q``) into its place in the flat
+        ``out`` (directly, for a batch of one)."""
+        for matrices, p_group, q_group in zip(layout.groups.values(), layout.views("p", p), layout.views("q", q)):
+            if len(matrices) == 1:
+                torch.bmm(p_group, q_group.transpose(1, 2), out=cls._matrices(out, matrices))
+                continue
+            for m, value in zip(matrices, torch.bmm(p_group, q_group.transpose(1, 2))):
+                out[m.offset : m.offset + m.rows * m.cols] = value.reshape(-1)
+
+    @staticmethod
+    def _products(kind: str, mats: list[Tensor], layout: _Layout, other: Tensor) -> Tensor:
+        """The factors of ``kind`` from the other, padded ones, in payload order: ``P = M Q`` or
+        ``Q = Mᵀ P`` for every group."""
+        side = "q" if kind == "p" else "p"
+        products = [torch.bmm(m if kind == "p" else m.transpose(1, 2), f) for m, f in zip(mats, layout.views(side, other))]
+        return torch.cat([f.reshape(-1) for f in products])
+
+    def _padded(self, kind: str, layout: _Layout, flat: Tensor) -> Tensor:
+        """Factors in payload order -> a zero-padded batch (see :class:`_Layout`)."""
+        batch = flat.new_zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
+        batch.view(-1).index_copy_(0, layout.index[kind], flat)
+        return batch
 
     def _keep_error(self, m_flat: Tensor, approximation: Tensor, bucket: Bucket, finite: Tensor) -> None:
         """``e = M - approximation`` on the compressed matrices (dense parts are exact: no error)."""
@@ -168,13 +240,14 @@ class _LowRank(Compressor):
         return summed.div_(comm.world_size), local if need_local else None
 
     def extra_state(self) -> dict[str, Any]:
-        return {"factors": {kind: dict(store) for kind, store in self.factors.items()}}
+        return {"factors": {kind: {**self._restored[kind], **{n: t.clone() for n, t in self.factors_by_parameter(kind).items()}}
+                            for kind in ("p", "q")}}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.factors = {kind: dict(store) for kind, store in state.get("factors", {"p": {}, "q": {}}).items()}
-
-    def _split(self, summed: Tensor, sizes: list[int]) -> list[Tensor]:
-        return list(torch.split(summed, sizes))
+        """Factors by parameter name (e.g. a checkpoint's); each bucket's batch takes them up."""
+        factors = state.get("factors", {})
+        self._restored = {kind: dict(factors.get(kind, {})) for kind in ("p", "q")}
+        self._batches = {}
 
 
 @COMPRESSORS.register("powersgd")
@@ -202,22 +275,17 @@ class PowerSGD(_LowRank):
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket)
-        groups = list(layout.groups.items())
-        mats = [self._matrices(m_flat, ms) for _, ms in groups]
-        qs = [orthogonalize(self.stacked_factor("q", ms, bucket, flat.device), eps) for _, ms in groups]
-        ps = [torch.bmm(m, q) for m, q in zip(mats, qs)]
-        first = torch.cat([p.reshape(-1) for p in ps] + [m_flat[layout.dense]])
-        (summed,) = yield from comm.exchange([first], False)
-        pieces = self._split(summed, [p.numel() for p in ps] + [layout.dense.numel()])
-        ps = [orthogonalize(piece.view_as(p), eps) for piece, p in zip(pieces, ps)]
-        qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, ps)]
-        (summed_q,) = yield from comm.exchange([torch.cat([q.reshape(-1) for q in qs])], False)
-        qs = [piece.view_as(q).div_(comm.world_size) for piece, q in zip(self._split(summed_q, [q.numel() for q in qs]), qs)]
+        mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
+        q = orthogonalize(self.factor_batch("q", bucket, flat.device).clone(), eps)
+        p_flat = self._products("p", mats, layout, q)
+        (summed,) = yield from comm.exchange([torch.cat([p_flat, m_flat[layout.dense]])], False)
+        p = orthogonalize(self._padded("p", layout, summed[: p_flat.numel()]), eps)
+        (summed_q,) = yield from comm.exchange([self._products("q", mats, layout, p)], False)
+        q = self._padded("q", layout, summed_q.div_(comm.world_size))
         result = torch.empty_like(m_flat)  # every element is written: the dense part, then each matrix
-        result[layout.dense] = pieces[-1] / comm.world_size
-        for (_, ms), p, q in zip(groups, ps, qs):
-            self._write_product(result, ms, p, q)
-            self.keep_factors("q", ms, q, finite)
+        result[layout.dense] = summed[p_flat.numel() :] / comm.world_size
+        self._write_products(result, layout, p, q)
+        self.keep_factors("q", bucket, q, finite)
         self._keep_error(m_flat, result, bucket, finite)
         return result, result if need_local else None
 
@@ -244,35 +312,31 @@ class ACPSGD(_LowRank):
         return (self.step - self.options["start_iter"]) % 2 == 0
 
     def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool) -> Exchange:
-        if self.step < self.options["start_iter"]:
-            return (yield from self._dense_exchange(flat, comm, need_local))
         layout = self.layout(bucket)
+        if self.step < self.options["start_iter"] or not layout.groups:
+            return (yield from self._dense_exchange(flat, comm, need_local))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket)
-        groups = list(layout.groups.items())
-        mats = [self._matrices(m_flat, ms) for _, ms in groups]
+        mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
         sent, fixed = ("p", "q") if self.is_p_step() else ("q", "p")
-        fixed_factors = [orthogonalize(self.stacked_factor(fixed, ms, bucket, flat.device), eps) for _, ms in groups]
-        if sent == "p":
-            factors = [torch.bmm(m, q) for m, q in zip(mats, fixed_factors)]
-        else:
-            factors = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, fixed_factors)]
+        fixed_batch = orthogonalize(self.factor_batch(fixed, bucket, flat.device).clone(), eps)
+        sent_flat = self._products(sent, mats, layout, fixed_batch)
         local = torch.empty_like(m_flat)  # every element is written: the dense part, then each matrix
         local[layout.dense] = m_flat[layout.dense]
-        for (_, ms), fac, fix in zip(groups, factors, fixed_factors):
-            p, q = (fac, fix) if sent == "p" else (fix, fac)
-            self._write_product(local, ms, p, q)
+        self._write_products(local, layout, *self._ordered(sent, self._padded(sent, layout, sent_flat), fixed_batch))
         self._keep_error(m_flat, local, bucket, finite)
-        payload = torch.cat([f.reshape(-1) for f in factors] + [m_flat[layout.dense]])
-        (summed,) = yield from comm.exchange([payload], False)
-        pieces = self._split(summed.div_(comm.world_size), [f.numel() for f in factors] + [layout.dense.numel()])
+        (summed,) = yield from comm.exchange([torch.cat([sent_flat, m_flat[layout.dense]])], False)
+        summed.div_(comm.world_size)
+        averaged = self._padded(sent, layout, summed[: sent_flat.numel()])
         result = torch.empty_like(m_flat)
-        result[layout.dense] = pieces[-1]
-        for (_, ms), piece, fac, fix in zip(groups, pieces, factors, fixed_factors):
-            averaged = piece.view_as(fac)
-            p, q = (averaged, fix) if sent == "p" else (fix, averaged)
-            self._write_product(result, ms, p, q)
-            self.keep_factors(sent, ms, averaged, finite)
-            self.keep_factors(fixed, ms, fix, finite)
+        result[layout.dense] = summed[sent_flat.numel() :]
+        self._write_products(result, layout, *self._ordered(sent, averaged, fixed_batch))
+        self.keep_factors(sent, bucket, averaged, finite)
+        self.keep_factors(fixed, bucket, fixed_batch, finite)
         return result, local if need_local else None
+
+    @staticmethod
+    def _ordered(sent: str, sent_batch: Tensor, fixed_batch: Tensor) -> tuple[Tensor, Tensor]:
+        """(P, Q) from the sent and the fixed factor."""
+        return (sent_batch, fixed_batch) if sent == "p" else (fixed_batch, sent_batch)
