@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .algos.base import Compressor, Memory
-from .bucket import Bucket, all_finite
+from .algos.base import Compressor, Memory, StartedExchange, start_exchange
+from .bucket import Bucket
 from .comm import Communicator, Exchange, Round
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.auto import AutoTuner
@@ -51,11 +51,11 @@ STATE_FORMAT = 1
 class _Job:
     """One bucket's exchange in flight: a generator of rounds and its current round."""
 
-    def __init__(self, bucket: Bucket, exchange: Exchange, compensated: Tensor, finite: Tensor | None) -> None:
+    def __init__(self, bucket: Bucket, started: StartedExchange) -> None:
         self.bucket = bucket
-        self.exchange = exchange
-        self.compensated = compensated
-        self.finite = finite
+        self.exchange = started.exchange
+        self.compensated = started.compensated
+        self.finite = started.finite
         self.round: Round | None = None
         self.result: tuple[Tensor, Tensor | None] | None = None
 
@@ -63,6 +63,8 @@ class _Job:
 class GradientSynchronizer:
     """Averages gradients of ``module`` across ``process_group`` through compressor, memory and
     communicator, over buckets cut by ``fusion`` (a planner or its string form, e.g. ``"groups:4"``).
+    On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
+    stream, after backward's kernels: for measuring what the overlap gains).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class GradientSynchronizer:
         fusion: Union[str, FusionPlanner] = "bucket_mb:25",
         process_group: Any = None,
         broadcast_from_rank0: bool = True,
+        side_stream: bool = True,
     ) -> None:
         self.module = module
         self.compressor = compressor
@@ -90,7 +93,7 @@ class GradientSynchronizer:
         self.params = [p for _, p in named]
         self._index = {name: i for i, name in enumerate(self.names)}
         self.device = self.params[0].device
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and side_stream else None
         if broadcast_from_rank0:
             self._broadcast_module_states()
         self.step = 0
@@ -217,10 +220,7 @@ class GradientSynchronizer:
                 if job.round is not None and job.round.eager:
                     self._advance(job)
             start = time.perf_counter()
-            stateful = self.memory.needs_local_estimate
-            finite = all_finite(flat) if stateful else None
-            compensated = self.memory.compensate(flat, bucket)
-            job = _Job(bucket, self.compressor.exchange(compensated, bucket, self.comm, stateful), compensated, finite)
+            job = _Job(bucket, start_exchange(self.compressor, self.memory, flat, bucket, self.comm))
             job.round = next(job.exchange)
             self._jobs.append(job)
         tel = self._step_telemetry
@@ -275,8 +275,9 @@ class GradientSynchronizer:
             average, local = job.result
             if self.stream is not None:
                 average.record_stream(torch.cuda.current_stream(self.device))
-            if job.finite is not None:
+            if job.compensated is not None:
                 self.memory.update(job.compensated, local, job.bucket, job.finite)
+            if job.finite is not None:
                 nonfinite.append(~job.finite)
             for name, value in zip(job.bucket.names, job.bucket.views(average)):
                 param = self._param(name)
@@ -285,7 +286,7 @@ class GradientSynchronizer:
                 else:
                     param.grad.copy_(value)
         if nonfinite:
-            self._step_telemetry.nonfinite_buckets = int(torch.stack(nonfinite).sum())
+            self._step_telemetry.nonfinite_buckets = torch.stack(nonfinite).sum()  # no host synchronisation
 
     # ------------------------------------------------------------------ public API
     @contextmanager

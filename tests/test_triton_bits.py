@@ -102,8 +102,125 @@ def test_mean_of_signs_equals_the_mean_of_the_decodes(kernels, name, ranks):
     bits = torch.stack([payload[-1] for payload in gathered])
     pairs = [compressor.level_pair(payload[0]) for payload in gathered]
     positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
-    fused = kernels.mean_of_signs(bits, positive, negative, bucket.tensor_ids(kernels.device), bucket.numel)
+    fused = kernels.mean_of_signs(bits, positive, negative, bucket.boundaries(kernels.device), bucket.numel)
     expected = compressor.decode(gathered[0], bucket).clone()
     for payload in gathered[1:]:
         expected += compressor.decode(payload, bucket)
     assert torch.equal(fused.cpu(), expected.div_(ranks).cpu())
+
+
+def _sign_bucket(device):
+    from gc_strategy.bucket import Bucket
+
+    shapes = [torch.Size([7, 3]), torch.Size([0]), torch.Size([5]), torch.Size([1]), torch.Size([40, 33]), torch.Size([3000])]
+    return Bucket(0, [f"t{i}" for i in range(len(shapes))], shapes, torch.float32, device)
+
+
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_sign_sums_equal_the_torch_sums(kernels, name, with_residual):
+    """Per-tensor sums of g + e (one pass, block partials added atomically: another order of
+    additions than the torch code's, so equal to fp32 rounding), over tensors of 0 to 3000 elements."""
+    from gc_strategy.algos import COMPRESSORS
+
+    bucket = _sign_bucket(kernels.device)
+    g = torch.Generator().manual_seed(3)
+    grad = torch.randn(bucket.numel, generator=g).to(kernels.device)
+    residual = torch.randn(bucket.numel, generator=g).to(kernels.device) if with_residual else None
+    compressor = COMPRESSORS.build(name)
+    x = grad + residual if with_residual else grad
+    expected = compressor.sums(x.cpu(), _sign_bucket(torch.device("cpu")))
+    got = kernels.sign_sums(grad, residual, bucket.boundaries(kernels.device), compressor.split_sums)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd"])
+def test_sign_encode_equals_pack_decode_and_residual_update(kernels, name):
+    """Bits and ``e ← x − decode(bits)`` in one pass, bit for bit against packing + decode + the
+    residual memory's update; a bucket that is not finite leaves ``e`` as it was."""
+    from gc_strategy.algos import COMPRESSORS, MEMORIES
+
+    bucket = _sign_bucket(kernels.device)
+    g = torch.Generator().manual_seed(5)
+    compressor, memory = COMPRESSORS.build(name), MEMORIES.build("residual")
+    for finite in (True, False):
+        grad = torch.randn(bucket.numel, generator=g).to(kernels.device)
+        grad[::11] = 0.0
+        residual = memory.buffer("residual", bucket)
+        residual.copy_(torch.randn(bucket.numel, generator=g))
+        before = residual.clone()
+        x = memory.compensate(grad, bucket)
+        levels = compressor.levels(x, bucket)
+        payload = [levels, _reference_pack(x.cpu() >= 0, 1).to(kernels.device)]
+        flag = torch.tensor(finite, device=kernels.device)
+        expected_residual = before.clone()
+        memory.update(x, compressor.decode(payload, bucket), bucket, flag)
+        expected_residual, residual_now = residual.clone(), residual
+        residual_now.copy_(before)
+        bits = kernels.sign_encode(grad, residual_now, flag, *compressor.level_pair(levels),
+                                   bucket.boundaries(kernels.device))
+        assert torch.equal(bits.cpu(), payload[1].cpu())
+        assert torch.equal(residual_now.cpu(), expected_residual.cpu())
+        assert torch.equal(residual_now.cpu(), before.cpu()) is (not finite)
+
+
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd"])
+def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
+    """Three steps of the engine's exchange start (compensate, exchange, update) with the fused path
+    and with it switched off: the same averages and residuals, to fp32 rounding of the sums."""
+    from gc_strategy.algos import COMPRESSORS, MEMORIES
+    from gc_strategy.algos.base import start_exchange
+    from gc_strategy.comm import COMMUNICATORS
+
+    bucket = _sign_bucket(kernels.device)
+    gradients = [torch.randn(bucket.numel, generator=torch.Generator().manual_seed(s)).to(kernels.device) for s in range(3)]
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(type(COMPRESSORS.build(name)), "fused_exchange", lambda self, *args: None)
+        compressor, memory, comm = COMPRESSORS.build(name), MEMORIES.build("residual"), COMMUNICATORS.build("allgather")
+        comm.bind(None)
+        runs[fused] = []
+        for grad in gradients:
+            started = start_exchange(compressor, memory, grad, bucket, comm)
+            assert (started.compensated is None) is fused
+            try:
+                current = next(started.exchange)
+                while True:
+                    current = started.exchange.send(current.wait())
+            except StopIteration as stop:
+                average, local = stop.value
+            if started.compensated is not None:
+                memory.update(started.compensated, local, bucket, started.finite)
+            runs[fused].append((average.cpu(), memory.buffer("residual", bucket).cpu().clone()))
+    for (a, e), (b, f) in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(e, f, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("levels", [1, 5, 127])
+def test_qsgd_codes_round_to_a_neighbouring_level_without_bias(kernels, levels):
+    """Every code of the one-pass QSGD kernel is the floor or the ceiling of ``s|g|/‖g‖`` with the
+    sign of ``g`` (decoded by the torch code), and the mean of 200 draws approaches ``g`` as an
+    unbiased quantiser's must (squared error of the mean ≈ Σ var / N)."""
+    from gc_strategy.algos import COMPRESSORS
+
+    bucket = _sign_bucket(kernels.device)
+    g = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(levels)).to(kernels.device)
+    g[::13] = 0.0
+    compressor = COMPRESSORS.build("qsgd", levels=levels, chunk=1000)
+    norms = torch.nn.functional.pad(g.cpu(), (0, (-g.numel()) % 1000)).view(-1, 1000).norm(dim=1)
+    scaled = (g.cpu().abs() * levels / norms.repeat_interleave(1000)[: g.numel()]).double()
+    draws = []
+    for step in range(200):
+        compressor.step = step
+        payload = compressor.encode(g, bucket)
+        torch.testing.assert_close(payload[0].cpu(), norms)
+        decoded = compressor.decode(payload, bucket).cpu().double()
+        level = decoded.abs() * levels / norms.repeat_interleave(1000)[: g.numel()].double()
+        assert bool(((level - scaled.floor()).abs() < 1e-4).logical_or((level - scaled.ceil()).abs() < 1e-4).all())
+        assert bool((decoded.sign() == g.cpu().sign()).logical_or(decoded == 0).all())
+        draws.append(decoded)
+    draws = torch.stack(draws)
+    squared_error = (draws.mean(0) - g.cpu().double()).square().sum()
+    assert float(squared_error / (draws.var(0).sum() / len(draws))) < 1.5

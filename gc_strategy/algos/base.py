@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, BucketState
+from ..bucket import Bucket, BucketState, all_finite
 from ..comm import Communicator, Exchange, Payload
 from ..registry import Option, Registry
 
@@ -42,15 +43,19 @@ class Compressor(BucketState):
         self.rank = 0
         self.step = 0
 
-    def generator(self, bucket: Bucket, device: torch.device, shared: bool) -> torch.Generator:
-        """A random generator seeded from (option ``seed``, step, bucket) and, unless ``shared``, the
-        rank: the same draws on every rank when ``shared``, independent draws otherwise. Seeding from
-        the step makes a resumed run draw what the uninterrupted run would have drawn."""
+    def seed_for(self, bucket: Bucket, shared: bool) -> int:
+        """A seed mixed from (option ``seed``, step, bucket) and, unless ``shared``, the rank: the
+        same draws on every rank when ``shared``, independent draws otherwise. Mixing in the step
+        makes a resumed run draw what the uninterrupted run would have drawn."""
         seed = self.options.get("seed", 0)
         mixed = ((seed * 1_000_003 + self.step) * 1_000_033 + bucket.index) * 1_000_037
         if not shared:
             mixed += self.rank + 1
-        return torch.Generator(device=device).manual_seed(mixed % (2**63 - 1))
+        return mixed % (2**63 - 1)
+
+    def generator(self, bucket: Bucket, device: torch.device, shared: bool) -> torch.Generator:
+        """A torch generator seeded by :meth:`seed_for`."""
+        return torch.Generator(device=device).manual_seed(self.seed_for(bucket, shared))
 
     def pop_metrics(self) -> dict[str, float]:
         """Method-specific telemetry accumulated since the last call (e.g. achieved density)."""
@@ -81,9 +86,22 @@ class Compressor(BucketState):
         payload = self.encode(flat, bucket)
         local = self.decode(payload, bucket).clone() if need_local else None
         received = yield from comm.exchange(payload, self.variable_size)
+        return self.combine(received, bucket, comm), local
+
+    def combine(self, received: Any, bucket: Bucket, comm: Communicator) -> Tensor:
+        """The average from what the communicator returned: :meth:`average` of the sum or
+        :meth:`aggregate` of the gathered payloads."""
         if comm.sums:
-            return self.average(received, bucket, comm.world_size), local
-        return self.aggregate(received, bucket), local
+            return self.average(received, bucket, comm.world_size)
+        return self.aggregate(received, bucket)
+
+    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
+                       comm: Communicator) -> Exchange | None:
+        """Residual error feedback fused into the encode: the exchange of ``x = grad + residual`` that
+        also sets ``residual ← x − decode(payload)`` (unchanged where the 0-d ``finite`` is False) in
+        its own passes, returning ``(average, None)``; or None where this compressor has no such path
+        for these tensors (the engine then runs compensate, :meth:`exchange` and the memory's update)."""
+        return None
 
     def extra_state(self) -> dict[str, Any]:
         """Non-per-element state to checkpoint (step counters, seeds); saved per rank."""
@@ -116,3 +134,37 @@ class Memory(BucketState):
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         raise NotImplementedError
+
+    def fusable_residual(self, bucket: Bucket) -> Tensor | None:
+        """The buffer ``e`` when this memory is plain residual feedback (``x = g + e``,
+        ``e ← x − decode``), which a compressor may update inside its encode
+        (:meth:`Compressor.fused_exchange`); None otherwise."""
+        return None
+
+
+@dataclass
+class StartedExchange:
+    """One bucket's exchange under way, with what its error feedback needs at the end."""
+
+    exchange: Exchange
+    #: 0-d bool, False when the bucket's gradient holds inf/NaN (None: the memory keeps no state)
+    finite: Tensor | None
+    #: the memory's compensated input, for ``memory.update``; None when there is nothing to update
+    #: (no state, or the compressor's fused exchange updated the memory itself)
+    compensated: Tensor | None
+
+
+def start_exchange(compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket, comm: Communicator) -> StartedExchange:
+    """``memory.compensate -> compressor.exchange`` for one bucket, or the compressor's fused exchange
+    (:meth:`Compressor.fused_exchange`) where the memory is plain residual feedback and the
+    compressor has one for these tensors. After the exchange, call ``memory.update(compensated,
+    local, bucket, finite)`` when ``compensated`` is not None."""
+    stateful = memory.needs_local_estimate
+    finite = all_finite(flat) if stateful else None
+    residual = memory.fusable_residual(bucket) if stateful else None
+    fused = compressor.fused_exchange(flat, residual, finite, bucket, comm) if residual is not None else None
+    if fused is not None:
+        return StartedExchange(fused, finite, None)
+    compensated = memory.compensate(flat, bucket)
+    return StartedExchange(compressor.exchange(compensated, bucket, comm, stateful), finite,
+                           compensated if stateful else None)

@@ -44,11 +44,15 @@ class ResidualMemory(Memory):
 
     def compensate(self, grad: Tensor, bucket: Bucket) -> Tensor:
         residual = self.buffer("residual", bucket)
-        return torch.add(residual * self.beta, grad.float(), alpha=self.gamma)
+        weighted = residual if self.beta == 1 else residual * self.beta  # no copy for the usual β = 1
+        return torch.add(weighted, grad.float(), alpha=self.gamma)
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         residual = self.buffer("residual", bucket)
-        residual.copy_(torch.where(finite, compensated - local_estimate.float(), residual))
+        torch.where(finite, compensated - local_estimate.float(), residual, out=residual)
+
+    def fusable_residual(self, bucket: Bucket) -> Tensor | None:
+        return self.buffer("residual", bucket) if self.beta == 1 and self.gamma == 1 else None
 
 
 @MEMORIES.register("dgc")

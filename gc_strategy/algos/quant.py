@@ -13,6 +13,7 @@ from ..bucket import Bucket
 from ..comm import Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
+from . import triton_bits
 from .packing import bits_for, pack_bits, unpack_bits
 from .sparse import SEED
 
@@ -31,7 +32,9 @@ class QSGD(_Quantizer):
     ``q_i = sign(g_i) · (⌊s|g_i|/‖g‖⌋ + Bernoulli(frac))`` (unbiased: ``E[‖g‖ q / s] = g``).
     Codes ``q + s`` in ``[0, 2s]`` are packed in the fewest bits holding ``2s+1`` values (2 bits for
     s = 1, 4 for s ≤ 7, 8 for s ≤ 127), plus one fp32 norm per chunk of ``chunk`` elements
-    (``chunk = 0``: one norm for the whole bucket)."""
+    (``chunk = 0``: one norm for the whole bucket). On CUDA with Triton, quantisation and packing
+    are one kernel (:func:`~gc_strategy.algos.triton_bits.qsgd_codes`) drawing its own Philox
+    uniforms: the same distribution as the torch code's draws, not the same numbers."""
 
     OPTIONS = {
         "levels": Option(127, int, low=1, high=127, help="s"),
@@ -48,6 +51,10 @@ class QSGD(_Quantizer):
         s = self.options["levels"]
         chunks = self._chunked(flat.float())
         norms = chunks.norm(dim=1, keepdim=True)
+        if triton_bits.usable(flat):  # quantise and pack in one pass, Philox draws inside the kernel
+            packed = triton_bits.qsgd_codes(flat, norms.view(-1), chunks.shape[1], s, bits_for(2 * s + 1),
+                                            self.seed_for(bucket, shared=False))
+            return [norms.view(-1), packed]
         scaled = chunks.abs() * s / norms.clamp_min(torch.finfo(torch.float32).tiny)
         uniform = self._uniform(scaled.shape, bucket, flat.device)
         levels = (scaled.floor() + (uniform < scaled - scaled.floor())).clamp_max(s) * chunks.sign()

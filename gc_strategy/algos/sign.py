@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket, all_finite
-from ..comm import Payload
+from ..comm import Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
 from . import triton_bits
@@ -54,8 +54,38 @@ class _SignBits(Compressor):
 
 
 class _ScaledSigns(_SignBits):
-    """Averages the scaled decodes of all ranks; on CUDA with Triton in one pass over the gathered
-    bits (:func:`~gc_strategy.algos.triton_bits.mean_of_signs`, equal to the decodes' mean)."""
+    """Averages the scaled decodes of all ranks. The per-tensor levels come from per-tensor sums of
+    the input. On CUDA with Triton: with residual error feedback, the encode and the residual
+    update run in two passes over ``g`` and ``e`` (:meth:`fused_exchange`), and the aggregate in one
+    pass over the gathered bits (:func:`~gc_strategy.algos.triton_bits.mean_of_signs`)."""
+
+    #: the sums the levels come from: ``Σ|x|`` (False) or ``Σ x·[x≥0], #[x≥0], Σ x·[x<0]`` (True)
+    split_sums: bool
+
+    def sums(self, g: Tensor, bucket: Bucket) -> Tensor:
+        if not self.split_sums:
+            return bucket.sum_per_tensor(g.abs())
+        positive = (g >= 0).float()
+        return torch.stack([bucket.sum_per_tensor(g * positive), bucket.sum_per_tensor(positive),
+                            bucket.sum_per_tensor(g * (1 - positive))])
+
+    def levels_from_sums(self, sums: Tensor, bucket: Bucket) -> Tensor:
+        raise NotImplementedError
+
+    def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
+        return self.levels_from_sums(self.sums(g, bucket), bucket)
+
+    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange | None:
+        if not triton_bits.usable(grad):
+            return None
+        return self._fused_exchange(grad, residual, finite, bucket, comm)
+
+    def _fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange:
+        boundaries = bucket.boundaries(grad.device)
+        levels = self.levels_from_sums(triton_bits.sign_sums(grad, residual, boundaries, self.split_sums), bucket)
+        bits = triton_bits.sign_encode(grad, residual, finite, *self.level_pair(levels), boundaries)
+        received = yield from comm.exchange([levels, bits], self.variable_size)
+        return self.combine(received, bucket, comm), None
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
         if not triton_bits.usable(gathered[0][-1]):
@@ -63,7 +93,7 @@ class _ScaledSigns(_SignBits):
         bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
-        return triton_bits.mean_of_signs(bits, positive, negative, bucket.tensor_ids(bits.device), bucket.numel)
+        return triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel)
 
 
 class _MajorityVote(_SignBits):
@@ -104,12 +134,12 @@ class OneBit(_ScaledSigns):
     decode gives the mean of the tensor's non-negative entries or the mean of its negative entries
     (2 fp32 scalars per tensor). Pair it with ``memory='residual'`` (the paper's error feedback)."""
 
-    def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
-        positive = (g >= 0).float()
-        count = bucket.sum_per_tensor(positive)
-        pos_mean = bucket.sum_per_tensor(g * positive) / count.clamp_min(1)
-        neg_mean = bucket.sum_per_tensor(g * (1 - positive)) / (bucket.sum_per_tensor(1 - positive)).clamp_min(1)
-        return torch.stack([pos_mean, neg_mean]).flatten()
+    split_sums = True
+
+    def levels_from_sums(self, sums: Tensor, bucket: Bucket) -> Tensor:
+        positive_sum, count, negative_sum = sums
+        negative_count = bucket.lengths(sums.device) - count
+        return torch.stack([positive_sum / count.clamp_min(1), negative_sum / negative_count.clamp_min(1)]).flatten()
 
     def level_pair(self, levels: Tensor) -> tuple[Tensor, Tensor]:
         positive, negative = levels.view(2, -1)
@@ -123,8 +153,10 @@ class EFSignSGD(_ScaledSigns):
     it with ``memory='residual'``, which supplies ``p`` and keeps ``e = p - decode``. The paper folds
     the learning rate into ``p``; here the optimizer keeps it."""
 
-    def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
-        return bucket.mean_per_tensor(g.abs())
+    split_sums = False
+
+    def levels_from_sums(self, sums: Tensor, bucket: Bucket) -> Tensor:
+        return sums / bucket.lengths(sums.device)
 
     def level_pair(self, levels: Tensor) -> tuple[Tensor, Tensor]:
         return levels, -levels

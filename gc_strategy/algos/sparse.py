@@ -13,12 +13,33 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket
-from ..comm import Payload
+from ..comm import Communicator, Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
 
 DENSITY = Option(0.01, float, low=0.0, high=1.0, low_open=True, help="fraction of elements kept")
 SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bucket and rank)")
+
+
+def sparse_feedback_exchange(compressor: Compressor, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
+                             comm: Communicator) -> Exchange:
+    """Residual error feedback for a sparsifier without a dense decode: ``x = g + e`` is encoded,
+    then ``e ← x`` except at the sent positions, where ``e ← x − sent`` (0 where the values travel
+    exactly); ``e`` is left as it was when the bucket is not finite. Two dense passes (compensate,
+    the guarded copy) instead of five (compensate, zero-fill + scatter, subtract, guard)."""
+    x = torch.add(residual, grad.float())
+    payload = compressor.encode(x, bucket)
+    positions, sent = compressor.sent(payload, bucket)
+    at_positions = torch.where(finite, x[positions] - sent, residual[positions])
+    torch.where(finite, x, residual, out=residual)
+    residual[positions] = at_positions
+    received = yield from comm.exchange(payload, compressor.variable_size)
+    return compressor.combine(received, bucket, comm), None
+
+
+def scatter(bucket: Bucket, positions: Tensor, values: Tensor) -> Tensor:
+    """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere."""
+    return torch.zeros(bucket.numel, dtype=values.dtype, device=values.device).index_put_((positions,), values)
 
 
 def keep_count(density: float, n: int) -> int:
@@ -50,10 +71,15 @@ class Sparsifier(Compressor):
         return [flat[indices], indices.to(torch.int32)]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return scatter(bucket, *self.sent(payload, bucket))
+
+    def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        """The positions and the decoded values there (what error feedback subtracts)."""
         values, indices = payload
-        return torch.zeros(bucket.numel, dtype=values.dtype, device=values.device).index_put_(
-            (indices.long(),), values, accumulate=True
-        )
+        return indices.long(), values
+
+    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange:
+        return sparse_feedback_exchange(self, grad, residual, finite, bucket, comm)
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
         values = torch.cat([p[0] for p in gathered])
@@ -185,8 +211,12 @@ class RandK(Compressor):
         return [flat[self._positions(bucket, flat.device)]]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return scatter(bucket, *self.sent(payload, bucket))
+
+    def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         (values,) = payload
-        out = torch.zeros(bucket.numel, dtype=values.dtype, device=values.device)
         scale = bucket.numel / values.numel() if self.options["unbiased"] else 1.0
-        out[self._positions(bucket, values.device)] = values * scale
-        return out
+        return self._positions(bucket, values.device), values * scale
+
+    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange:
+        return sparse_feedback_exchange(self, grad, residual, finite, bucket, comm)

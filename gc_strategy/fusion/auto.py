@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..bucket import Bucket, all_finite
+from ..algos.base import MEMORIES, start_exchange
+from ..bucket import Bucket
 from ..registry import renewed
 from .plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .timeline import Cost, CostModel, best_plan, simulate
@@ -344,7 +345,8 @@ def _gradient(param: torch.nn.Parameter) -> Tensor:
 
 def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket) -> tuple[float, float, float, int]:
     """(encode, communication, decode) seconds of one bucket's exchange, all ranks of the
-    communicator's group starting together (``memory`` may be None), and the bytes it sent.
+    communicator's group starting together (``memory`` may be None), and the bytes it sent; the
+    exchange starts as the engine starts it (:func:`~gc_strategy.algos.base.start_exchange`).
     Encode includes the memory's compensation, communication every round and the work between
     rounds, decode the last combine and the memory's update."""
     cuda = flat.is_cuda
@@ -354,12 +356,12 @@ def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket
             torch.cuda.synchronize(flat.device)
         return time.perf_counter()
 
+    memory = memory if memory is not None else MEMORIES.build("none")
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
     start = now()
-    need_local = memory is not None and memory.needs_local_estimate
-    compensated = memory.compensate(flat, bucket) if memory is not None else flat
-    exchange = compressor.exchange(compensated, bucket, communicator, need_local)
+    started = start_exchange(compressor, memory, flat, bucket, communicator)
+    exchange = started.exchange
     current = next(exchange)
     encoded = now()
     sent = 0
@@ -371,8 +373,8 @@ def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket
             current = exchange.send(value)
         except StopIteration as stop:
             average, local = stop.value
-            if need_local:
-                memory.update(compensated, local, bucket, all_finite(flat))
+            if started.compensated is not None:
+                memory.update(started.compensated, local, bucket, started.finite)
             finished = now()
             break
     return encoded - start, received - encoded, finished - received, sent
