@@ -59,10 +59,11 @@ def buckets_of(model: nn.Module, loss, compressor: str, fusion: str) -> tuple[li
     memory, options = USUAL.get(compressor, ("none", {}))
     c = build_components(compressor, memory, fusion=fusion, **options)
     engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-    steps = 1 + 3 * engine.tuner.steps + 1 if engine.tuner is not None else 2  # order (+ settle, profile, verify)
-    for _ in range(steps):
+    steps = 0
+    while steps < 2 or (engine.tuner is not None and engine.tuner.phase != "done"):  # order (+ auto's planning)
         model.zero_grad()
         loss().backward()
+        steps += 1
     buckets, flats = list(engine.buckets), [buffer.clone() for buffer in engine.buffers]
     engine.close()
     return buckets, flats
@@ -83,6 +84,19 @@ def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[f
         if run:
             totals.append(total)
     return statistics.median(totals), sent
+
+
+def profile_plan(compressor: str, buckets: list, flats: list, rows: int = 8) -> str:
+    """The kernels one compression of every bucket runs, by total device (or CPU) time: where the
+    time goes, to compare with the bytes floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if flats[0].is_cuda else [])
+    time_plan(compressor, buckets, flats, runs=1)  # warm up outside the profile
+    with profile(activities=activities) as prof:
+        time_plan(compressor, buckets, flats, runs=1)
+    sort = "self_cuda_time_total" if flats[0].is_cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -109,6 +123,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="print each compressor's top kernels on one bucket")
     args = parser.parse_args()
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device)
@@ -121,6 +136,7 @@ def main() -> None:
         print(f"### {model_name}: {tensors} tensors, {elements:,} elements\n")
         print("| compressor | layerwise (ms) | single bucket (ms) | bucket_mb:25 (ms) | auto plan (ms) | auto buckets | floor (ms) |")
         print("|---|---|---|---|---|---|---|")
+        profiles = []
         for compressor in args.compressors:
             cells, sent = [], 0
             for plan in (*PLANS, "auto:2"):
@@ -130,7 +146,11 @@ def main() -> None:
             memory = USUAL.get(compressor, ("none", {}))[0]
             moved = 4 * elements + (8 * elements if memory != "none" else 0) + sent + 4 * elements
             print(f"| {compressor} | {' | '.join(cells)} | {len(buckets)} | {1000 * moved / bandwidth:.2f} |", flush=True)
+            if args.profile:
+                profiles.append((compressor, profile_plan(compressor, *buckets_of(model, loss, compressor, "single"))))
         print()
+        for compressor, table in profiles:
+            print(f"#### {model_name} {compressor}, one bucket\n\n```\n{table}\n```\n")
 
 
 if __name__ == "__main__":
