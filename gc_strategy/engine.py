@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from .algos.base import Compressor, Memory, StartedExchange, start_exchange
 from .bucket import Bucket
-from .comm import Communicator, Exchange, Round
+from .comm import Communicator, Round
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.auto import AutoTuner
 from .fusion.plans import PLAN_FILE_FORMAT

@@ -233,3 +233,23 @@ def test_batched_same_shape_matrices_give_the_per_matrix_results(name, monkeypat
     for unbatched, batched in zip(results[False], results[True]):
         for a, b in zip(unbatched, batched):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_without_warm_start_every_step_starts_from_the_initial_factors():
+    """``warm_start=False``: the same gradient gives the same approximation every step (Q restarts
+    from the shared seed); with warm start the second step's power iteration starts from the first
+    step's Q and approximates the matrix better."""
+    bucket = _matrix_bucket((40, 30))
+    matrix = torch.randn(40, 30, generator=torch.Generator().manual_seed(0)).reshape(-1)
+    errors = {}
+    for warm in (False, True):
+        compressor = build("powersgd", rank=2, start_iter=0, use_error_feedback=False, warm_start=warm)
+        results = []
+        for step in range(2):
+            compressor.step = step
+            results.append(_single_rank_exchange(compressor, matrix, bucket)[0].clone())
+        errors[warm] = [float((r - matrix).norm()) for r in results]
+        if not warm:
+            assert torch.equal(results[0], results[1])
+    assert errors[True][0] == pytest.approx(errors[False][0])
+    assert errors[True][1] < errors[True][0]

@@ -224,3 +224,53 @@ def test_qsgd_codes_round_to_a_neighbouring_level_without_bias(kernels, levels):
     draws = torch.stack(draws)
     squared_error = (draws.mean(0) - g.cpu().double()).square().sum()
     assert float(squared_error / (draws.var(0).sum() / len(draws))) < 1.5
+
+
+@pytest.mark.parametrize("clip_sigma", [0.0, 1.0])
+def test_terngrad_codes_are_ternary_draws_of_the_clipped_gradient(kernels, clip_sigma):
+    """TernGrad through the same kernel (one level): every decoded value is 0 or ±scale with the sign
+    of the clipped gradient, the scale is max|clip(g)|, and the mean of 200 draws approaches the
+    clipped gradient without bias."""
+    from gc_strategy.algos import COMPRESSORS
+
+    bucket = _sign_bucket(kernels.device)
+    g = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(7)).to(kernels.device)
+    compressor = COMPRESSORS.build("terngrad", clip_sigma=clip_sigma)
+    clipped = g.cpu().double()
+    if clip_sigma:
+        bound = clip_sigma * float(g.cpu().std())
+        clipped = clipped.clamp(-bound, bound)
+    draws = []
+    for step in range(200):
+        compressor.step = step
+        payload = compressor.encode(g, bucket)
+        scale = float(payload[0].cpu())
+        assert scale == pytest.approx(float(clipped.abs().max()), rel=1e-6)
+        decoded = compressor.decode(payload, bucket).cpu().double()
+        assert bool(((decoded == 0) | ((decoded.abs() == scale) & (decoded.sign() == clipped.sign()))).all())
+        draws.append(decoded)
+    draws = torch.stack(draws)
+    squared_error = (draws.mean(0) - clipped).square().sum()
+    assert float(squared_error / (draws.var(0).sum() / len(draws))) < 1.5
+
+
+@pytest.mark.parametrize("name, options", [("qsgd", dict(levels=127)), ("qsgd", dict(levels=5, chunk=700)),
+                                           ("qsgd", dict(levels=1)), ("terngrad", {})])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_mean_of_levels_equals_the_mean_of_the_decodes(kernels, name, options, ranks):
+    """The one-pass aggregate of QSGD/TernGrad payloads against the torch decodes' mean."""
+    from gc_strategy.algos import COMPRESSORS
+
+    bucket = _sign_bucket(kernels.device)
+    compressor = COMPRESSORS.build(name, **options)
+    g = torch.Generator().manual_seed(ranks)
+    gathered = []
+    for rank in range(ranks):
+        compressor.rank = rank
+        gathered.append(compressor.encode(torch.randn(bucket.numel, generator=g).to(kernels.device), bucket))
+    expected = compressor.decode(gathered[0], bucket).clone()
+    for payload in gathered[1:]:
+        expected += compressor.decode(payload, bucket)
+    # compiled, the multiply of a decode may fuse with the addition over ranks (one rounding less)
+    torch.testing.assert_close(compressor.aggregate(gathered, bucket).cpu(), expected.div_(ranks).cpu(),
+                               rtol=1e-6, atol=1e-6 * float(expected.abs().max()))

@@ -158,12 +158,12 @@ class _LowRank(Compressor):
         (``warm_start``), a checkpoint's, or initial ones from the seed all ranks share. A batch
         built for new buckets (a changed fusion plan) takes over the factors of the old ones by name."""
         key = (kind, tuple(bucket.names))
-        if key not in self._batches or not self.options.get("warm_start", True):
+        if key not in self._batches:
             layout = self.layout(bucket)
-            known = {**self.factors_by_parameter(kind), **self._restored[kind]}
+            known = {**self.factors_by_parameter(kind), **self._restored[kind]} if self._warm_start() else {}
             batch = torch.zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
             for slot, m in enumerate(layout.matrices):
-                value = known.get(m.name) if self.options.get("warm_start", True) else None
+                value = known.get(m.name)
                 value = self._initial(kind, m) if value is None else value
                 batch[slot, : value.shape[0], : m.rank] = value
                 self._restored[kind].pop(m.name, None)
@@ -173,8 +173,14 @@ class _LowRank(Compressor):
             self._batches[key] = batch.to(device)
         return self._batches[key]
 
+    def _warm_start(self) -> bool:
+        return self.options.get("warm_start", True)
+
     def keep_factors(self, kind: str, bucket: Bucket, batch: Tensor, finite: Tensor) -> None:
-        """Store the factors for the next step (not from a bucket holding inf/NaN)."""
+        """Store the factors for the next step (not from a bucket holding inf/NaN; without
+        ``warm_start`` every step starts again from the initial ones)."""
+        if not self._warm_start():
+            return
         stored = self.factor_batch(kind, bucket, batch.device)
         torch.where(finite, batch, stored, out=stored)
 

@@ -26,15 +26,63 @@ class _Quantizer(Compressor):
         return torch.rand(shape, device=device, generator=self.generator(bucket, device, shared=False))
 
 
+class _LevelQuantizer(_Quantizer):
+    """Stochastic rounding of ``|x| · s / scale`` to a neighbouring integer level in ``[0, s]``, with
+    the sign of ``x`` and one scale per chunk: payload ``[scales, codes q + s packed]``, decode
+    ``(code − s) · scale / s``. On CUDA with Triton the encode is one kernel drawing its own Philox
+    uniforms (the same distribution as the torch code's draws, not the same numbers) and the
+    aggregate one pass over all ranks' codes (:func:`~gc_strategy.algos.triton_bits.level_codes`,
+    :func:`~gc_strategy.algos.triton_bits.mean_of_levels`)."""
+
+    def levels(self) -> int:
+        raise NotImplementedError
+
+    def chunk(self, n: int) -> int:
+        """Elements per scale."""
+        return max(1, n)
+
+    def scales(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The per-chunk scales of ``g`` and the clipping bound (0-d) or None."""
+        raise NotImplementedError
+
+    def bits(self) -> int:
+        return bits_for(2 * self.levels() + 1)
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        s, chunk = self.levels(), self.chunk(flat.numel())
+        scales, bound = self.scales(flat.float())
+        if triton_bits.usable(flat):
+            return [scales, triton_bits.level_codes(flat, scales, chunk, s, self.bits(), self.seed_for(bucket, shared=False), bound)]
+        g = flat.float() if bound is None else flat.float().clamp(-bound, bound)
+        scaled = self._chunked(g.abs(), chunk) * s / scales.view(-1, 1).clamp_min(torch.finfo(torch.float32).tiny)
+        uniform = self._uniform(scaled.shape, bucket, flat.device)
+        levels = (scaled.floor() + (uniform < scaled - scaled.floor())).clamp_max(s).view(-1)[: flat.numel()] * g.sign()
+        return [scales, pack_bits((levels + s).to(torch.uint8), self.bits())]
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        scales, packed = payload
+        s, chunk = self.levels(), self.chunk(bucket.numel)
+        codes = self._chunked(unpack_bits(packed, self.bits(), bucket.numel).float() - s, chunk)
+        return (codes * scales.view(-1, 1) / s).view(-1)[: bucket.numel]
+
+    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+        if not triton_bits.usable(gathered[0][-1]):
+            return super().aggregate(gathered, bucket)
+        scales, codes = (torch.stack([payload[k] for payload in gathered]) for k in (0, 1))
+        return triton_bits.mean_of_levels(codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(), bucket.numel)
+
+    @staticmethod
+    def _chunked(flat: Tensor, chunk: int) -> Tensor:
+        return torch.nn.functional.pad(flat, (0, (-flat.numel()) % chunk)).view(-1, chunk)
+
+
 @COMPRESSORS.register("qsgd")
-class QSGD(_Quantizer):
+class QSGD(_LevelQuantizer):
     """QSGD (Alistarh et al., NeurIPS 2017): with ``s`` levels and ``‖g‖₂`` per chunk,
     ``q_i = sign(g_i) · (⌊s|g_i|/‖g‖⌋ + Bernoulli(frac))`` (unbiased: ``E[‖g‖ q / s] = g``).
     Codes ``q + s`` in ``[0, 2s]`` are packed in the fewest bits holding ``2s+1`` values (2 bits for
     s = 1, 4 for s ≤ 7, 8 for s ≤ 127), plus one fp32 norm per chunk of ``chunk`` elements
-    (``chunk = 0``: one norm for the whole bucket). On CUDA with Triton, quantisation and packing
-    are one kernel (:func:`~gc_strategy.algos.triton_bits.qsgd_codes`) drawing its own Philox
-    uniforms: the same distribution as the torch code's draws, not the same numbers."""
+    (``chunk = 0``: one norm for the whole bucket)."""
 
     OPTIONS = {
         "levels": Option(127, int, low=1, high=127, help="s"),
@@ -42,56 +90,35 @@ class QSGD(_Quantizer):
         "seed": SEED,
     }
 
-    def _chunked(self, flat: Tensor) -> Tensor:
-        n, chunk = flat.numel(), self.options["chunk"] or max(1, flat.numel())
-        pad = (-n) % chunk
-        return torch.nn.functional.pad(flat, (0, pad)).view(-1, chunk)
+    def levels(self) -> int:
+        return self.options["levels"]
 
-    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
-        s = self.options["levels"]
-        chunks = self._chunked(flat.float())
-        norms = chunks.norm(dim=1, keepdim=True)
-        if triton_bits.usable(flat):  # quantise and pack in one pass, Philox draws inside the kernel
-            packed = triton_bits.qsgd_codes(flat, norms.view(-1), chunks.shape[1], s, bits_for(2 * s + 1),
-                                            self.seed_for(bucket, shared=False))
-            return [norms.view(-1), packed]
-        scaled = chunks.abs() * s / norms.clamp_min(torch.finfo(torch.float32).tiny)
-        uniform = self._uniform(scaled.shape, bucket, flat.device)
-        levels = (scaled.floor() + (uniform < scaled - scaled.floor())).clamp_max(s) * chunks.sign()
-        codes = (levels.view(-1)[: flat.numel()] + s).to(torch.uint8)
-        return [norms.view(-1), pack_bits(codes, bits_for(2 * s + 1))]
+    def chunk(self, n: int) -> int:
+        return self.options["chunk"] or max(1, n)
 
-    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
-        norms, packed = payload
-        s = self.options["levels"]
-        codes = unpack_bits(packed, bits_for(2 * s + 1), bucket.numel).float() - s
-        chunks = self._chunked(codes)
-        return (chunks * norms.view(-1, 1) / s).view(-1)[: bucket.numel]
+    def scales(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
+        return self._chunked(g, self.chunk(g.numel())).norm(dim=1), None
 
 
 @COMPRESSORS.register("terngrad")
-class TernGrad(_Quantizer):
+class TernGrad(_LevelQuantizer):
     """TernGrad (Wen et al., NeurIPS 2017): optionally clip ``g`` to ``±clip_sigma·σ``, then
     ``s = max|g|`` and ``t_i = sign(g_i) · Bernoulli(|g_i|/s)`` ∈ {-1, 0, 1}, 2 bits per element
     plus ``s``; decode ``s·t`` (unbiased for the clipped gradient; ``clip_sigma = 0`` disables
-    clipping, the paper uses 2.5)."""
+    clipping, the paper uses 2.5). It is the one-level case of the level quantiser: codes ``t + 1``."""
 
     OPTIONS = {"clip_sigma": Option(2.5, float, low=0.0), "seed": SEED}
 
-    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
-        g = flat.float()
+    def levels(self) -> int:
+        return 1
+
+    def scales(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
         c = self.options["clip_sigma"]
+        top = g.abs().max().reshape(1)
         if c > 0 and g.numel() > 1:
             bound = c * g.std()
-            g = torch.maximum(torch.minimum(g, bound), -bound)
-        scale = g.abs().max().reshape(1)
-        keep = self._uniform(g.shape, bucket, g.device) < g.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny)
-        codes = (g.sign() * keep + 1).to(torch.uint8)
-        return [scale, pack_bits(codes, 2)]
-
-    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
-        scale, packed = payload
-        return (unpack_bits(packed, 2, bucket.numel).float() - 1) * scale
+            return torch.minimum(top, bound), bound  # max |clip(g)| without the clipped copy
+        return top, None
 
 
 @COMPRESSORS.register("natural")

@@ -14,14 +14,17 @@ several (compare, shift, sum, with their temporaries):
   ``e ← x − decode(bits)``), where the torch code makes ~10 (compensate, abs, sums, pack, unpack,
   spread the levels, select, subtract, guard).
 
-- :func:`qsgd_codes`: QSGD's stochastic quantisation and packing in one pass.
+- :func:`level_codes` and :func:`mean_of_levels`: QSGD's and TernGrad's stochastic quantisation
+  and packing in one pass, and the average of all ranks' decodes in one pass.
 
 A kernel finds the tensor of an element by binary search over the bucket's few offsets (in cache),
 so no per-element index vector is read.
 
 The results are bit-identical to the torch code's, except the per-tensor sums of
-:func:`sign_sums`, whose additions run in another order (tests run the kernels on the CPU under
-``TRITON_INTERPRET=1`` and compare).
+:func:`sign_sums`, whose additions run in another order, and :func:`mean_of_levels`, where the
+compiler may fuse a decode's multiply with the addition over ranks (equal to fp32 rounding; bit
+for bit under the interpreter, and on the H100 measured for 1 rank and for one level). Tests run
+the kernels on the CPU under ``TRITON_INTERPRET=1`` and compare.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ BLOCK = 1024
 #: elements per program of the per-tensor sums (fewer atomic adds), bytes per program of the encode
 SUM_BLOCK = 4096
 ENCODE_BYTES = 256
-QSGD_BYTES = 1024
+LEVEL_BYTES = 1024
 
 
 #: the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
@@ -176,16 +179,19 @@ if triton is not None:
 
 
     @triton.jit
-    def _qsgd_kernel(x_ptr, norms_ptr, codes_ptr, n, nbytes, chunk, seed, S: tl.constexpr, BITS: tl.constexpr,
-                     BYTES: tl.constexpr):
+    def _level_codes_kernel(x_ptr, scales_ptr, bound_ptr, codes_ptr, n, nbytes, chunk, seed, S: tl.constexpr,
+                            BITS: tl.constexpr, CLIP: tl.constexpr, BYTES: tl.constexpr):
         PER_BYTE: tl.constexpr = 8 // BITS
         byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
         slot = tl.arange(0, PER_BYTE)
         index = byte[:, None] * PER_BYTE + slot[None, :]
         inside = index < n
         g = tl.load(x_ptr + index, mask=inside, other=0.0).to(tl.float32)
-        norm = tl.load(norms_ptr + index // chunk, mask=inside, other=1.0)
-        scaled = tl.abs(g) * S / tl.maximum(norm, 1.1754943508222875e-38)
+        if CLIP:
+            bound = tl.load(bound_ptr)
+            g = tl.maximum(tl.minimum(g, bound), -bound)
+        scale = tl.load(scales_ptr + index // chunk, mask=inside, other=1.0)
+        scaled = tl.abs(g) * S / tl.maximum(scale, 1.1754943508222875e-38)
         low = tl.floor(scaled)
         up = tl.rand(seed, index.to(tl.int32)) < scaled - low
         level = tl.minimum(low + up.to(tl.float32), S)
@@ -193,6 +199,20 @@ if triton is not None:
         code = tl.where(inside, (signed + S).to(tl.int32), 0)
         packed = tl.sum(code << (slot[None, :] * BITS), axis=1)
         tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+
+    @triton.jit
+    def _mean_of_levels_kernel(codes_ptr, scales_ptr, out_ptr, n, nbytes, chunks, chunk, S: tl.constexpr,
+                               BITS: tl.constexpr, RANKS: tl.constexpr, BLOCK: tl.constexpr):
+        PER_BYTE: tl.constexpr = 8 // BITS
+        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = index < n
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for rank in range(RANKS):  # the same order as the torch code's sum of decodes
+            byte = tl.load(codes_ptr + rank * nbytes + index // PER_BYTE, mask=inside, other=0).to(tl.int32)
+            code = (byte >> ((index % PER_BYTE) * BITS)) & ((1 << BITS) - 1)
+            scale = tl.load(scales_ptr + rank * chunks + index // chunk, mask=inside, other=0.0)
+            total += (code.to(tl.float32) - S) * scale / S
+        tl.store(out_ptr + index, total / RANKS, mask=inside)
 
 
 def _pack(values: Tensor, bits: int, signs: bool) -> Tensor:
@@ -269,14 +289,32 @@ def sign_encode(grad: Tensor, residual: Tensor | None, finite: Tensor | None, po
     return bits
 
 
-def qsgd_codes(flat: Tensor, norms: Tensor, chunk: int, levels: int, bits: int, seed: int) -> Tensor:
-    """QSGD's packed codes ``q + s`` of ``flat`` (norms per ``chunk`` elements) in one pass:
-    ``q = sign(g) · min(⌊s|g|/‖g‖⌋ + Bernoulli(frac), s)`` with Philox uniforms from ``seed`` and the
-    element index (``tl.rand``), ``8 / bits`` codes per byte as :func:`pack_bits` lays them out."""
+def level_codes(flat: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, seed: int,
+                bound: Tensor | None = None) -> Tensor:
+    """Stochastic rounding to signed levels, quantised and packed in one pass: with ``x = flat``
+    (clipped to ``±bound`` when given), ``q = sign(x) · min(⌊s|x|/scale⌋ + Bernoulli(frac), s)`` for
+    the scale of each ``chunk`` elements, Philox uniforms from ``seed`` and the element index
+    (``tl.rand``); codes ``q + s`` packed ``8 / bits`` per byte as :func:`pack_bits` lays them out.
+    QSGD: ``scale`` = the chunk's norm; TernGrad: ``s = 1``, ``scale = max|x|``."""
     n = flat.numel()
     nbytes = (n * bits + 7) // 8
     codes = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     if n:
-        _qsgd_kernel[(triton.cdiv(nbytes, QSGD_BYTES),)](flat.contiguous(), norms.float().contiguous(), codes, n, nbytes,
-                                                          chunk, seed % 2**31, S=levels, BITS=bits, BYTES=QSGD_BYTES)
+        scales = scales.float().contiguous()
+        _level_codes_kernel[(triton.cdiv(nbytes, LEVEL_BYTES),)](
+            flat.contiguous(), scales, bound if bound is not None else scales, codes, n, nbytes, chunk, seed % 2**31,
+            S=levels, BITS=bits, CLIP=bound is not None, BYTES=LEVEL_BYTES)
     return codes
+
+
+def mean_of_levels(codes: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, n: int) -> Tensor:
+    """``(1/W) Σ_r (code_r(i) − s) · scale_r[i // chunk] / s`` for packed codes ``[W, bytes]`` and
+    scales ``[W, chunks]`` of W ranks: the average of the decodes of :func:`level_codes`' payloads
+    in one pass, without a float vector per rank."""
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    if n:
+        ranks, nbytes = codes.shape
+        _mean_of_levels_kernel[(triton.cdiv(n, BLOCK),)](
+            codes.contiguous(), scales.float().contiguous(), out, n, nbytes, scales.shape[1], chunk,
+            S=levels, BITS=bits, RANKS=ranks, BLOCK=BLOCK)
+    return out
