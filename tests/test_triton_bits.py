@@ -37,6 +37,10 @@ def test_kernels_under_the_interpreter():
 
     if triton_bits.INTERPRETED:
         pytest.skip("already under the interpreter")
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 8):
+        # seen with Triton 3.6 (torch 2.11): "only 0-dimensional arrays can be converted to Python
+        # scalars" at the per-tensor sums' loop over a block's tensors; compiled, they pass there
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run a loop with runtime bounds (3.8's can)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                            "-k", "not under_the_interpreter and not without_the_interpreter"],
