@@ -213,6 +213,11 @@ class RandK(Compressor):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket))
 
+    def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
+        """The summed values divided by ``W`` before the scatter (k divisions, not n)."""
+        positions, values = self.sent(summed, bucket)
+        return scatter(bucket, positions, values / world_size)
+
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         (values,) = payload
         scale = bucket.numel / values.numel() if self.options["unbiased"] else 1.0
