@@ -24,6 +24,9 @@ Semantics worth knowing:
   the average in ``.grad``, also a rank whose ``.grad`` was ``None`` (zeros if no rank used it).
 - Inside :meth:`GradientSynchronizer.no_sync` (gradient accumulation) backward launches nothing;
   gradients accumulate locally and the next synchronised backward averages the accumulated sums.
+- Where the averaged bucket has the parameter's dtype, ``.grad`` becomes a view of it (no copy-out;
+  like DDP's ``gradient_as_bucket_view``): the gradients of a bucket share one storage, which may be
+  the bucket's own buffer (``compressor="none"``) that the next backward writes again.
 """
 
 from __future__ import annotations
@@ -281,8 +284,10 @@ class GradientSynchronizer:
                 nonfinite.append(~job.finite)
             for name, value in zip(job.bucket.names, job.bucket.views(average)):
                 param = self._param(name)
-                if param.grad is None:
-                    param.grad = value.detach().to(param.dtype, copy=True)
+                if value.dtype == param.dtype:  # the gradient becomes a view of the average: no copy
+                    param.grad = value.detach()
+                elif param.grad is None:
+                    param.grad = value.detach().to(param.dtype)
                 else:
                     param.grad.copy_(value)
         if nonfinite:

@@ -234,3 +234,24 @@ def test_multi_rank_average_matches_the_mean_of_local_gradients(compressor, comm
     assert len(orders) == 1  # every rank rebuilt the same buckets
     for errors, _ in results:
         assert max(errors) <= tol
+
+
+def test_gradients_become_views_of_the_averaged_buckets_and_still_accumulate():
+    """With the bucket's dtype, ``.grad`` is a view of the averaged bucket (one storage per bucket, no
+    copy-out); zeroing in place, accumulating over two backwards and set_to_none all still give the
+    plain gradients (world size 1: the average is the local gradient)."""
+    torch.manual_seed(0)
+    reference, model = SmallCNN(), SmallCNN()
+    model.load_state_dict(reference.state_dict())
+    c = build_components("none", fusion="groups:2")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    for step in range(6):
+        x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+        for m in (reference, model):
+            if step % 2 == 0:  # odd steps accumulate onto the previous step's gradients
+                m.zero_grad(set_to_none=step == 0)
+            m(x).square().mean().backward()
+        for a, b in zip(reference.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == len(engine.buckets) == 2
