@@ -12,7 +12,8 @@ One synchronised backward (DESIGN.md §One training step):
 3. End of backward: launch what is left (parameters that got no gradient contribute zeros), then
    advance every bucket's exchange to completion in bucket order (later rounds of multi-round
    methods are issued here, in that order), decode, average, ``memory.update`` (skipped for buckets
-   holding inf/NaN), and write the averaged gradients into ``param.grad``.
+   holding inf/NaN), and make each ``param.grad`` a view of the averaged bucket (a copy where the
+   dtypes differ).
 
 Buckets follow reverse registration order until the first synchronised backward has recorded the
 real gradient-ready order; then rank 0's order is broadcast and every rank rebuilds its buckets
