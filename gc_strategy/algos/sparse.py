@@ -21,22 +21,6 @@ DENSITY = Option(0.01, float, low=0.0, high=1.0, low_open=True, help="fraction o
 SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bucket and rank)")
 
 
-def sparse_feedback_exchange(compressor: Compressor, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
-                             comm: Communicator) -> Exchange:
-    """Residual error feedback for a sparsifier without a dense decode: ``x = g + e`` is encoded,
-    then ``e ← x`` except at the sent positions, where ``e ← x − sent`` (0 where the values travel
-    exactly); ``e`` is left as it was when the bucket is not finite. Two dense passes (compensate,
-    the guarded copy) instead of five (compensate, zero-fill + scatter, subtract, guard)."""
-    x = torch.add(residual, grad.float())
-    payload = compressor.encode(x, bucket)
-    positions, sent = compressor.sent(payload, bucket)
-    at_positions = torch.where(finite, x[positions] - sent, residual[positions])
-    torch.where(finite, x, residual, out=residual)
-    residual[positions] = at_positions
-    received = yield from comm.exchange(payload, compressor.variable_size)
-    return compressor.combine(received, bucket, comm), None
-
-
 def scatter(bucket: Bucket, positions: Tensor, values: Tensor) -> Tensor:
     """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere."""
     return torch.zeros(bucket.numel, dtype=values.dtype, device=values.device).index_put_((positions,), values)
@@ -47,7 +31,33 @@ def keep_count(density: float, n: int) -> int:
     return max(1, int(density * n))
 
 
-class Sparsifier(Compressor):
+class _Positional(Compressor):
+    """A payload that decodes to values at a few positions, zeros elsewhere (topk, randk, ...)."""
+
+    def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        """The positions and the decoded values there (what error feedback subtracts)."""
+        raise NotImplementedError
+
+    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return scatter(bucket, *self.sent(payload, bucket))
+
+    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
+                       comm: Communicator) -> Exchange:
+        """Residual error feedback without a dense decode: ``x = g + e`` is encoded, then ``e ← x``
+        except at the sent positions, where ``e ← x − sent`` (0 where the values travel exactly);
+        ``e`` is left as it was when the bucket is not finite. Two dense passes (compensate, the
+        guarded copy) instead of five (compensate, zero-fill + scatter, subtract, guard)."""
+        x = torch.add(residual, grad.float())
+        payload = self.encode(x, bucket)
+        positions, sent = self.sent(payload, bucket)
+        at_positions = torch.where(finite, x[positions] - sent, residual[positions])
+        torch.where(finite, x, residual, out=residual)
+        residual[positions] = at_positions
+        received = yield from comm.exchange(payload, self.variable_size)
+        return self.combine(received, bucket, comm), None
+
+
+class Sparsifier(_Positional):
     """Values + int32 indices, aggregated by scatter-add; tracks achieved vs target density."""
 
     summable = False
@@ -70,16 +80,10 @@ class Sparsifier(Compressor):
         self._elements += flat.numel()
         return [flat[indices], indices.to(torch.int32)]
 
-    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
-        return scatter(bucket, *self.sent(payload, bucket))
-
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
-        """The positions and the decoded values there (what error feedback subtracts)."""
         values, indices = payload
         return indices.long(), values
 
-    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange:
-        return sparse_feedback_exchange(self, grad, residual, finite, bucket, comm)
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
         values = torch.cat([p[0] for p in gathered])
@@ -187,7 +191,7 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Te
 
 
 @COMPRESSORS.register("randk")
-class RandK(Compressor):
+class RandK(_Positional):
     """Random-k: ``k = max(1, ⌊δn⌋)`` positions drawn uniformly without replacement from a seed
     shared by all ranks (global seed, step, bucket), so only the values travel and they are summed
     by allreduce. With ``unbiased`` the values are scaled by ``n/k`` (then ``E[ĝ] = g``)."""
@@ -210,9 +214,6 @@ class RandK(Compressor):
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         return [flat[self._positions(bucket, flat.device)]]
 
-    def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
-        return scatter(bucket, *self.sent(payload, bucket))
-
     def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
         """The summed values divided by ``W`` before the scatter (k divisions, not n)."""
         positions, values = self.sent(summed, bucket)
@@ -222,6 +223,3 @@ class RandK(Compressor):
         (values,) = payload
         scale = bucket.numel / values.numel() if self.options["unbiased"] else 1.0
         return self._positions(bucket, values.device), values * scale
-
-    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange:
-        return sparse_feedback_exchange(self, grad, residual, finite, bucket, comm)
