@@ -128,3 +128,60 @@ def test_sample_without_replacement_draws_every_subset_equally_often():
     assert chi_square < 36.1
     big = sample_without_replacement(11_000_000, 110_000, generator)
     assert big.unique().numel() == 110_000
+
+
+def test_sample_without_replacement_above_the_permutation_size_is_sorted_and_uniform():
+    """n = 400, k = 3 takes the iid-draw path (66 draws < 400 positions): positions are increasing,
+    and every position is chosen with probability k/n (chi-square over the 400 counts, 399 degrees
+    of freedom, below its 0.1% quantile 492)."""
+    from gc_strategy.algos.sparse import sample_without_replacement
+
+    generator = torch.Generator().manual_seed(1)
+    n, k, draws = 400, 3, 20_000
+    counts = torch.zeros(n)
+    for _ in range(draws):
+        chosen = sample_without_replacement(n, k, generator)
+        assert chosen.numel() == k and bool((chosen[1:] > chosen[:-1]).all())
+        counts[chosen] += 1
+    expected = draws * k / n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 492
+
+
+@pytest.mark.parametrize("name", ["topk", "randk", "dgc"])
+def test_fused_residual_exchange_matches_plain_error_feedback_and_writes_into_the_gradient_buffer(name):
+    """Three steps of the engine's exchange start with residual memory (the fused positional path),
+    one process: the average is the decode of ``x = g + e`` (written into the gradient buffer that
+    was passed in), ``e ← x − decode(x)``; a step with an inf leaves ``e`` as it was."""
+    from gc_strategy.algos import MEMORIES
+    from gc_strategy.algos.base import start_exchange
+    from gc_strategy.comm import COMMUNICATORS
+
+    n = 5_000
+    b = bucket(n)
+    compressor, twin = build(name, density=0.05), build(name, density=0.05)
+    memory = MEMORIES.build("residual")
+    comm = COMMUNICATORS.build("allreduce" if compressor.summable else "allgather")
+    comm.bind(None)
+    e = torch.zeros(n)
+    for step in range(4):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            g[17] = float("inf")
+        compressor.step = twin.step = step
+        buffer = g.clone()
+        started = start_exchange(compressor, memory, buffer, b, comm)
+        assert started.compensated is None  # the fused path
+        exchange = started.exchange
+        try:
+            current = next(exchange)
+            while True:
+                current = exchange.send(current.wait())
+        except StopIteration as stop:
+            average, _ = stop.value
+        x = g + e
+        expected = twin.decode(twin.encode(x.clone(), b), b)
+        assert average is buffer
+        if step != 2:
+            assert torch.equal(average, expected)
+            e = x - expected
+        assert torch.equal(memory.buffer("residual", b), e)

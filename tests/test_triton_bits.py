@@ -186,7 +186,7 @@ def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
         comm.bind(None)
         runs[fused] = []
         for grad in gradients:
-            started = start_exchange(compressor, memory, grad, bucket, comm)
+            started = start_exchange(compressor, memory, grad.clone(), bucket, comm)
             assert (started.compensated is None) is fused
             try:
                 current = next(started.exchange)

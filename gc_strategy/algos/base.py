@@ -67,13 +67,17 @@ class Compressor(BucketState):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         raise NotImplementedError
 
-    def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
-        """Average from the element-wise sum of all ranks' payloads (summable compressors)."""
-        return self.decode(summed, bucket).div_(world_size)
+    def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
+        """Average from the element-wise sum of all ranks' payloads (summable compressors), written
+        into ``out`` when given (as for :meth:`combine`)."""
+        decoded = self.decode(summed, bucket)
+        return decoded.div_(world_size) if out is None else torch.div(decoded, world_size, out=out)
 
-    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
-        """Average from every rank's payload (gathered compressors): mean of the decodes."""
-        total = self.decode(gathered[0], bucket).clone()
+    def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
+        """Average from every rank's payload (gathered compressors): mean of the decodes, written
+        into ``out`` when given (as for :meth:`combine`)."""
+        first = self.decode(gathered[0], bucket)
+        total = first.clone() if out is None else out.copy_(first)
         for payload in gathered[1:]:
             total.add_(self.decode(payload, bucket))
         return total.div_(len(gathered))
@@ -88,12 +92,14 @@ class Compressor(BucketState):
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm), local
 
-    def combine(self, received: Any, bucket: Bucket, comm: Communicator) -> Tensor:
+    def combine(self, received: Any, bucket: Bucket, comm: Communicator, out: Tensor | None = None) -> Tensor:
         """The average from what the communicator returned: :meth:`average` of the sum or
-        :meth:`aggregate` of the gathered payloads."""
+        :meth:`aggregate` of the gathered payloads. With ``out`` (the bucket's gradient buffer, free
+        once it is encoded) the average is written there instead of into a new tensor: on the CPU a
+        fresh bucket-sized tensor costs its page faults every step, about 4x a pass over it."""
         if comm.sums:
-            return self.average(received, bucket, comm.world_size)
-        return self.aggregate(received, bucket)
+            return self.average(received, bucket, comm.world_size, out=out)
+        return self.aggregate(received, bucket, out=out)
 
     def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
                        comm: Communicator) -> Exchange | None:
@@ -109,6 +115,11 @@ class Compressor(BucketState):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
+
+
+def written(result: Tensor, out: Tensor | None) -> Tensor:
+    """``result``, or ``out`` holding it (for averages computed into a tensor of their own)."""
+    return result if out is None else out.copy_(result)
 
 
 class Memory(BucketState):
@@ -158,7 +169,8 @@ def start_exchange(compressor: Compressor, memory: Memory, flat: Tensor, bucket:
     """``memory.compensate -> compressor.exchange`` for one bucket, or the compressor's fused exchange
     (:meth:`Compressor.fused_exchange`) where the memory is plain residual feedback and the
     compressor has one for these tensors. After the exchange, call ``memory.update(compensated,
-    local, bucket, finite)`` when ``compensated`` is not None."""
+    local, bucket, finite)`` when ``compensated`` is not None. ``flat`` is the bucket's gradient
+    buffer and belongs to the exchange: it may be overwritten, and may come back as the average."""
     stateful = memory.needs_local_estimate
     finite = all_finite(flat) if stateful else None
     residual = memory.fusable_residual(bucket) if stateful else None

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..bucket import Bucket
 from ..comm import Payload
-from .base import COMPRESSORS, Compressor
+from .base import COMPRESSORS, Compressor, written
 
 
 @COMPRESSORS.register("none")
@@ -41,8 +41,8 @@ class _Cast(Compressor):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return payload[0].to(bucket.dtype).mul_(self.world_size)
 
-    def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
-        return summed[0]
+    def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
+        return written(summed[0], out)
 
 
 @COMPRESSORS.register("fp16")

@@ -12,7 +12,7 @@ from torch import Tensor
 from ..bucket import Bucket
 from ..comm import Payload
 from ..registry import Option
-from .base import COMPRESSORS, Compressor
+from .base import COMPRESSORS, Compressor, written
 from . import triton_bits
 from .packing import bits_for, pack_bits, unpack_bits
 from .sparse import SEED
@@ -65,11 +65,12 @@ class _LevelQuantizer(_Quantizer):
         codes = self._chunked(unpack_bits(packed, self.bits(), bucket.numel).float() - s, chunk)
         return (codes * scales.view(-1, 1) / s).view(-1)[: bucket.numel]
 
-    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+    def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         if not triton_bits.usable(gathered[0][-1]):
-            return super().aggregate(gathered, bucket)
+            return super().aggregate(gathered, bucket, out=out)
         scales, codes = (torch.stack([payload[k] for payload in gathered]) for k in (0, 1))
-        return triton_bits.mean_of_levels(codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(), bucket.numel)
+        return written(triton_bits.mean_of_levels(codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(),
+                                                  bucket.numel), out)
 
     @staticmethod
     def _chunked(flat: Tensor, chunk: int) -> Tensor:

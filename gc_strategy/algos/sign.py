@@ -18,7 +18,7 @@ from torch import Tensor
 from ..bucket import Bucket, all_finite
 from ..comm import Exchange, Payload
 from ..registry import Option
-from .base import COMPRESSORS, Compressor
+from .base import COMPRESSORS, Compressor, written
 from . import triton_bits
 from .packing import pack_signs, unpack_bits
 
@@ -87,21 +87,21 @@ class _ScaledSigns(_SignBits):
         received = yield from comm.exchange([levels, bits], self.variable_size)
         return self.combine(received, bucket, comm), None
 
-    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+    def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         if not triton_bits.usable(gathered[0][-1]):
-            return super().aggregate(gathered, bucket)
+            return super().aggregate(gathered, bucket, out=out)
         bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
-        return triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel)
+        return written(triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel), out)
 
 
 class _MajorityVote(_SignBits):
-    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+    def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         votes = self.decode(gathered[0], bucket)
         for payload in gathered[1:]:
             votes += self.decode(payload, bucket)
-        return votes.sign_()
+        return written(votes.sign_(), out)
 
 
 @COMPRESSORS.register("signsgd")

@@ -21,9 +21,16 @@ DENSITY = Option(0.01, float, low=0.0, high=1.0, low_open=True, help="fraction o
 SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bucket and rank)")
 
 
-def scatter(bucket: Bucket, positions: Tensor, values: Tensor) -> Tensor:
-    """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere."""
-    return torch.zeros(bucket.numel, dtype=values.dtype, device=values.device).index_put_((positions,), values)
+def scatter(bucket: Bucket, positions: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
+    """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere (written
+    into ``out`` when given)."""
+    dense = zeros(bucket, values, out)
+    return dense.index_put_((positions,), values.to(dense.dtype))
+
+
+def zeros(bucket: Bucket, values: Tensor, out: Tensor | None) -> Tensor:
+    """``out`` zeroed, or a new zero vector of the bucket's length in the dtype of ``values``."""
+    return out.zero_() if out is not None else torch.zeros(bucket.numel, dtype=values.dtype, device=values.device)
 
 
 def keep_count(density: float, n: int) -> int:
@@ -46,15 +53,17 @@ class _Positional(Compressor):
         """Residual error feedback without a dense decode: ``x = g + e`` is encoded, then ``e ← x``
         except at the sent positions, where ``e ← x − sent`` (0 where the values travel exactly);
         ``e`` is left as it was when the bucket is not finite. Two dense passes (compensate, the
-        guarded copy) instead of five (compensate, zero-fill + scatter, subtract, guard)."""
-        x = torch.add(residual, grad.float())
+        guarded copy) instead of five (compensate, zero-fill + scatter, subtract, guard), and no new
+        bucket-sized tensor: ``x`` is formed in the gradient buffer when it is fp32, and the average
+        is scattered into it."""
+        x = grad.add_(residual) if grad.dtype == residual.dtype else torch.add(residual, grad.float())
         payload = self.encode(x, bucket)
         positions, sent = self.sent(payload, bucket)
         at_positions = torch.where(finite, x[positions] - sent, residual[positions])
         torch.where(finite, x, residual, out=residual)
         residual[positions] = at_positions
         received = yield from comm.exchange(payload, self.variable_size)
-        return self.combine(received, bucket, comm), None
+        return self.combine(received, bucket, comm, out=grad), None
 
 
 class Sparsifier(_Positional):
@@ -85,11 +94,11 @@ class Sparsifier(_Positional):
         return indices.long(), values
 
 
-    def aggregate(self, gathered: list[Payload], bucket: Bucket) -> Tensor:
+    def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         values = torch.cat([p[0] for p in gathered])
         indices = torch.cat([p[1] for p in gathered]).long()
-        total = torch.zeros(bucket.numel, dtype=values.dtype, device=values.device)
-        return total.index_add_(0, indices, values).div_(len(gathered))
+        total = zeros(bucket, values, out)
+        return total.index_add_(0, indices, values.div_(len(gathered)).to(total.dtype))
 
     def pop_metrics(self) -> dict[str, float]:
         if not self._elements:
@@ -179,15 +188,22 @@ class DGC(Sparsifier):
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
-    """``k`` distinct positions of ``range(n)``, every k-subset equally likely, in O(k log k) rather
-    than ``randperm(n)``'s O(n): draw iid positions until ``k`` distinct ones are known (the set of
-    distinct values of iid uniform draws, given its size, is a uniform subset of that size), then
-    keep a uniform ``k`` of them."""
+    """``k`` distinct positions of ``range(n)`` in increasing order, every k-subset equally likely,
+    in O(k log k) rather than ``randperm(n)``'s O(n): draw iid positions until at least ``k``
+    distinct ones are known (the set of distinct values of iid uniform draws, given its size ``m``,
+    is a uniform m-subset), then drop a uniform ``m − k`` of them, chosen the same way. Sorted
+    positions make the gathers and scatters at them sweep memory forwards."""
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    draws = k + 2 * k * k // n + 64  # about k²/2n collisions expected
+    if draws >= n:  # as many draws as positions: a permutation costs no more
+        return torch.randperm(n, generator=generator)[:k].sort().values
     distinct = torch.empty(0, dtype=torch.int64)
     while distinct.numel() < k:
-        draws = k + 2 * k * k // n + 64  # about k²/2n collisions expected
         distinct = torch.unique(torch.cat([distinct, torch.randint(n, (draws,), generator=generator)]))
-    return distinct[torch.randperm(distinct.numel(), generator=generator)[:k]]
+    keep = torch.ones(distinct.numel(), dtype=torch.bool)
+    keep[sample_without_replacement(distinct.numel(), distinct.numel() - k, generator)] = False
+    return distinct[keep]
 
 
 @COMPRESSORS.register("randk")
@@ -214,10 +230,10 @@ class RandK(_Positional):
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         return [flat[self._positions(bucket, flat.device)]]
 
-    def average(self, summed: Payload, bucket: Bucket, world_size: int) -> Tensor:
+    def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         """The summed values divided by ``W`` before the scatter (k divisions, not n)."""
         positions, values = self.sent(summed, bucket)
-        return scatter(bucket, positions, values / world_size)
+        return scatter(bucket, positions, values / world_size, out)
 
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         (values,) = payload

@@ -348,7 +348,7 @@ def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket
     communicator's group starting together (``memory`` may be None), and the bytes it sent; the
     exchange starts as the engine starts it (:func:`~gc_strategy.algos.base.start_exchange`).
     Encode includes the memory's compensation, communication every round and the work between
-    rounds, decode the last combine and the memory's update."""
+    rounds, decode the last combine and the memory's update. ``flat`` is left as it was."""
     cuda = flat.is_cuda
 
     def now() -> float:
@@ -357,6 +357,7 @@ def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket
         return time.perf_counter()
 
     memory = memory if memory is not None else MEMORIES.build("none")
+    flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
     start = now()
