@@ -21,6 +21,16 @@ def roundtrip(compressor, g: torch.Tensor, b: Bucket | None = None) -> torch.Ten
     return compressor.decode(compressor.encode(g, b), b)
 
 
+def finish(exchange):
+    """Drive a compressor's exchange generator through its rounds (one process): its return value."""
+    try:
+        current = next(exchange)
+        while True:
+            current = exchange.send(current.wait())
+    except StopIteration as stop:
+        return stop.value
+
+
 def payload_bytes(payload) -> int:
     return sum(t.numel() * t.element_size() for t in payload)
 

@@ -6,6 +6,7 @@ import torch
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 
+from compressor_helpers import finish
 from models import ParityModule, SmallCNN
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -63,12 +64,7 @@ def _exchange(name: str, device: str, gradients: list[torch.Tensor], step0: int 
         flat = g.to(device)
         compensated = c.memory.compensate(flat, bucket)
         exchange = c.compressor.exchange(compensated, bucket, c.communicator, c.memory.needs_local_estimate)
-        try:
-            current = next(exchange)
-            while True:
-                current = exchange.send(current.wait())
-        except StopIteration as stop:
-            average, local = stop.value
+        average, local = finish(exchange)
         if local is not None:
             c.memory.update(compensated, local, bucket, torch.tensor(True, device=device))
         state = {k: v[0].detach().cpu().clone() for k, v in c.memory.buffers.items()}

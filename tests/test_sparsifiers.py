@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+from compressor_helpers import EDGE_INPUTS, bucket, build, finish, payload_bytes, roundtrip
 
 
 def _k(density, n):
@@ -171,13 +171,7 @@ def test_fused_residual_exchange_matches_plain_error_feedback_and_writes_into_th
         buffer = g.clone()
         started = start_exchange(compressor, memory, buffer, b, comm)
         assert started.compensated is None  # the fused path
-        exchange = started.exchange
-        try:
-            current = next(exchange)
-            while True:
-                current = exchange.send(current.wait())
-        except StopIteration as stop:
-            average, _ = stop.value
+        average, _ = finish(started.exchange)
         x = g + e
         expected = twin.decode(twin.encode(x.clone(), b), b)
         assert average is buffer

@@ -10,6 +10,8 @@ import torch
 
 from gc_strategy.algos import packing
 
+from compressor_helpers import finish
+
 triton = pytest.importorskip("triton", reason="Triton is not installed (the pure-torch code is used)")
 
 SIZES = [1, 7, 8, 9, 1000, 4099, 70_001]
@@ -188,12 +190,7 @@ def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
         for grad in gradients:
             started = start_exchange(compressor, memory, grad.clone(), bucket, comm)
             assert (started.compensated is None) is fused
-            try:
-                current = next(started.exchange)
-                while True:
-                    current = started.exchange.send(current.wait())
-            except StopIteration as stop:
-                average, local = stop.value
+            average, local = finish(started.exchange)
             if started.compensated is not None:
                 memory.update(started.compensated, local, bucket, started.finite)
             runs[fused].append((average.cpu(), memory.buffer("residual", bucket).cpu().clone()))
