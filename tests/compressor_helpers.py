@@ -22,7 +22,8 @@ def roundtrip(compressor, g: torch.Tensor, b: Bucket | None = None) -> torch.Ten
 
 
 def finish(exchange):
-    """Drive a compressor's exchange generator through its rounds (one process): its return value."""
+    """Drive an exchange generator (a compressor's or a communicator's) through its rounds, waiting for
+    each in turn: its return value."""
     try:
         current = next(exchange)
         while True:

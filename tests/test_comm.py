@@ -4,17 +4,8 @@ import torch
 
 from gc_strategy.comm import AllGather, AllReduce
 
+from compressor_helpers import finish
 from distributed import run_ranks
-
-
-def _drive(exchange):
-    """Run a communicator exchange to the end, waiting for each round in turn."""
-    try:
-        round_ = next(exchange)
-        while True:
-            round_ = exchange.send(round_.wait())
-    except StopIteration as stop:
-        return stop.value
 
 
 def _uneven_gather(rank, world_size):
@@ -24,7 +15,7 @@ def _uneven_gather(rank, world_size):
     values = torch.arange(rank + 1, dtype=torch.float32) + 10 * rank
     indices = torch.arange(rank, dtype=torch.int32) * 3
     scale = torch.tensor([rank + 0.5], dtype=torch.bfloat16)
-    gathered = _drive(comm.exchange([values, indices, scale], variable_size=True))
+    gathered = finish(comm.exchange([values, indices, scale], variable_size=True))
     return [[t.clone() for t in payload] for payload in gathered]
 
 
@@ -42,7 +33,7 @@ def _empty_gather(rank, world_size):
     comm = AllGather()
     comm.bind(None)
     empty = [torch.empty(0), torch.empty(0, dtype=torch.int32)]
-    return [[t.numel() for t in payload] for payload in _drive(comm.exchange(empty, variable_size=True))]
+    return [[t.numel() for t in payload] for payload in finish(comm.exchange(empty, variable_size=True))]
 
 
 def test_allgather_when_no_rank_selects_anything():
@@ -73,7 +64,7 @@ def _sum(rank, world_size):
     comm = AllReduce()
     comm.bind(None)
     a, b = torch.full((4,), rank + 1.0), torch.full((2,), 2.0 * rank, dtype=torch.float64)
-    return [t.tolist() for t in _drive(comm.exchange([a, b], variable_size=False))]
+    return [t.tolist() for t in finish(comm.exchange([a, b], variable_size=False))]
 
 
 def test_allreduce_sums_every_payload_tensor():
@@ -84,5 +75,5 @@ def test_single_process_needs_no_process_group():
     comm = AllGather()
     comm.bind(None)
     payload = [torch.ones(3)]
-    (received,) = _drive(comm.exchange(payload, variable_size=True))
+    (received,) = finish(comm.exchange(payload, variable_size=True))
     assert torch.equal(received[0], payload[0])

@@ -9,7 +9,7 @@ from torch import nn
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.algos.lowrank import orthogonalize
 
-from compressor_helpers import build
+from compressor_helpers import build, finish
 from distributed import run_ranks
 from gc_strategy.bucket import Bucket
 
@@ -25,13 +25,7 @@ def _single_rank_exchange(compressor, flat, bucket):
 
     comm = AllReduce()
     comm.bind(None)
-    exchange = compressor.exchange(flat, bucket, comm, need_local=True)
-    try:
-        round_ = next(exchange)
-        while True:
-            round_ = exchange.send(round_.wait())
-    except StopIteration as stop:
-        return stop.value
+    return finish(compressor.exchange(flat, bucket, comm, need_local=True))
 
 
 @pytest.mark.parametrize("true_rank, rank", [(1, 1), (2, 4), (3, 3)])
