@@ -83,7 +83,10 @@ def build_lowrank(cfg: DictConfig, module: pl.LightningModule) -> list[pl.Callba
     options = OmegaConf.to_container(cfg.lowrank, resolve=True)
     if not options.pop("enabled"):
         return []
-    warmup = PufferfishWarmup(**options)
+    try:
+        warmup = PufferfishWarmup(**options)
+    except ValueError as error:  # name the group the user sets them in (lowrank.warmup_epochs=...)
+        raise ValueError(f"lowrank options (lowrank.<name>=...): {error}") from error
     select_layers(module, warmup.keep_full_rank)  # a keep_full_rank pattern matching nothing fails here
     enable_factorized_loading(module)  # resuming from a checkpoint saved after the conversion
     return [warmup]

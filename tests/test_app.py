@@ -256,7 +256,7 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
     (["fusion=file"], "fusion.path"),
     (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
     (["lowrank=pufferfish", "lowrank.ratio=1.5"], "ratio = 1.5 is invalid; allowed: a number in (0, 1]"),
-    (["lowrank=pufferfish", "lowrank.warmup_steps=-3"], "warmup_steps = -3 is invalid"),
+    (["lowrank=pufferfish", "lowrank.warmup_steps=-3"], "lowrank options (lowrank.<name>=...): warmup_steps = -3 is invalid"),
     (["lowrank=pufferfish", "lowrank.keep_full_rank=[net.layer9.*]"], "pattern 'net.layer9.*' matches no factorisable"),
 ])
 def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
