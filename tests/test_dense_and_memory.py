@@ -129,3 +129,37 @@ def test_dgc_memory_clipping_and_non_finite_guard():
     restored = MEMORIES.build("dgc")
     restored.load_state_by_parameter(state, [bucket])
     assert torch.equal(restored.buffer("v", bucket), memory.buffer("v", bucket))
+
+
+@pytest.mark.parametrize("name, memory", [("none", "none"), ("fp16", "none"), ("efsignsgd", "residual"),
+                                          ("qsgd", "residual"), ("signsgd", "none"), ("powersgd", "none"),
+                                          ("acpsgd", "residual")])
+def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor(name, memory):
+    """The engine's exchange start hands over the bucket's gradient buffer: the average comes back in
+    it, equal to what the same exchange returns into a tensor of its own (a twin, one process)."""
+    from compressor_helpers import finish
+    from gc_strategy.algos import COMPRESSORS, MEMORIES
+    from gc_strategy.algos.base import start_exchange
+    from gc_strategy.bucket import Bucket
+    from gc_strategy.comm import COMMUNICATORS
+
+    shapes = [torch.Size([12, 10]), torch.Size([7]), torch.Size([5, 4])]
+    b = Bucket(0, ["a", "b", "c"], shapes, torch.float32, torch.device("cpu"))
+    options = {"powersgd": dict(rank=2, start_iter=0), "acpsgd": dict(rank=2, start_iter=0)}.get(name, {})
+    compressor, twin = COMPRESSORS.build(name, **options), COMPRESSORS.build(name, **options)
+    comm = COMMUNICATORS.build("allreduce" if compressor.summable else "allgather")
+    comm.bind(None)
+    memories = MEMORIES.build(memory), MEMORIES.build(memory)
+    for step in range(3):
+        g = torch.randn(b.numel, generator=torch.Generator().manual_seed(step))
+        compressor.step = twin.step = step
+        buffer = g.clone()
+        started = start_exchange(compressor, memories[0], buffer, b, comm)
+        average, local = finish(started.exchange)
+        twin_compensated = memories[1].compensate(g.clone(), b)
+        expected, twin_local = finish(twin.exchange(twin_compensated, b, comm, memories[1].needs_local_estimate))
+        assert average is buffer
+        assert torch.equal(average, expected.float())
+        for mem, compensated, estimate in ((memories[0], started.compensated, local), (memories[1], twin_compensated, twin_local)):
+            if compensated is not None:
+                mem.update(compensated, estimate, b, torch.tensor(True))

@@ -82,15 +82,17 @@ class Compressor(BucketState):
             total.add_(self.decode(payload, bucket))
         return total.div_(len(gathered))
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool) -> Exchange:
-        """Encode, communicate, combine. Returns ``(average, local estimate or None)``.
+    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,
+                 out: Tensor | None = None) -> Exchange:
+        """Encode, communicate, combine. Returns ``(average, local estimate or None)``; the average is
+        written into ``out`` when given (the bucket's gradient buffer: see :meth:`combine`).
 
         Multi-round methods override this and ``yield from`` several communicator exchanges.
         """
         payload = self.encode(flat, bucket)
         local = self.decode(payload, bucket).clone() if need_local else None
         received = yield from comm.exchange(payload, self.variable_size)
-        return self.combine(received, bucket, comm), local
+        return self.combine(received, bucket, comm, out=out), local
 
     def combine(self, received: Any, bucket: Bucket, comm: Communicator, out: Tensor | None = None) -> Tensor:
         """The average from what the communicator returned: :meth:`average` of the sum or
@@ -178,5 +180,5 @@ def start_exchange(compressor: Compressor, memory: Memory, flat: Tensor, bucket:
     if fused is not None:
         return StartedExchange(fused, finite, None)
     compensated = memory.compensate(flat, bucket)
-    return StartedExchange(compressor.exchange(compensated, bucket, comm, stateful), finite,
+    return StartedExchange(compressor.exchange(compensated, bucket, comm, stateful, out=flat), finite,
                            compensated if stateful else None)

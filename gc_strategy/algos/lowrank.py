@@ -256,6 +256,13 @@ class _LowRank(Compressor):
         self._batches = {}
 
 
+def _result_buffer(m_flat: Tensor, out: Tensor | None) -> Tensor:
+    """Where a low-rank exchange writes its average: ``out`` (the gradient buffer) when given in M's
+    dtype, else a new tensor. M itself is no longer read once the average is being written, except
+    for its error, and where it carries an error it is a tensor of its own (``g + e``)."""
+    return out if out is not None and out.dtype == m_flat.dtype else torch.empty_like(m_flat)
+
+
 @COMPRESSORS.register("powersgd")
 class PowerSGD(_LowRank):
     """PowerSGD (Vogels, Karimireddy & Jaggi, NeurIPS 2019), one power iteration per step, for all
@@ -274,7 +281,8 @@ class PowerSGD(_LowRank):
 
     OPTIONS = {**LOWRANK_OPTIONS, "warm_start": Option(True, bool)}
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool) -> Exchange:
+    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,
+                 out: Tensor | None = None) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
             return (yield from self._dense_exchange(flat, comm, need_local))
@@ -288,7 +296,7 @@ class PowerSGD(_LowRank):
         p = orthogonalize(self._padded("p", layout, summed[: p_flat.numel()]), eps)
         (summed_q,) = yield from comm.exchange([self._products("q", mats, layout, p)], False)
         q = self._padded("q", layout, summed_q.div_(comm.world_size))
-        result = torch.empty_like(m_flat)  # every element is written: the dense part, then each matrix
+        result = _result_buffer(m_flat, out)  # every element is written: the dense part, then each matrix
         result[layout.dense] = summed[p_flat.numel() :] / comm.world_size
         self._write_products(result, layout, p, q)
         self.keep_factors("q", bucket, q, finite)
@@ -317,7 +325,8 @@ class ACPSGD(_LowRank):
     def is_p_step(self) -> bool:
         return (self.step - self.options["start_iter"]) % 2 == 0
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool) -> Exchange:
+    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,
+                 out: Tensor | None = None) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
             return (yield from self._dense_exchange(flat, comm, need_local))
@@ -335,7 +344,7 @@ class ACPSGD(_LowRank):
         (summed,) = yield from comm.exchange([torch.cat([sent_flat, m_flat[layout.dense]])], False)
         summed.div_(comm.world_size)
         averaged = self._padded(sent, layout, summed[: sent_flat.numel()])
-        result = torch.empty_like(m_flat)
+        result = _result_buffer(m_flat, out)
         result[layout.dense] = summed[sent_flat.numel() :]
         self._write_products(result, layout, *self._ordered(sent, averaged, fixed_batch))
         self.keep_factors(sent, bucket, averaged, finite)
