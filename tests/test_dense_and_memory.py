@@ -136,7 +136,8 @@ def test_dgc_memory_clipping_and_non_finite_guard():
                                           ("acpsgd", "residual")])
 def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor(name, memory):
     """The engine's exchange start hands over the bucket's gradient buffer: the average comes back in
-    it, equal to what the same exchange returns into a tensor of its own (a twin, one process)."""
+    it, equal to what the same exchange returns into a tensor of its own (a twin, one process; under
+    TRITON_INTERPRET=1 efsignsgd takes its fused path and the twin the plain one)."""
     from compressor_helpers import finish
     from gc_strategy.algos import COMPRESSORS, MEMORIES
     from gc_strategy.algos.base import start_exchange
@@ -159,7 +160,8 @@ def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor
         twin_compensated = memories[1].compensate(g.clone(), b)
         expected, twin_local = finish(twin.exchange(twin_compensated, b, comm, memories[1].needs_local_estimate))
         assert average is buffer
-        assert torch.equal(average, expected.float())
+        # equal; to fp32 rounding where Triton's fused sign path (atomic sums) meets the twin's torch path
+        torch.testing.assert_close(average, expected.float(), rtol=1e-6, atol=0)
         for mem, compensated, estimate in ((memories[0], started.compensated, local), (memories[1], twin_compensated, twin_local)):
             if compensated is not None:
                 mem.update(compensated, estimate, b, torch.tensor(True))

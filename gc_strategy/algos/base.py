@@ -121,7 +121,7 @@ class Compressor(BucketState):
 
 def written(result: Tensor, out: Tensor | None) -> Tensor:
     """``result``, or ``out`` holding it (for averages computed into a tensor of their own)."""
-    return result if out is None else out.copy_(result)
+    return result if out is None or result is out else out.copy_(result)
 
 
 class Memory(BucketState):

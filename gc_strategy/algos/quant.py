@@ -70,7 +70,7 @@ class _LevelQuantizer(_Quantizer):
             return super().aggregate(gathered, bucket, out=out)
         scales, codes = (torch.stack([payload[k] for payload in gathered]) for k in (0, 1))
         return written(triton_bits.mean_of_levels(codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(),
-                                                  bucket.numel), out)
+                                                  bucket.numel, out), out)
 
     @staticmethod
     def _chunked(flat: Tensor, chunk: int) -> Tensor:

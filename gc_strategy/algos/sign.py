@@ -85,7 +85,7 @@ class _ScaledSigns(_SignBits):
         levels = self.levels_from_sums(triton_bits.sign_sums(grad, residual, boundaries, self.split_sums), bucket)
         bits = triton_bits.sign_encode(grad, residual, finite, *self.level_pair(levels), boundaries)
         received = yield from comm.exchange([levels, bits], self.variable_size)
-        return self.combine(received, bucket, comm), None
+        return self.combine(received, bucket, comm, out=grad), None
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         if not triton_bits.usable(gathered[0][-1]):
@@ -93,15 +93,16 @@ class _ScaledSigns(_SignBits):
         bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
-        return written(triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel), out)
+        return written(triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel,
+                                                 out), out)
 
 
 class _MajorityVote(_SignBits):
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
-        votes = self.decode(gathered[0], bucket)
+        votes = written(self.decode(gathered[0], bucket), out)
         for payload in gathered[1:]:
             votes += self.decode(payload, bucket)
-        return written(votes.sign_(), out)
+        return votes.sign_()
 
 
 @COMPRESSORS.register("signsgd")

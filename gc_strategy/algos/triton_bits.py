@@ -247,11 +247,17 @@ def _steps(boundaries: Tensor) -> int:
     return max(1, (boundaries.numel() - 2).bit_length())
 
 
-def mean_of_signs(bits: Tensor, positive: Tensor, negative: Tensor, boundaries: Tensor, n: int) -> Tensor:
+def _float_output(n: int, device: torch.device, out: Tensor | None) -> Tensor:
+    """Where an average kernel writes: ``out`` when it is a float32 vector, else a new one."""
+    return out if out is not None and out.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=device)
+
+
+def mean_of_signs(bits: Tensor, positive: Tensor, negative: Tensor, boundaries: Tensor, n: int,
+                  out: Tensor | None = None) -> Tensor:
     """``(1/W) Σ_r (bit_r(i) ? positive[r, t(i)] : negative[r, t(i)])`` for ``bits`` ``[W, ceil(n/8)]``
     (packed sign bits of W ranks) and per-tensor levels ``[W, tensors]``; ``t(i)``: the tensor of
     element ``i``, from the bucket's ``boundaries`` (``[0, end of tensor 0, ...]``, on the device)."""
-    out = torch.empty(n, dtype=torch.float32, device=bits.device)
+    out = _float_output(n, bits.device, out)
     if n:
         ranks, nbytes = bits.shape
         _mean_of_signs_kernel[(triton.cdiv(n, BLOCK),)](
@@ -307,11 +313,12 @@ def level_codes(flat: Tensor, scales: Tensor, chunk: int, levels: int, bits: int
     return codes
 
 
-def mean_of_levels(codes: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, n: int) -> Tensor:
+def mean_of_levels(codes: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, n: int,
+                   out: Tensor | None = None) -> Tensor:
     """``(1/W) Σ_r (code_r(i) − s) · scale_r[i // chunk] / s`` for packed codes ``[W, bytes]`` and
     scales ``[W, chunks]`` of W ranks: the average of the decodes of :func:`level_codes`' payloads
     in one pass, without a float vector per rank."""
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    out = _float_output(n, codes.device, out)
     if n:
         ranks, nbytes = codes.shape
         _mean_of_levels_kernel[(triton.cdiv(n, BLOCK),)](
