@@ -26,8 +26,9 @@ Semantics worth knowing:
 - Inside :meth:`GradientSynchronizer.no_sync` (gradient accumulation) backward launches nothing;
   gradients accumulate locally and the next synchronised backward averages the accumulated sums.
 - Where the averaged bucket has the parameter's dtype, ``.grad`` becomes a view of it (no copy-out;
-  like DDP's ``gradient_as_bucket_view``): the gradients of a bucket share one storage, which may be
-  the bucket's own buffer (``compressor="none"``) that the next backward writes again.
+  like DDP's ``gradient_as_bucket_view``): the gradients of a bucket share one storage, the
+  bucket's own gradient buffer (the exchange writes its average there), which the next backward
+  writes again.
 """
 
 from __future__ import annotations
