@@ -37,6 +37,7 @@ from recipes.bench_worker import BASELINES, parse_config
 from recipes.netns import check_can_emulate, emulated_network, loopback
 
 ROOT = Path(__file__).resolve().parent
+PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
 COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step", "step / compute",
            "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd"]
 
@@ -72,12 +73,9 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
         command = network[r].command + [sys.executable, "-m", "recipes.bench_worker", str(config_file), name, str(result)]
         with open(logs[r], "w") as log:
             processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + cfg.timeout_s
     try:
-        for process in processes:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        return {"failed": f"timed out after {cfg.timeout_s} s"}
+        if not _wait_for_ranks(processes, cfg.timeout_s):
+            return {"failed": f"timed out after {cfg.timeout_s} s"}
     finally:
         for process in processes:
             if process.poll() is None:
@@ -85,11 +83,33 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
                 process.wait()
     failed = [r for r, process in enumerate(processes) if process.returncode != 0]
     if failed or not result.is_file():
-        reasons = [(r, _reason(logs[r])) for r in failed or [0]]
+        on_their_own = [r for r in failed if processes[r].returncode != -signal.SIGKILL]
+        reasons = [(r, _reason(logs[r])) for r in on_their_own or failed or [0]]
         # a rank that lost its peer only reports the peer's failure: prefer the peer's own error
         rank, reason = next(((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0])
         return {"failed": f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"}
     return json.loads(result.read_text())
+
+
+def _wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool:
+    """Wait until every rank has exited (True) or ``timeout_s`` has passed (False). Once a rank has
+    failed, its peers, which would wait on it in their next collective for ever, get
+    ``PEER_GRACE_S`` to exit on their own before they are killed."""
+    deadline = time.monotonic() + timeout_s
+    while None in (codes := [process.poll() for process in processes]):
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+            for process in processes:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _reason(log: Path) -> str:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,21 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
     markdown = bench.write_outputs(OmegaConf.merge(cfg, {"model": {"cifar_stem": False}}), rows, tmp_path)
     assert "| ddp | rank 0 exited with 3: RuntimeError: boom | n/a |" in markdown
     assert (tmp_path / "speedup.png").is_file()
+
+
+def test_a_rank_that_dies_ends_the_run_at_once_and_its_error_is_reported(tmp_path, monkeypatch):
+    """Rank 1 fails while rank 0 would wait on it for ever (here: sleeps): rank 0 is killed after the
+    grace period, long before the timeout, and the report names rank 1's own error."""
+    cfg = OmegaConf.create({"world_size": 2, "threads_per_rank": 1, "timeout_s": 300})
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setattr(bench, "PEER_GRACE_S", 1.0)
+    waits = netns.RankNetwork(["sh", "-c", "sleep 300", "--"], "127.0.0.1", "lo")
+    dies = netns.RankNetwork(["sh", "-c", "echo 'ImportError: cannot import name' >&2; exit 1", "--"], "127.0.0.1", "lo")
+    started = time.monotonic()
+    failed = bench.run_config("ddp", cfg, tmp_path / "none.yaml", [waits, dies], 29999, tmp_path, "r0-c0")
+    assert failed == {"failed": "rank 1 exited with 1: ImportError: cannot import name"}
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
