@@ -72,6 +72,29 @@ def test_randk_draws_the_same_positions_on_every_rank_and_new_ones_each_step():
     assert a.encode(g, bucket(1000))[0].numel() == 50  # values only on the wire
 
 
+def test_randk_draws_each_buckets_positions_once_per_step_with_several_buckets_in_flight(monkeypatch):
+    """The engine encodes bucket 1 before it decodes bucket 0: each bucket's positions are drawn once
+    per step, and the decode puts the values back where that bucket's encode took them."""
+    from gc_strategy.algos import sparse
+
+    drawn = []
+    draw = sparse.sample_without_replacement
+    monkeypatch.setattr(sparse, "sample_without_replacement", lambda n, k, gen: drawn.append(n) or draw(n, k, gen))
+    compressor = build("randk", density=0.05)
+    buckets = [bucket(1000, index=0), bucket(3000, index=1)]
+    grads = [torch.randn(1000), torch.randn(3000)]
+    payloads = [compressor.encode(g, b) for g, b in zip(grads, buckets)]
+    decoded = [compressor.decode(p, b) for p, b in zip(payloads, buckets)]
+    bucket_draws = lambda: [n for n in drawn if n in (1000, 3000)]  # not the sampler's own inner draws
+    assert bucket_draws() == [1000, 3000]
+    for g, d in zip(grads, decoded):
+        assert int((d != 0).sum()) == _k(0.05, g.numel())
+        assert torch.equal(d, torch.where(d != 0, g, 0.0))
+    compressor.step = 1
+    compressor.encode(grads[0], buckets[0])
+    assert bucket_draws() == [1000, 3000, 1000]
+
+
 def test_randk_with_scaling_is_unbiased():
     g = torch.randn(40)
     compressor = build("randk", density=0.25, unbiased=True)

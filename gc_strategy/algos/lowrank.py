@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, all_finite
+from ..bucket import Bucket, all_finite, assign_if_finite
 from ..comm import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
@@ -182,7 +182,7 @@ class _LowRank(Compressor):
         if not self._warm_start():
             return
         stored = self.factor_batch(kind, bucket, batch.device)
-        torch.where(finite, batch, stored, out=stored)
+        assign_if_finite(stored, batch, finite)
 
     def factors_by_parameter(self, kind: str) -> dict[str, Tensor]:
         """The stored factors ``[rows or cols, rank]`` by parameter name."""
@@ -236,7 +236,7 @@ class _LowRank(Compressor):
         if not self.options["use_error_feedback"]:
             return
         error = self.buffer("error", bucket)
-        torch.where(finite, m_flat - approximation, error, out=error)
+        assign_if_finite(error, m_flat - approximation, finite)
         error[self.layout(bucket).dense] = 0
 
     def _dense_exchange(self, flat: Tensor, comm: Communicator, need_local: bool) -> Exchange:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket
+from ..bucket import Bucket, assign_if_finite
 from ..registry import Option
 from .base import MEMORIES, Memory
 
@@ -49,7 +49,7 @@ class ResidualMemory(Memory):
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         residual = self.buffer("residual", bucket)
-        torch.where(finite, compensated - local_estimate.float(), residual, out=residual)
+        assign_if_finite(residual, compensated - local_estimate.float(), finite)
 
     def fusable_residual(self, bucket: Bucket) -> Tensor | None:
         return self.buffer("residual", bucket) if self.beta == 1 and self.gamma == 1 else None
@@ -91,5 +91,5 @@ class DGCMemory(Memory):
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
         unsent = local_estimate == 0
         new_u = self._pending_u.pop(bucket.index) * unsent
-        u.copy_(torch.where(finite, new_u, u))
-        v.copy_(torch.where(finite, compensated * unsent, v))
+        assign_if_finite(u, new_u, finite)
+        assign_if_finite(v, compensated * unsent, finite)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, all_finite
+from ..bucket import Bucket, all_finite, assign_if_finite
 from ..comm import Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor, written
@@ -125,7 +125,7 @@ class Signum(_MajorityVote):
         momentum = self.buffer("momentum", bucket)
         beta = self.options["momentum"]
         updated = torch.add(momentum * beta, flat.float(), alpha=1 - beta)
-        momentum.copy_(torch.where(all_finite(flat), updated, momentum))
+        assign_if_finite(momentum, updated, all_finite(flat))
         return updated
 
 

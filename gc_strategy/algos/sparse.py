@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket
+from ..bucket import Bucket, assign_if_finite
 from ..comm import Communicator, Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
@@ -25,7 +25,7 @@ def scatter(bucket: Bucket, positions: Tensor, values: Tensor, out: Tensor | Non
     """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere (written
     into ``out`` when given)."""
     dense = zeros(bucket, values, out)
-    return dense.index_put_((positions,), values.to(dense.dtype))
+    return dense.scatter_(0, positions, values.to(dense.dtype))
 
 
 def zeros(bucket: Bucket, values: Tensor, out: Tensor | None) -> Tensor:
@@ -59,9 +59,9 @@ class _Positional(Compressor):
         x = grad.add_(residual) if grad.dtype == residual.dtype else torch.add(residual, grad.float())
         payload = self.encode(x, bucket)
         positions, sent = self.sent(payload, bucket)
-        at_positions = torch.where(finite, x[positions] - sent, residual[positions])
-        torch.where(finite, x, residual, out=residual)
-        residual[positions] = at_positions
+        at_positions = torch.where(finite, x.index_select(0, positions) - sent, residual.index_select(0, positions))
+        assign_if_finite(residual, x, finite)
+        residual.scatter_(0, positions, at_positions)
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm, out=grad), None
 
@@ -87,7 +87,7 @@ class Sparsifier(_Positional):
         indices = self.select(flat, bucket)
         self._selected += indices.numel()
         self._elements += flat.numel()
-        return [flat[indices], indices.to(torch.int32)]
+        return [flat.index_select(0, indices), indices.to(torch.int32)]
 
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         values, indices = payload
@@ -176,7 +176,7 @@ class DGC(Sparsifier):
             positions = torch.randint(
                 n, (samples,), device=flat.device, generator=self.generator(bucket, flat.device, shared=False)
             )
-            sample = magnitudes[positions]
+            sample = magnitudes.index_select(0, positions)
         threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
         for _ in range(self.options["adjust_rounds"] + 1):
             mask = magnitudes >= threshold
@@ -217,18 +217,21 @@ class RandK(_Positional):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self._drawn: tuple[int, int, Tensor] | None = None
+        self._drawn: dict[int, tuple[tuple[int, int], Tensor]] = {}  # index -> ((step, numel), positions)
 
     def _positions(self, bucket: Bucket, device: torch.device) -> Tensor:
-        """This step's positions for ``bucket`` (drawn once, reused by encode and decode)."""
-        if self._drawn is None or self._drawn[:2] != (self.step, bucket.index):
+        """This step's positions for ``bucket``, drawn once per bucket and step and reused by encode
+        and decode (several buckets are in flight at once)."""
+        drawn_for, positions = self._drawn.get(bucket.index, (None, None))
+        if drawn_for != (self.step, bucket.numel):
             k = keep_count(self.options["density"], bucket.numel)
             generator = self.generator(bucket, torch.device("cpu"), shared=True)
-            self._drawn = (self.step, bucket.index, sample_without_replacement(bucket.numel, k, generator).to(device))
-        return self._drawn[2]
+            positions = sample_without_replacement(bucket.numel, k, generator).to(device)
+            self._drawn[bucket.index] = ((self.step, bucket.numel), positions)
+        return positions
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
-        return [flat[self._positions(bucket, flat.device)]]
+        return [flat.index_select(0, self._positions(bucket, flat.device))]
 
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         """The summed values divided by ``W`` before the scatter (k divisions, not n)."""
