@@ -5,19 +5,25 @@ Rank ``r`` lives in namespace ``gcb<r>`` with address ``10.77.0.<r+1>/24`` on in
 the other end of its veth pair, ``gcb<r>h``, is a port of the bridge ``gcbbr`` in the root namespace
 (which has no address on it, so no traffic leaves the namespaces). ``tbf`` shapes both directions of
 every rank's link to ``rate``. Everything is removed when the context ends, also on an error or
-Ctrl-C, and leftovers of an interrupted earlier run are removed first. Needs root.
+Ctrl-C, and leftovers of an interrupted earlier run are removed first. One emulated network at a
+time: a second run while one is under way is refused (the names are shared; its clean-up would
+tear down the first run's links). Needs root.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 PREFIX = "gcb"
 BRIDGE = f"{PREFIX}br"
+LOCK_FILE = Path(tempfile.gettempdir()) / "gc_strategy-netns.lock"  # held while a network exists
 
 
 @dataclass(frozen=True)
@@ -84,16 +90,22 @@ def _setup(world_size: int, rate: str, burst: str, latency: str) -> list[RankNet
 def emulated_network(world_size: int, rate: str, burst: str = "512kb", latency: str = "50ms") -> Iterator[list[RankNetwork]]:
     """Namespaces for ``world_size`` ranks on a bridge, every link shaped to ``rate`` both ways."""
     check_can_emulate(rate)
-    remove_all()
-    try:
+    with open(LOCK_FILE, "a+") as lock:
         try:
-            ranks = _setup(world_size, rate, burst, latency)
-        except subprocess.CalledProcessError as error:
-            raise RuntimeError(f"setting up the emulated network failed: {' '.join(error.cmd)}: "
-                               f"{(error.stderr or '').strip()}") from None
-        yield ranks
-    finally:
-        remove_all()
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"net.rate={rate}: another run's emulated network is in use (lock {LOCK_FILE} is "
+                               "held); wait for it to end, or leave net.rate unset to run on loopback") from None
+        remove_all()  # leftovers of a run that was killed (its lock went with it)
+        try:
+            try:
+                ranks = _setup(world_size, rate, burst, latency)
+            except subprocess.CalledProcessError as error:
+                raise RuntimeError(f"setting up the emulated network failed: {' '.join(error.cmd)}: "
+                                   f"{(error.stderr or '').strip()}") from None
+            yield ranks
+        finally:
+            remove_all()
 
 
 @contextmanager

@@ -93,6 +93,16 @@ def test_the_emulated_network_is_removed_afterwards_also_on_error():
     assert netns.existing() == ([], [])
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_second_emulated_network_is_refused_while_one_is_in_use():
+    with netns.emulated_network(2, "100mbit"):
+        with pytest.raises(RuntimeError, match="net.rate=1gbit: another run's emulated network is in use"):
+            with netns.emulated_network(2, "1gbit"):
+                pass
+        assert sorted(netns.existing()[0]) == ["gcb0", "gcb1"]  # the first run's network is untouched
+    assert netns.existing() == ([], [])
+
+
 def test_bad_configs_are_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="configs: 'dpp' is invalid; allowed: compute, ddp"):
         parse_config("dpp")
