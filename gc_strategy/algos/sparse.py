@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, assign_if_finite
+from ..bucket import Bucket, assign_if_finite, finite_on_host
 from ..comm import Communicator, Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
@@ -52,15 +52,19 @@ class _Positional(Compressor):
                        comm: Communicator) -> Exchange:
         """Residual error feedback without a dense decode: ``x = g + e`` is encoded, then ``e ← x``
         except at the sent positions, where ``e ← x − sent`` (0 where the values travel exactly);
-        ``e`` is left as it was when the bucket is not finite. Two dense passes (compensate, the
-        guarded copy) instead of five (compensate, zero-fill + scatter, subtract, guard), and no new
-        bucket-sized tensor: ``x`` is formed in the gradient buffer when it is fp32, and the average
-        is scattered into it."""
-        x = grad.add_(residual) if grad.dtype == residual.dtype else torch.add(residual, grad.float())
+        ``e`` is left as it was when the bucket is not finite. No new bucket-sized tensor: the
+        average is scattered into the gradient buffer. Where the flag is known on the host to be
+        True (CPU) ``x`` is formed in ``e`` itself, one dense pass (``e += g``); otherwise in the
+        gradient buffer when it is fp32, then copied to ``e`` if finite (two passes)."""
+        if finite_on_host(finite):
+            x = residual.add_(grad)
+        else:
+            x = grad.add_(residual) if grad.dtype == residual.dtype else torch.add(residual, grad.float())
         payload = self.encode(x, bucket)
         positions, sent = self.sent(payload, bucket)
         at_positions = torch.where(finite, x.index_select(0, positions) - sent, residual.index_select(0, positions))
-        assign_if_finite(residual, x, finite)
+        if x is not residual:
+            assign_if_finite(residual, x, finite)
         residual.scatter_(0, positions, at_positions)
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm, out=grad), None
