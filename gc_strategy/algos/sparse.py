@@ -202,12 +202,13 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Te
     draws = k + 2 * k * k // n + 64  # about k²/2n collisions expected
     if draws >= n:  # as many draws as positions: a permutation costs no more
         return torch.randperm(n, generator=generator)[:k].sort().values
-    distinct = torch.empty(0, dtype=torch.int64)
+    dtype = torch.int32 if n < 2**31 else torch.int64  # unique (a sort) is ~2x faster on int32
+    distinct = torch.empty(0, dtype=dtype)
     while distinct.numel() < k:
-        distinct = torch.unique(torch.cat([distinct, torch.randint(n, (draws,), generator=generator)]))
+        distinct = torch.unique(torch.cat([distinct, torch.randint(n, (draws,), generator=generator, dtype=dtype)]))
     keep = torch.ones(distinct.numel(), dtype=torch.bool)
     keep[sample_without_replacement(distinct.numel(), distinct.numel() - k, generator)] = False
-    return distinct[keep]
+    return distinct[keep].long()
 
 
 @COMPRESSORS.register("randk")
