@@ -39,7 +39,7 @@ from recipes.netns import check_can_emulate, emulated_network, loopback
 ROOT = Path(__file__).resolve().parent
 PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
 COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step", "step / compute",
-           "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd"]
+           "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd", "speedup vs ddp+powersgd-1bucket"]
 
 
 def validate(cfg: DictConfig) -> None:
@@ -145,7 +145,7 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
             continue
         if "compute" in medians:
             row["step / compute"] = median / medians["compute"]
-        for baseline in ("ddp", "ddp+fp16", "ddp+powersgd"):
+        for baseline in (b for b in BASELINES if b != "compute"):
             if baseline in medians:
                 row[f"speedup vs {baseline}"] = medians[baseline] / median
     return rows

@@ -8,7 +8,9 @@ namespace; every rank is a Lightning "node" with one CPU device. Rank 0 writes `
 step times after ``warmup`` steps (``ThroughputMonitor``'s summary) and the payload bytes per step.
 
 Configuration names: ``compute`` (one rank, no communication), ``ddp``, ``ddp+fp16`` (torch's
-``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook``, rank 4), and
+``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook``, rank 4, DDP's usual 25 MB
+buckets), ``ddp+powersgd-1bucket`` (the same hook over one bucket holding every gradient: the form
+in which it runs on gloo, where with several buckets it fails), and
 ``gc_fused[:key=value,...]`` with the options of :class:`gc_strategy.GCFusedStrategy`
 (``gc_fused:compressor=dgc,memory=dgc,density=0.01,fusion=auto:2``).
 """
@@ -24,7 +26,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-BASELINES = ("compute", "ddp", "ddp+fp16", "ddp+powersgd")
+BASELINES = ("compute", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
+ONE_BUCKET_MB = 1 << 20  # a DDP bucket cap no model reaches (with an explicit cap the first bucket has it too)
 
 
 class DDPWithCommHook(DDPStrategy):
@@ -32,8 +35,8 @@ class DDPWithCommHook(DDPStrategy):
     registers ``ddp_comm_hook`` only when the root device is CUDA (``DDPStrategy._register_ddp_hooks``)
     and silently ignores it on CPU, while torch's hooks also run over gloo."""
 
-    def __init__(self, hook: Any, state: Any = None) -> None:
-        super().__init__(process_group_backend="gloo")
+    def __init__(self, hook: Any, state: Any = None, **ddp_options: Any) -> None:
+        super().__init__(process_group_backend="gloo", **ddp_options)
         self._hook, self._state = hook, state
 
     def _register_ddp_hooks(self) -> None:
@@ -71,12 +74,13 @@ def make_strategy(name: str, warmup: int):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         return DDPWithCommHook(default_hooks.fp16_compress_hook)
-    if name == "ddp+powersgd":
+    if name.startswith("ddp+powersgd"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                             start_powerSGD_iter=max(2, warmup // 2))
-        return DDPWithCommHook(powerSGD_hook.powerSGD_hook, state)
+        one_bucket = {"bucket_cap_mb": ONE_BUCKET_MB} if name.endswith("-1bucket") else {}
+        return DDPWithCommHook(powerSGD_hook.powerSGD_hook, state, **one_bucket)
     return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
 
 
