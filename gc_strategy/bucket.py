@@ -71,10 +71,6 @@ class Bucket:
             self._device_cache[key] = make().to(key[1])
         return self._device_cache[key]
 
-    def mean_per_tensor(self, values: Tensor) -> Tensor:
-        """Per-tensor means of a flat fp32 vector."""
-        return self.sum_per_tensor(values) / self.lengths(values.device)
-
     def per_element(self, per_tensor: Tensor) -> Tensor:
         """Spread one value per tensor over the tensor's elements (the inverse layout of the sums)."""
         return per_tensor[self.tensor_ids(per_tensor.device)]
