@@ -183,6 +183,29 @@ def test_many_buckets_on_gloo_and_collectives_per_step(name):
             assert collectives == 16 and sent == 4 * 8 * (48 + 24)
 
 
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_dense_parts_are_exact_and_a_non_finite_bucket_leaves_error_and_factors_as_they_were(name):
+    """One process: the densely averaged tensor (a vector) comes back exactly; after a step whose
+    gradient holds an inf, the error feedback and the stored factors are those of the step before."""
+    bucket = Bucket(0, ["w", "v"], [torch.Size([16, 12]), torch.Size([5])], torch.float32, torch.device("cpu"))
+    compressor = build(name, rank=2, start_iter=0)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        compressor.step = step
+        g = torch.randn(bucket.numel, generator=generator)
+        average, _ = _single_rank_exchange(compressor, g.clone(), bucket)
+        assert torch.equal(average[192:], g[192:])
+    error = compressor.buffer("error", bucket).clone()
+    factors = {key: batch.clone() for key, batch in compressor._batches.items()}
+    assert error.abs().sum() > 0 and factors  # powersgd keeps Q, acpsgd P and Q
+    poisoned = torch.randn(bucket.numel, generator=generator)
+    poisoned[7] = float("inf")
+    compressor.step = 3
+    _single_rank_exchange(compressor, poisoned, bucket)
+    assert torch.equal(compressor.buffer("error", bucket), error)
+    assert all(torch.equal(compressor._batches[key], batch) for key, batch in factors.items())
+
+
 def test_acpsgd_alternates_p_and_q_steps():
     """Odd compressed steps send P ([30, 2]: 60 values), even ones Q ([20, 2]: 40), one round each."""
     from gc_strategy.comm import AllReduce

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, all_finite, assign_if_finite
+from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
 from ..comm import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
@@ -195,9 +195,15 @@ class _LowRank(Compressor):
         return out
 
     # ---------------------------------------------------------------- shared pieces
-    def _compensated(self, flat: Tensor, bucket: Bucket) -> Tensor:
+    def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
+        """``M = g + e``. Where the bucket is known on the host to be finite (the CPU), ``M`` is
+        formed in ``e`` itself, and :meth:`_keep_error` then subtracts the approximation in place: no
+        new bucket-sized tensors (on the CPU each costs its page faults, about 4x a pass over it)."""
         g = flat.float()
-        return g + self.buffer("error", bucket) if self.options["use_error_feedback"] else g
+        if not self.options["use_error_feedback"]:
+            return g
+        error = self.buffer("error", bucket)
+        return error.add_(g) if finite_on_host(finite) else g + error
 
     @staticmethod
     def _matrices(m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
@@ -220,9 +226,12 @@ class _LowRank(Compressor):
     @staticmethod
     def _products(kind: str, mats: list[Tensor], layout: _Layout, other: Tensor) -> Tensor:
         """The factors of ``kind`` from the other, padded ones, in payload order: ``P = M Q`` or
-        ``Q = Mᵀ P`` for every group."""
+        ``Q = Mᵀ P`` for every group, computed as ``(Qᵀ Mᵀ)ᵀ`` and ``(Pᵀ M)ᵀ``: with the skinny
+        factor on the left the CPU's BLAS is 5-6x faster (ResNet-18's 512 x 4608 matrix, r = 4:
+        0.5 vs 2.9 ms for ``P``, 0.9 vs 3.8 ms for ``Q``)."""
         side = "q" if kind == "p" else "p"
-        products = [torch.bmm(m if kind == "p" else m.transpose(1, 2), f) for m, f in zip(mats, layout.views(side, other))]
+        products = [torch.bmm(f.transpose(1, 2), m.transpose(1, 2) if kind == "p" else m).transpose(1, 2)
+                    for m, f in zip(mats, layout.views(side, other))]
         return torch.cat([f.reshape(-1) for f in products])
 
     def _padded(self, kind: str, layout: _Layout, flat: Tensor) -> Tensor:
@@ -232,11 +241,15 @@ class _LowRank(Compressor):
         return batch
 
     def _keep_error(self, m_flat: Tensor, approximation: Tensor, bucket: Bucket, finite: Tensor) -> None:
-        """``e = M - approximation`` on the compressed matrices (dense parts are exact: no error)."""
+        """``e = M - approximation`` on the compressed matrices (dense parts are exact: no error).
+        After it, ``M`` may no longer be read: it may have been ``e`` itself."""
         if not self.options["use_error_feedback"]:
             return
         error = self.buffer("error", bucket)
-        assign_if_finite(error, m_flat - approximation, finite)
+        if m_flat is error:  # M was formed in e (see _compensated)
+            error.sub_(approximation)
+        else:
+            assign_if_finite(error, m_flat - approximation, finite)
         error[self.layout(bucket).dense] = 0
 
     def _dense_exchange(self, flat: Tensor, comm: Communicator, need_local: bool) -> Exchange:
@@ -288,7 +301,7 @@ class PowerSGD(_LowRank):
             return (yield from self._dense_exchange(flat, comm, need_local))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
-        m_flat = self._compensated(flat, bucket)
+        m_flat = self._compensated(flat, bucket, finite)
         mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
         q = orthogonalize(self.factor_batch("q", bucket, flat.device).clone(), eps)
         p_flat = self._products("p", mats, layout, q)
@@ -332,7 +345,7 @@ class ACPSGD(_LowRank):
             return (yield from self._dense_exchange(flat, comm, need_local))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
-        m_flat = self._compensated(flat, bucket)
+        m_flat = self._compensated(flat, bucket, finite)
         mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
         sent, fixed = ("p", "q") if self.is_p_step() else ("q", "p")
         fixed_batch = orthogonalize(self.factor_batch(fixed, bucket, flat.device).clone(), eps)
@@ -340,8 +353,9 @@ class ACPSGD(_LowRank):
         local = torch.empty_like(m_flat)  # every element is written: the dense part, then each matrix
         local[layout.dense] = m_flat[layout.dense]
         self._write_products(local, layout, *self._ordered(sent, self._padded(sent, layout, sent_flat), fixed_batch))
+        payload = torch.cat([sent_flat, m_flat[layout.dense]])
         self._keep_error(m_flat, local, bucket, finite)
-        (summed,) = yield from comm.exchange([torch.cat([sent_flat, m_flat[layout.dense]])], False)
+        (summed,) = yield from comm.exchange([payload], False)
         summed.div_(comm.world_size)
         averaged = self._padded(sent, layout, summed[: sent_flat.numel()])
         result = _result_buffer(m_flat, out)
