@@ -142,7 +142,9 @@ class Memory(BucketState):
         super().__init__()
         self.options = options
 
-    def compensate(self, grad: Tensor, bucket: Bucket) -> Tensor:
+    def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
+        """The compressor's input from the gradient; ``finite`` (from :func:`all_finite`, None when
+        the memory keeps no state) lets a memory form it in its own state where that is safe."""
         raise NotImplementedError
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
@@ -179,6 +181,6 @@ def start_exchange(compressor: Compressor, memory: Memory, flat: Tensor, bucket:
     fused = compressor.fused_exchange(flat, residual, finite, bucket, comm) if residual is not None else None
     if fused is not None:
         return StartedExchange(fused, finite, None)
-    compensated = memory.compensate(flat, bucket)
+    compensated = memory.compensate(flat, bucket, finite)
     return StartedExchange(compressor.exchange(compensated, bucket, comm, stateful, out=flat), finite,
                            compensated if stateful else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, assign_if_finite
+from ..bucket import Bucket, assign_if_finite, finite_on_host
 from ..registry import Option
 from .base import MEMORIES, Memory
 
@@ -16,7 +16,7 @@ class NoMemory(Memory):
 
     needs_local_estimate = False
 
-    def compensate(self, grad: Tensor, bucket: Bucket) -> Tensor:
+    def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
         return grad
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
@@ -42,14 +42,21 @@ class ResidualMemory(Memory):
         self.beta = beta
         self.gamma = gamma
 
-    def compensate(self, grad: Tensor, bucket: Bucket) -> Tensor:
+    def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
+        """``g' = β e + γ g``: in ``e`` itself where ``finite`` is known on the host to be True (the
+        CPU; :meth:`update` then subtracts in place), else a new tensor."""
         residual = self.buffer("residual", bucket)
+        if finite is not None and finite_on_host(finite):
+            return (residual if self.beta == 1 else residual.mul_(self.beta)).add_(grad, alpha=self.gamma)
         weighted = residual if self.beta == 1 else residual * self.beta  # no copy for the usual β = 1
         return torch.add(weighted, grad.float(), alpha=self.gamma)
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         residual = self.buffer("residual", bucket)
-        assign_if_finite(residual, compensated - local_estimate.float(), finite)
+        if compensated is residual:  # formed in place by compensate
+            residual.sub_(local_estimate)
+        else:
+            assign_if_finite(residual, compensated - local_estimate.float(), finite)
 
     def fusable_residual(self, bucket: Bucket) -> Tensor | None:
         return self.buffer("residual", bucket) if self.beta == 1 and self.gamma == 1 else None
@@ -79,7 +86,7 @@ class DGCMemory(Memory):
         self.clip_norm = clip_norm
         self._pending_u: dict[int, Tensor] = {}
 
-    def compensate(self, grad: Tensor, bucket: Bucket) -> Tensor:
+    def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
         g = grad.float()
         if self.clip_norm > 0:
             g = g * (self.clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
