@@ -15,6 +15,10 @@ import torch
 from torch import Tensor
 
 
+_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+                   torch.bfloat16: torch.int16}
+
+
 @dataclass
 class Bucket:
     """One fused bucket: ``names[i]`` occupies ``flat[offsets[i] : offsets[i] + numels[i]]``."""
@@ -77,14 +81,18 @@ class Bucket:
 
     def select_per_tensor(self, mask: Tensor, if_true: Tensor, if_false: Tensor) -> Tensor:
         """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
-        the tensor of element ``j``): two gathers on a GPU, one ``where`` per tensor's slice with
-        scalars on the CPU (no full-size spreads of the values)."""
+        the tensor of element ``j``): two gathers on a GPU. On the CPU ``where`` runs a scalar loop
+        (23 ms for 6.6M elements here); instead, per tensor's slice, the result's bit pattern is
+        ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the two values; 2.3 ms)."""
         if mask.device.type == "cuda":
             return torch.where(mask, self.per_element(if_true), self.per_element(if_false))
-        out = torch.empty(self.numel, dtype=torch.promote_types(if_true.dtype, if_false.dtype))
-        for o, n, yes, no in zip(self.offsets, self.numels, if_true, if_false):
-            torch.where(mask[o : o + n], yes, no, out=out[o : o + n])
-        return out
+        dtype = torch.promote_types(if_true.dtype, if_false.dtype)
+        as_int = _SAME_WIDTH_INT[dtype]
+        yes_bits, no_bits = (values.to(dtype).view(as_int).tolist() for values in (if_true, if_false))
+        out = mask.to(as_int)
+        for o, n, yes, no in zip(self.offsets, self.numels, yes_bits, no_bits):
+            out[o : o + n].mul_(yes ^ no).bitwise_xor_(no)
+        return out.view(dtype)
 
     @property
     def nbytes(self) -> int:

@@ -100,7 +100,11 @@ def test_bucket_per_tensor_helpers_equal_their_definitions():
     sums = torch.stack([v.sum() for v in bucket.views(values)])
     torch.testing.assert_close(bucket.sum_per_tensor(values), sums)
     mask = values > 0
-    yes, no = torch.randn(4, generator=g), torch.randn(4, generator=g)
-    expected = torch.cat([torch.where(m.reshape(-1), yes[i], no[i]) for i, m in enumerate(bucket.views(mask))])
-    assert torch.equal(bucket.select_per_tensor(mask, yes, no), expected)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        yes, no = torch.randn(4, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)
+        yes[1], no[2] = -0.0, float("-inf")
+        expected = torch.cat([torch.where(m.reshape(-1), yes[i], no[i]) for i, m in enumerate(bucket.views(mask))])
+        selected = bucket.select_per_tensor(mask, yes, no)
+        assert selected.dtype == dtype and torch.equal(selected, expected)
+        assert torch.equal(torch.signbit(selected), torch.signbit(expected))  # -0.0 stays -0.0
     assert torch.equal(bucket.per_element(yes), torch.cat([yes[i].expand(n) for i, n in enumerate(bucket.numels)]))
