@@ -53,17 +53,22 @@ def test_none_is_exact():
     assert torch.equal(compressor.decode(compressor.encode(g, bucket), bucket), g)
 
 
-def test_residual_memory_math():
+@pytest.mark.parametrize("flag", [None, True], ids=["new-tensor", "in-place"])
+def test_residual_memory_math(flag):
+    """``g' = βe + γg``, ``e ← g' − decode``: given the finite flag (as the engine does), ``g'`` is
+    formed in ``e`` itself on the CPU; without it, in a new tensor. Same values either way."""
     memory = MEMORIES.build("residual", beta=0.5, gamma=2.0)
     bucket = _bucket(3)
+    finite = None if flag is None else torch.tensor(flag)
     g = torch.tensor([1.0, -2.0, 3.0])
-    first = memory.compensate(g, bucket)
+    first = memory.compensate(g, bucket, finite)
+    assert (first is memory.buffer("residual", bucket)) == (flag is not None)
     assert torch.equal(first, 2.0 * g)  # e = 0 at first
     transmitted = torch.tensor([2.0, 0.0, 6.0])
+    e = 2.0 * g - transmitted
     memory.update(first, transmitted, bucket, torch.tensor(True))
-    e = first - transmitted
     assert torch.equal(memory.buffer("residual", bucket), e)
-    assert torch.equal(memory.compensate(g, bucket), 0.5 * e + 2.0 * g)
+    assert torch.equal(memory.compensate(g, bucket, finite), 0.5 * e + 2.0 * g)
 
 
 def test_residual_memory_keeps_state_when_the_gradient_is_not_finite():
