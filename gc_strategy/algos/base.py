@@ -90,7 +90,7 @@ class Compressor(BucketState):
         Multi-round methods override this and ``yield from`` several communicator exchanges.
         """
         payload = self.encode(flat, bucket)
-        local = self.decode(payload, bucket).clone() if need_local else None
+        local = apart_from(self.decode(payload, bucket), payload) if need_local else None
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm, out=out), local
 
@@ -117,6 +117,13 @@ class Compressor(BucketState):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
+
+
+def apart_from(local: Tensor, payload: Payload) -> Tensor:
+    """``local``, or a copy of it where it shares memory with the payload, which the collective may
+    overwrite (e.g. the decode of ``none`` is the payload itself)."""
+    shared = {t.untyped_storage().data_ptr() for t in payload}
+    return local.clone() if local.untyped_storage().data_ptr() in shared else local
 
 
 def written(result: Tensor, out: Tensor | None) -> Tensor:
