@@ -20,18 +20,23 @@ OPTIONS = {"topk": dict(density=0.1), "randk": dict(density=0.1), "dgc": dict(de
            "sidco": dict(density=0.1), "threshold": dict(threshold=0.01)}
 
 
-def _check_all(rank, world_size):
+def _check_all(rank, world_size, memory):
+    """Per compressor, 3 steps: the synchronised gradient against the reference aggregation of every
+    rank's decode of its own ``x`` (``x = g``; with residual memory ``x = g + e`` and ``e ← x −
+    decode(x)``, tracked here), and the engine's residual against the tracked ``e``."""
     errors = {}
     for name in sorted(set(COMPRESSORS.names()) - LOWRANK):  # low-rank: tests/test_lowrank.py
         torch.manual_seed(7)
         model = SmallCNN()
-        c = build_components(name, "none", "auto", "groups:3", **OPTIONS.get(name, {}))
+        c = build_components(name, memory, "auto", "groups:3", **OPTIONS.get(name, {}))
         engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
         # a twin compressor encodes this rank's gradients independently, for the reference
         twin = COMPRESSORS.build(name, **OPTIONS.get(name, {}))
         twin.world_size, twin.rank = world_size, rank
         model(torch.randn(2, 3, 8, 8)).sum().backward()  # the first step records the ready order
-        for step in range(2):
+        if memory == "residual":  # from where the first step left it
+            residual = [engine.memory.buffer("residual", b).clone() for b in engine.buckets]
+        for step in range(3):
             x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             model.zero_grad(set_to_none=True)
             with engine.no_sync():
@@ -46,7 +51,16 @@ def _check_all(rank, world_size):
             decodes, offset = [], 0
             for bucket in engine.buckets:
                 piece = local[offset : offset + bucket.numel]
-                decodes.append(twin.decode(twin.encode(piece.clone(), bucket), bucket))
+                if memory == "residual":
+                    piece = piece + residual[bucket.index]
+                decoded = twin.decode(twin.encode(piece.clone(), bucket), bucket)
+                if memory == "residual":
+                    residual[bucket.index] = piece - decoded
+                    kept = engine.memory.buffer("residual", bucket)
+                    scale = float(piece.abs().max().clamp_min(1e-12))
+                    errors[f"{name} residual"] = max(errors.get(f"{name} residual", 0.0),
+                                                     float((kept - residual[bucket.index]).abs().max()) / scale)
+                decodes.append(decoded)
                 offset += bucket.numel
             mine = torch.cat(decodes)
             everyone = [torch.empty_like(mine) for _ in range(world_size)]
@@ -60,10 +74,11 @@ def _check_all(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("memory", ["none", "residual"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_compressor_aggregates_like_the_reference(world_size):
-    for errors in run_ranks(_check_all, world_size, timeout=240):
-        bad = {name: err for name, err in errors.items() if err > TOLERANCE.get(name, 1e-6)}
+def test_every_compressor_aggregates_like_the_reference(world_size, memory):
+    for errors in run_ranks(_check_all, world_size, memory, timeout=240):
+        bad = {name: err for name, err in errors.items() if err > TOLERANCE.get(name.split()[0], 1e-6)}
         assert not bad, bad
 
 

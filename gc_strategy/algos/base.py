@@ -90,6 +90,8 @@ class Compressor(BucketState):
         Multi-round methods override this and ``yield from`` several communicator exchanges.
         """
         payload = self.encode(flat, bucket)
+        if flat is not out:  # not the exchange's buffer (e.g. memory state): the collective must not overwrite it
+            payload = [apart_from(tensor, [flat]) for tensor in payload]
         local = apart_from(self.decode(payload, bucket), payload) if need_local else None
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm, out=out), local
@@ -119,11 +121,11 @@ class Compressor(BucketState):
         pass
 
 
-def apart_from(local: Tensor, payload: Payload) -> Tensor:
-    """``local``, or a copy of it where it shares memory with the payload, which the collective may
-    overwrite (e.g. the decode of ``none`` is the payload itself)."""
-    shared = {t.untyped_storage().data_ptr() for t in payload}
-    return local.clone() if local.untyped_storage().data_ptr() in shared else local
+def apart_from(tensor: Tensor, others: Payload) -> Tensor:
+    """``tensor``, or a copy of it where it shares memory with any of ``others``: what the collective
+    may overwrite in place (e.g. ``none``'s payload is its input, and its decode the payload)."""
+    shared = {other.untyped_storage().data_ptr() for other in others}
+    return tensor.clone() if tensor.untyped_storage().data_ptr() in shared else tensor
 
 
 def written(result: Tensor, out: Tensor | None) -> Tensor:
