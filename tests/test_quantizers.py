@@ -21,6 +21,8 @@ def test_bit_packing_round_trips_in_the_stated_bytes(bits, n):
 
 def test_bit_packing_layout_is_little_end_first():
     assert pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1]), 1).tolist() == [0b10000001]
+    signs = torch.tensor([True, True, False, False, False, False, False, False, False, True])  # bools, 2 bytes
+    assert pack_bits(signs, 1).tolist() == [0b00000011, 0b00000010]
     assert pack_bits(torch.tensor([3, 0, 1]), 2).tolist() == [0b010011]
 
 
