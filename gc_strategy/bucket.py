@@ -51,14 +51,17 @@ class Bucket:
         return self._cached("tensor_ids", device,
                             lambda: torch.repeat_interleave(torch.arange(len(self.numels)), torch.tensor(self.numels)))
 
-    def sum_per_tensor(self, values: Tensor) -> Tensor:
-        """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]``. One
-        segmented reduction on a GPU (``index_add`` there serialises on the atomics of each tensor's
-        one slot: 38 ms for ResNet-50's 25.6M elements on an H100); on the CPU one sum per tensor's
-        slice, ~20x faster than the scattered adds there."""
+    def sum_per_tensor(self, values: Tensor, magnitudes: bool = False) -> Tensor:
+        """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]`` (of
+        ``|values[j]|`` with ``magnitudes``). One segmented reduction on a GPU (``index_add`` there
+        serialises on the atomics of each tensor's one slot: 38 ms for ResNet-50's 25.6M elements on
+        an H100); on the CPU one sum per tensor's slice, ~20x faster than the scattered adds there,
+        and the magnitudes slice by slice (a tensor-sized temporary each, not a fresh bucket-sized
+        one: 3.6 ms instead of ~9 for ResNet-18's 11.2M elements)."""
         if values.device.type == "cuda":
-            return torch.segment_reduce(values, "sum", lengths=self.lengths(values.device))
-        return torch.stack([values[o : o + n].sum() for o, n in zip(self.offsets, self.numels)])
+            return torch.segment_reduce(values.abs() if magnitudes else values, "sum", lengths=self.lengths(values.device))
+        slices = (values[o : o + n] for o, n in zip(self.offsets, self.numels))
+        return torch.stack([(piece.abs() if magnitudes else piece).sum() for piece in slices])
 
     def lengths(self, device: torch.device) -> Tensor:
         """The tensors' element counts, on ``device`` (cached: no host-to-device copy, which would
@@ -81,11 +84,11 @@ class Bucket:
 
     def select_per_tensor(self, mask: Tensor, if_true: Tensor, if_false: Tensor) -> Tensor:
         """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
-        the tensor of element ``j``): two gathers on a GPU. On the CPU ``where`` runs a scalar loop
+        the tensor of element ``j``; ``mask`` bool or 0/1 integers): two gathers on a GPU. On the CPU ``where`` runs a scalar loop
         (23 ms for 6.6M elements here); instead, per tensor's slice, the result's bit pattern is
         ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the two values; 2.3 ms)."""
         if mask.device.type == "cuda":
-            return torch.where(mask, self.per_element(if_true), self.per_element(if_false))
+            return torch.where(mask.bool(), self.per_element(if_true), self.per_element(if_false))
         dtype = torch.promote_types(if_true.dtype, if_false.dtype)
         as_int = _SAME_WIDTH_INT[dtype]
         yes_bits, no_bits = (values.to(dtype).view(as_int).tolist() for values in (if_true, if_false))

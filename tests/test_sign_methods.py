@@ -99,6 +99,7 @@ def test_bucket_per_tensor_helpers_equal_their_definitions():
     values = torch.randn(bucket.numel, generator=g)
     sums = torch.stack([v.sum() for v in bucket.views(values)])
     torch.testing.assert_close(bucket.sum_per_tensor(values), sums)
+    assert torch.equal(bucket.sum_per_tensor(values, magnitudes=True), torch.stack([v.abs().sum() for v in bucket.views(values)]))
     mask = values > 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         yes, no = torch.randn(4, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)
@@ -107,4 +108,5 @@ def test_bucket_per_tensor_helpers_equal_their_definitions():
         selected = bucket.select_per_tensor(mask, yes, no)
         assert selected.dtype == dtype and torch.equal(selected, expected)
         assert torch.equal(torch.signbit(selected), torch.signbit(expected))  # -0.0 stays -0.0
+        assert torch.equal(bucket.select_per_tensor(mask.to(torch.uint8), yes, no), expected)  # 0/1 codes as mask
     assert torch.equal(bucket.per_element(yes), torch.cat([yes[i].expand(n) for i, n in enumerate(bucket.numels)]))

@@ -47,7 +47,7 @@ class _SignBits(Compressor):
         return [bits] if levels is None else [levels, bits]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
-        bits = unpack_bits(payload[-1], 1, bucket.numel).bool()
+        bits = unpack_bits(payload[-1], 1, bucket.numel)  # 0/1 codes
         if len(payload) == 1:
             return bits.float() * 2 - 1
         return bucket.select_per_tensor(bits, *self.level_pair(payload[0]))
@@ -64,7 +64,7 @@ class _ScaledSigns(_SignBits):
 
     def sums(self, g: Tensor, bucket: Bucket) -> Tensor:
         if not self.split_sums:
-            return bucket.sum_per_tensor(g.abs())
+            return bucket.sum_per_tensor(g, magnitudes=True)
         positive = (g >= 0).float()
         return torch.stack([bucket.sum_per_tensor(g * positive), bucket.sum_per_tensor(positive),
                             bucket.sum_per_tensor(g * (1 - positive))])
