@@ -94,20 +94,14 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
 def _wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool:
     """Wait until every rank has exited (True) or ``timeout_s`` has passed (False). Once a rank has
     failed, its peers, which would wait on it in their next collective for ever, get
-    ``PEER_GRACE_S`` to exit on their own before they are killed."""
+    ``PEER_GRACE_S`` to exit on their own (True after it; the caller kills what still runs)."""
     deadline = time.monotonic() + timeout_s
     while None in (codes := [process.poll() for process in processes]):
-        if any(code not in (None, 0) for code in codes):
+        failed = any(code not in (None, 0) for code in codes)
+        if failed:
             deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
-            for process in processes:
-                try:
-                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            return True
         if time.monotonic() > deadline:
-            return False
+            return failed
         time.sleep(0.1)
     return True
 

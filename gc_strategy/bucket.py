@@ -84,9 +84,10 @@ class Bucket:
 
     def select_per_tensor(self, mask: Tensor, if_true: Tensor, if_false: Tensor) -> Tensor:
         """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
-        the tensor of element ``j``; ``mask`` bool or 0/1 integers): two gathers on a GPU. On the CPU ``where`` runs a scalar loop
-        (23 ms for 6.6M elements here); instead, per tensor's slice, the result's bit pattern is
-        ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the two values; 2.3 ms)."""
+        the tensor of element ``j``; ``mask`` bool or 0/1 integers): two gathers on a GPU. On the
+        CPU ``where`` runs a scalar loop (23 ms for 6.6M elements here); instead, per tensor's slice,
+        the result's bit pattern is ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the
+        two values; 2.3 ms)."""
         if mask.device.type == "cuda":
             return torch.where(mask.bool(), self.per_element(if_true), self.per_element(if_false))
         dtype = torch.promote_types(if_true.dtype, if_false.dtype)

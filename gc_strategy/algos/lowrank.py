@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
+from ..bucket import Bucket, all_finite, assign_if_finite
 from ..comm import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
+from .memory import compensated_from, keep_difference
 
 LOWRANK_OPTIONS = {
     "rank": Option(4, int, low=1, help="r"),
@@ -196,14 +197,11 @@ class _LowRank(Compressor):
 
     # ---------------------------------------------------------------- shared pieces
     def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
-        """``M = g + e``. Where the bucket is known on the host to be finite (the CPU), ``M`` is
-        formed in ``e`` itself, and :meth:`_keep_error` then subtracts the approximation in place: no
-        new bucket-sized tensors (on the CPU each costs its page faults, about 4x a pass over it)."""
-        g = flat.float()
+        """``M = g + e``, formed in ``e`` itself where that is safe (see
+        :func:`~gc_strategy.algos.memory.compensated_from`)."""
         if not self.options["use_error_feedback"]:
-            return g
-        error = self.buffer("error", bucket)
-        return error.add_(g) if finite_on_host(finite) else g + error
+            return flat.float()
+        return compensated_from(self.buffer("error", bucket), flat, finite)
 
     @staticmethod
     def _matrices(m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
@@ -246,10 +244,7 @@ class _LowRank(Compressor):
         if not self.options["use_error_feedback"]:
             return
         error = self.buffer("error", bucket)
-        if m_flat is error:  # M was formed in e (see _compensated)
-            error.sub_(approximation)
-        else:
-            assign_if_finite(error, m_flat - approximation, finite)
+        keep_difference(error, m_flat, approximation, finite)
         error[self.layout(bucket).dense] = 0
 
     def _dense_exchange(self, flat: Tensor, comm: Communicator, need_local: bool) -> Exchange:
@@ -272,7 +267,8 @@ class _LowRank(Compressor):
 def _result_buffer(m_flat: Tensor, out: Tensor | None) -> Tensor:
     """Where a low-rank exchange writes its average: ``out`` (the gradient buffer) when given in M's
     dtype, else a new tensor. M itself is no longer read once the average is being written, except
-    for its error, and where it carries an error it is a tensor of its own (``g + e``)."""
+    for its error, and where it carries an error it is not the gradient buffer (it is ``e`` itself,
+    or a new ``g + e``)."""
     return out if out is not None and out.dtype == m_flat.dtype else torch.empty_like(m_flat)
 
 

@@ -10,6 +10,28 @@ from ..registry import Option
 from .base import MEMORIES, Memory
 
 
+def compensated_from(error: Tensor, grad: Tensor, finite: Tensor | None, beta: float = 1.0,
+                     gamma: float = 1.0) -> Tensor:
+    """``β e + γ g`` for error-feedback state ``e``: formed in ``e`` itself where the bucket is
+    known on the host to be finite (the CPU: no new bucket-sized tensor, whose page faults cost
+    about 4x a pass over it there), else in a new tensor. Pass the result to
+    :func:`keep_difference`."""
+    if finite is not None and finite_on_host(finite):
+        return (error if beta == 1 else error.mul_(beta)).add_(grad, alpha=gamma)
+    weighted = error if beta == 1 else error * beta  # no copy for the usual β = 1
+    return torch.add(weighted, grad.float(), alpha=gamma)
+
+
+def keep_difference(error: Tensor, compensated: Tensor, estimate: Tensor, finite: Tensor) -> None:
+    """``e ← compensated − estimate``, unless the bucket is not finite (``e`` then stays as it
+    was); in place where :func:`compensated_from` formed ``compensated`` in ``e`` (it does so only
+    for a finite bucket)."""
+    if compensated is error:
+        error.sub_(estimate)
+    else:
+        assign_if_finite(error, compensated - estimate.float(), finite)
+
+
 @MEMORIES.register("none")
 class NoMemory(Memory):
     """No error feedback: the compressor sees the raw gradient."""
@@ -43,20 +65,10 @@ class ResidualMemory(Memory):
         self.gamma = gamma
 
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
-        """``g' = β e + γ g``: in ``e`` itself where ``finite`` is known on the host to be True (the
-        CPU; :meth:`update` then subtracts in place), else a new tensor."""
-        residual = self.buffer("residual", bucket)
-        if finite is not None and finite_on_host(finite):
-            return (residual if self.beta == 1 else residual.mul_(self.beta)).add_(grad, alpha=self.gamma)
-        weighted = residual if self.beta == 1 else residual * self.beta  # no copy for the usual β = 1
-        return torch.add(weighted, grad.float(), alpha=self.gamma)
+        return compensated_from(self.buffer("residual", bucket), grad, finite, self.beta, self.gamma)
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
-        residual = self.buffer("residual", bucket)
-        if compensated is residual:  # formed in place by compensate
-            residual.sub_(local_estimate)
-        else:
-            assign_if_finite(residual, compensated - local_estimate.float(), finite)
+        keep_difference(self.buffer("residual", bucket), compensated, local_estimate, finite)
 
     def fusable_residual(self, bucket: Bucket) -> Tensor | None:
         return self.buffer("residual", bucket) if self.beta == 1 and self.gamma == 1 else None
