@@ -163,6 +163,19 @@ class BucketState:
 
     def __init__(self) -> None:
         self.buffers: dict[str, dict[int, Tensor]] = {}
+        self._workspaces: dict[tuple[str, int], Tensor] = {}
+
+    def workspace(self, name: str, bucket: Bucket, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A bucket-sized scratch vector kept from step to step but never saved, its contents left
+        from the last use: for temporaries written in full before they are read (``torch.abs(g,
+        out=...)``). On the CPU a fresh bucket-sized tensor costs its page faults at every step
+        (above 32 MB, where glibc maps every allocation anew, ~1.2 ms per MB here: 3x the pass
+        that fills it). Not for what leaves the step (an average that becomes ``.grad``)."""
+        key = (name, bucket.index)
+        scratch = self._workspaces.get(key)
+        if scratch is None or scratch.numel() != bucket.numel or scratch.dtype != dtype:
+            scratch = self._workspaces[key] = torch.empty(bucket.numel, dtype=dtype, device=bucket.device)
+        return scratch
 
     def buffer(self, name: str, bucket: Bucket) -> Tensor:
         per_bucket = self.buffers.setdefault(name, {})

@@ -67,6 +67,11 @@ class Compressor(BucketState):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         raise NotImplementedError
 
+    def local_estimate(self, payload: Payload, bucket: Bucket) -> Tensor:
+        """``decode(payload)`` of this rank's own payload, for error feedback: read only until this
+        step's memory update, so a subclass may return a workspace (:meth:`BucketState.workspace`)."""
+        return self.decode(payload, bucket)
+
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         """Average from the element-wise sum of all ranks' payloads (summable compressors), written
         into ``out`` when given (as for :meth:`combine`)."""
@@ -92,7 +97,7 @@ class Compressor(BucketState):
         payload = self.encode(flat, bucket)
         if flat is not out:  # not the exchange's buffer (e.g. memory state): the collective must not overwrite it
             payload = [apart_from(tensor, [flat]) for tensor in payload]
-        local = apart_from(self.decode(payload, bucket), payload) if need_local else None
+        local = apart_from(self.local_estimate(payload, bucket), payload) if need_local else None
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm, out=out), local
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -99,15 +100,25 @@ class DGCMemory(Memory):
         self._pending_u: dict[int, Tensor] = {}
 
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
+        """``v + u`` for the updated ``u``: formed in ``u`` and ``v`` themselves where the bucket is
+        known on the host to be finite (the CPU: no new bucket-sized tensors), else in new ones."""
         g = grad.float()
-        if self.clip_norm > 0:
-            g = g * (self.clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
-        u = torch.add(self.buffer("u", bucket) * self.momentum, g)
+        scale = (self.clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0) if self.clip_norm > 0 else None
+        u, v = self.buffer("u", bucket), self.buffer("v", bucket)
+        if finite is not None and finite_on_host(finite):
+            u.mul_(self.momentum).add_(g, alpha=1.0 if scale is None else float(scale))
+            return v.add_(u)
+        u = torch.add(u * self.momentum, g if scale is None else g * scale)
         self._pending_u[bucket.index] = u
-        return self.buffer("v", bucket) + u
+        return v + u
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
+        if compensated is v:  # formed in place (finite): zero both where the compressor sent
+            sent = torch.from_numpy(np.flatnonzero((local_estimate != 0).numpy()))  # ~10x faster than on floats
+            u.index_fill_(0, sent, 0)
+            v.index_fill_(0, sent, 0)
+            return
         unsent = local_estimate == 0
         new_u = self._pending_u.pop(bucket.index) * unsent
         assign_if_finite(u, new_u, finite)

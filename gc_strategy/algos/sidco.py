@@ -30,6 +30,7 @@ from torch import Tensor
 from ..bucket import Bucket
 from ..registry import Option
 from .base import COMPRESSORS
+from .selection import at_least
 from .sparse import DENSITY, Sparsifier
 
 
@@ -108,8 +109,8 @@ class SIDCo(Sparsifier):
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
         key = bucket.names[0]
         stages = self.stage_counts.setdefault(key, min(self.options["stages"], self.max_stages()))
-        magnitudes = flat.abs().float()
-        selected = torch.nonzero(magnitudes > self.threshold(magnitudes, stages)).view(-1)
+        magnitudes = self.magnitudes(flat, bucket)
+        selected = at_least(magnitudes, self.threshold(magnitudes, stages), strict=True)
         every = self.options["adapt_every"]
         if every and (self.step + 1) % every == 0:
             achieved, density = selected.numel() / flat.numel(), self.options["density"]

@@ -16,6 +16,7 @@ from ..bucket import Bucket, assign_if_finite, finite_on_host
 from ..comm import Communicator, Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
+from .selection import at_least, top_k
 
 DENSITY = Option(0.01, float, low=0.0, high=1.0, low_open=True, help="fraction of elements kept")
 SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bucket and rank)")
@@ -47,6 +48,9 @@ class _Positional(Compressor):
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket))
+
+    def local_estimate(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return scatter(bucket, *self.sent(payload, bucket), out=self.workspace("local estimate", bucket))
 
     def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
                        comm: Communicator) -> Exchange:
@@ -84,6 +88,11 @@ class Sparsifier(_Positional):
         """Indices (int64) of the elements to send."""
         raise NotImplementedError
 
+    def magnitudes(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        """``|flat|`` in fp32, written into this compressor's workspace for the bucket."""
+        scratch = self.workspace("magnitudes", bucket)
+        return torch.abs(flat, out=scratch) if flat.dtype == scratch.dtype else scratch.copy_(flat).abs_()
+
     def target_density(self) -> float:
         return self.options["density"]
 
@@ -96,7 +105,6 @@ class Sparsifier(_Positional):
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         values, indices = payload
         return indices.long(), values
-
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         values = torch.cat([p[0] for p in gathered])
@@ -120,7 +128,7 @@ class TopK(Sparsifier):
     OPTIONS = {"density": DENSITY}
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        return torch.topk(flat.abs(), keep_count(self.options["density"], flat.numel()), sorted=False).indices
+        return top_k(self.magnitudes(flat, bucket), keep_count(self.options["density"], flat.numel()))
 
 
 @COMPRESSORS.register("threshold")
@@ -131,7 +139,7 @@ class Threshold(Sparsifier):
     variable_size = True
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        return torch.nonzero(flat.abs() > self.options["threshold"]).view(-1)
+        return at_least(self.magnitudes(flat, bucket), self.options["threshold"], strict=True)
 
     def target_density(self) -> float:
         return float("nan")  # no target: the density follows the gradients
@@ -169,7 +177,7 @@ class DGC(Sparsifier):
         return self.density_now()
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        magnitudes = flat.abs()
+        magnitudes = self.magnitudes(flat, bucket)
         n = flat.numel()
         density = self.density_now()
         k = keep_count(density, n)
@@ -183,12 +191,12 @@ class DGC(Sparsifier):
             sample = magnitudes.index_select(0, positions)
         threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
         for _ in range(self.options["adjust_rounds"] + 1):
-            mask = magnitudes >= threshold
-            count = int(mask.sum())
+            selected = at_least(magnitudes, threshold)
+            count = selected.numel()
             if 0.7 * k <= count <= 1.3 * k:
-                return torch.nonzero(mask).view(-1)
+                return selected
             threshold = threshold * (1.3 if count > 1.3 * k else 0.7)
-        return torch.topk(magnitudes, k, sorted=False).indices
+        return top_k(magnitudes, k)
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
