@@ -67,6 +67,11 @@ class Compressor(BucketState):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         raise NotImplementedError
 
+    def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
+        """``decode(payload)``, which a subclass may write into ``scratch`` (a bucket-sized fp32
+        tensor it may overwrite) instead of a new tensor: what :meth:`aggregate` calls per rank."""
+        return self.decode(payload, bucket)
+
     def local_estimate(self, payload: Payload, bucket: Bucket) -> Tensor:
         """``decode(payload)`` of this rank's own payload, for error feedback: read only until this
         step's memory update, so a subclass may return a workspace (:meth:`BucketState.workspace`)."""
@@ -81,10 +86,11 @@ class Compressor(BucketState):
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         """Average from every rank's payload (gathered compressors): mean of the decodes, written
         into ``out`` when given (as for :meth:`combine`)."""
-        first = self.decode(gathered[0], bucket)
-        total = first.clone() if out is None else out.copy_(first)
+        scratch = self.workspace("decoded", bucket)
+        first = self.decode_into(gathered[0], bucket, out if out is not None and out.dtype == scratch.dtype else scratch)
+        total = first.clone() if out is None else written(first, out)
         for payload in gathered[1:]:
-            total.add_(self.decode(payload, bucket))
+            total.add_(self.decode_into(payload, bucket, scratch))
         return total.div_(len(gathered))
 
     def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,

@@ -21,9 +21,10 @@ from .sparse import SEED
 class _Quantizer(Compressor):
     summable = False
 
-    def _uniform(self, shape: tuple[int, ...], bucket: Bucket, device: torch.device) -> Tensor:
-        """U[0, 1) draws, independent across ranks, reproducible from (seed, step, bucket, rank)."""
-        return torch.rand(shape, device=device, generator=self.generator(bucket, device, shared=False))
+    def _uniform(self, out: Tensor, bucket: Bucket) -> Tensor:
+        """``out`` filled with U[0, 1) draws, independent across ranks, reproducible from (seed, step,
+        bucket, rank)."""
+        return out.uniform_(generator=self.generator(bucket, out.device, shared=False))
 
 
 class _LevelQuantizer(_Quantizer):
@@ -53,17 +54,27 @@ class _LevelQuantizer(_Quantizer):
         scales, bound = self.scales(flat.float())
         if triton_bits.usable(flat):
             return [scales, triton_bits.level_codes(flat, scales, chunk, s, self.bits(), self.seed_for(bucket, shared=False), bound)]
-        g = flat.float() if bound is None else flat.float().clamp(-bound, bound)
-        scaled = self._chunked(g.abs(), chunk) * s / scales.view(-1, 1).clamp_min(torch.finfo(torch.float32).tiny)
-        uniform = self._uniform(scaled.shape, bucket, flat.device)
-        levels = (scaled.floor() + (uniform < scaled - scaled.floor())).clamp_max(s).view(-1)[: flat.numel()] * g.sign()
-        return [scales, pack_bits((levels + s).to(torch.uint8), self.bits())]
+        # in place in workspaces (no new bucket-sized tensors): x = |clip(g)| s / scale, then
+        # level = ⌊x⌋ + [u < x − ⌊x⌋], the test as ⌊u − frac⌋ = −1 (a rounded difference keeps its sign)
+        x = self.workspace("scaled", bucket)
+        x = torch.abs(flat, out=x) if flat.dtype == x.dtype else x.copy_(flat).abs_()
+        if bound is not None:
+            x.clamp_max_(bound)
+        _scale_chunks_(x, s / scales.clamp_min(torch.finfo(torch.float32).tiny), chunk)
+        level = torch.floor(x, out=self.workspace("level", bucket))
+        uniform = self._uniform(self.workspace("uniform", bucket), bucket)
+        level.sub_(uniform.sub_(x.sub_(level)).floor_()).clamp_max_(s)
+        codes = self.workspace("codes", bucket, torch.uint8).copy_(level.copysign_(flat).add_(s))  # q + s in [0, 2s]
+        return [scales, pack_bits(codes, self.bits())]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[1].device))
+
+    def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         scales, packed = payload
-        s, chunk = self.levels(), self.chunk(bucket.numel)
-        codes = self._chunked(unpack_bits(packed, self.bits(), bucket.numel).float() - s, chunk)
-        return (codes * scales.view(-1, 1) / s).view(-1)[: bucket.numel]
+        s = self.levels()
+        codes = scratch.copy_(unpack_bits(packed, self.bits(), bucket.numel)).sub_(s)
+        return _scale_chunks_(codes, scales / s, self.chunk(bucket.numel))
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         if not triton_bits.usable(gathered[0][-1]):
@@ -72,9 +83,21 @@ class _LevelQuantizer(_Quantizer):
         return written(triton_bits.mean_of_levels(codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(),
                                                   bucket.numel, out), out)
 
-    @staticmethod
-    def _chunked(flat: Tensor, chunk: int) -> Tensor:
-        return torch.nn.functional.pad(flat, (0, (-flat.numel()) % chunk)).view(-1, chunk)
+
+def _scale_chunks_(flat: Tensor, factors: Tensor, chunk: int) -> Tensor:
+    """``flat[j] *= factors[j // chunk]`` in place (the last chunk may be short)."""
+    whole = flat.numel() // chunk * chunk
+    flat[:whole].view(-1, chunk).mul_(factors[: whole // chunk].view(-1, 1))
+    if whole < flat.numel():
+        flat[whole:].mul_(factors[-1])
+    return flat
+
+
+def _chunk_norms(flat: Tensor, chunk: int) -> Tensor:
+    """The 2-norm of each ``chunk`` elements of ``flat`` (the last chunk may be short)."""
+    whole = flat.numel() // chunk * chunk
+    norms = flat[:whole].view(-1, chunk).norm(dim=1)
+    return torch.cat([norms, flat[whole:].norm().reshape(1)]) if whole < flat.numel() else norms
 
 
 @COMPRESSORS.register("qsgd")
@@ -98,7 +121,7 @@ class QSGD(_LevelQuantizer):
         return self.options["chunk"] or max(1, n)
 
     def scales(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
-        return self._chunked(g, self.chunk(g.numel())).norm(dim=1), None
+        return _chunk_norms(g, self.chunk(g.numel())), None
 
 
 @COMPRESSORS.register("terngrad")
@@ -115,7 +138,8 @@ class TernGrad(_LevelQuantizer):
 
     def scales(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
         c = self.options["clip_sigma"]
-        top = g.abs().max().reshape(1)
+        low, high = torch.aminmax(g)
+        top = torch.maximum(-low, high).reshape(1)  # max |g| without a bucket-sized |g|
         if c > 0 and g.numel() > 1:
             bound = c * g.std()
             return torch.minimum(top, bound), bound  # max |clip(g)| without the clipped copy
@@ -142,7 +166,7 @@ class Natural(_Quantizer):
         top = torch.frexp(a.max()).exponent.to(torch.int32)  # a.max() < 2^top
         floor_exp = torch.frexp(a).exponent - 1  # 2^floor_exp <= a < 2^(floor_exp + 1) for a > 0
         low = torch.ldexp(torch.ones_like(a), floor_exp)
-        uniform = self._uniform((2, a.numel()), bucket, a.device)
+        uniform = self._uniform(torch.empty(2, a.numel(), device=a.device), bucket)
         exponent = floor_exp + (uniform[0] < (a - low) / low)
         smallest = top - 126
         tiny_kept = uniform[1] < a / torch.ldexp(torch.ones_like(a), smallest.expand_as(floor_exp))
