@@ -74,8 +74,8 @@ class Compressor(BucketState):
 
     def local_estimate(self, payload: Payload, bucket: Bucket) -> Tensor:
         """``decode(payload)`` of this rank's own payload, for error feedback: read only until this
-        step's memory update, so a subclass may return a workspace (:meth:`BucketState.workspace`)."""
-        return self.decode(payload, bucket)
+        step's memory update, so it may be decoded into a workspace (:meth:`decode_into`)."""
+        return self.decode_into(payload, bucket, self.workspace("local estimate", bucket))
 
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         """Average from the element-wise sum of all ranks' payloads (summable compressors), written
@@ -86,12 +86,17 @@ class Compressor(BucketState):
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         """Average from every rank's payload (gathered compressors): mean of the decodes, written
         into ``out`` when given (as for :meth:`combine`)."""
+        return self.sum_of_decodes(gathered, bucket, out).div_(len(gathered))
+
+    def sum_of_decodes(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
+        """``Σ_r decode(payload_r)``, written into ``out`` when given; each rank's decode goes into
+        one workspace (:meth:`decode_into`), not a new tensor."""
         scratch = self.workspace("decoded", bucket)
         first = self.decode_into(gathered[0], bucket, out if out is not None and out.dtype == scratch.dtype else scratch)
         total = first.clone() if out is None else written(first, out)
         for payload in gathered[1:]:
             total.add_(self.decode_into(payload, bucket, scratch))
-        return total.div_(len(gathered))
+        return total
 
     def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,
                  out: Tensor | None = None) -> Exchange:

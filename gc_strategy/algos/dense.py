@@ -41,6 +41,9 @@ class _Cast(Compressor):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return payload[0].to(bucket.dtype).mul_(self.world_size)
 
+    def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
+        return scratch.copy_(payload[0]).mul_(self.world_size)
+
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         return written(summed[0], out)
 

@@ -64,7 +64,7 @@ class _LevelQuantizer(_Quantizer):
         level = torch.floor(x, out=self.workspace("level", bucket))
         uniform = self._uniform(self.workspace("uniform", bucket), bucket)
         level.sub_(uniform.sub_(x.sub_(level)).floor_()).clamp_max_(s)
-        codes = self.workspace("codes", bucket, torch.uint8).copy_(level.copysign_(flat).add_(s))  # q + s in [0, 2s]
+        codes = level.copysign_(flat).add_(s).to(torch.uint8)  # q + s in [0, 2s]; the payload is a new tensor
         return [scales, pack_bits(codes, self.bits())]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:

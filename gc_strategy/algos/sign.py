@@ -47,10 +47,13 @@ class _SignBits(Compressor):
         return [bits] if levels is None else [levels, bits]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[-1].device))
+
+    def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         bits = unpack_bits(payload[-1], 1, bucket.numel)  # 0/1 codes
         if len(payload) == 1:
-            return bits.float() * 2 - 1
-        return bucket.select_per_tensor(bits, *self.level_pair(payload[0]))
+            return scratch.copy_(bits).mul_(2).sub_(1)
+        return bucket.select_per_tensor(bits, *self.level_pair(payload[0]), out=scratch)
 
 
 class _ScaledSigns(_SignBits):
@@ -65,9 +68,11 @@ class _ScaledSigns(_SignBits):
     def sums(self, g: Tensor, bucket: Bucket) -> Tensor:
         if not self.split_sums:
             return bucket.sum_per_tensor(g, magnitudes=True)
-        positive = (g >= 0).float()
-        return torch.stack([bucket.sum_per_tensor(g * positive), bucket.sum_per_tensor(positive),
-                            bucket.sum_per_tensor(g * (1 - positive))])
+        scratch = self.workspace("split", bucket)  # each term in turn, not three new bucket-sized tensors
+        positive = bucket.sum_per_tensor(torch.clamp(g, min=0, out=scratch))
+        count = bucket.sum_per_tensor(torch.ge(g, 0, out=scratch))
+        negative = bucket.sum_per_tensor(torch.clamp(g, max=0, out=scratch))
+        return torch.stack([positive, count, negative])
 
     def levels_from_sums(self, sums: Tensor, bucket: Bucket) -> Tensor:
         raise NotImplementedError
@@ -99,10 +104,7 @@ class _ScaledSigns(_SignBits):
 
 class _MajorityVote(_SignBits):
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
-        votes = written(self.decode(gathered[0], bucket), out)
-        for payload in gathered[1:]:
-            votes += self.decode(payload, bucket)
-        return votes.sign_()
+        return self.sum_of_decodes(gathered, bucket, out).sign_()
 
 
 @COMPRESSORS.register("signsgd")

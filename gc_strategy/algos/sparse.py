@@ -49,8 +49,8 @@ class _Positional(Compressor):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket))
 
-    def local_estimate(self, payload: Payload, bucket: Bucket) -> Tensor:
-        return scatter(bucket, *self.sent(payload, bucket), out=self.workspace("local estimate", bucket))
+    def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
+        return scatter(bucket, *self.sent(payload, bucket), out=scratch)
 
     def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
                        comm: Communicator) -> Exchange:
