@@ -270,3 +270,19 @@ def test_without_warm_start_every_step_starts_from_the_initial_factors():
             assert torch.equal(results[0], results[1])
     assert errors[True][0] == pytest.approx(errors[False][0])
     assert errors[True][1] < errors[True][0]
+
+
+@pytest.mark.parametrize("kind", ["p", "q"])
+def test_both_forms_of_the_factor_products_agree_and_the_cpu_keeps_its_faster_one(kind):
+    from gc_strategy.algos import lowrank
+
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(3, 40, 70, generator=g, dtype=torch.float64)
+    factor = torch.randn(3, 70 if kind == "p" else 40, 4, generator=g, dtype=torch.float64)
+    expected = m @ factor if kind == "p" else m.transpose(1, 2) @ factor
+    for factor_first in (False, True):
+        torch.testing.assert_close(lowrank.product(kind, m, factor, factor_first), expected)
+    key = (kind, (3, 40, 70), 4)
+    lowrank._FACTOR_FIRST.pop(key, None)
+    torch.testing.assert_close(lowrank.product(kind, m, factor), expected)
+    assert key in lowrank._FACTOR_FIRST  # timed once, then kept
