@@ -100,6 +100,21 @@ def test_natural_rounds_to_a_neighbouring_power_of_two_in_one_byte():
     assert torch.all(out.sign() == g.sign())
 
 
+def test_natural_rounds_values_far_below_the_top_to_zero_or_the_smallest_power_without_bias():
+    """With max |g| = 1 (top exponent 1) the smallest power sent is 2^-125: a value 1e-38 below it
+    becomes ±2^-125 with probability 1e-38 / 2^-125, else 0; an exact zero stays 0."""
+    n = 20_000
+    g = torch.cat([torch.tensor([1.0, 0.0]), torch.full((n,), 1e-38), torch.full((n,), -1e-38)])
+    out = roundtrip(build("natural"), g)
+    assert out[0] == 1.0 and out[1] == 0.0
+    smallest = 2.0**-125
+    for values, sign in ((out[2 : n + 2], 1.0), (out[n + 2 :], -1.0)):
+        assert set(values.tolist()) <= {0.0, sign * smallest}
+        kept = float((values != 0).float().mean())
+        p = 1e-38 / smallest
+        assert abs(kept - p) <= 5 * math.sqrt(p * (1 - p) / n)
+
+
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
 @pytest.mark.parametrize("case", sorted(EDGE_INPUTS))
 def test_quantizers_survive_edge_inputs(name, case):

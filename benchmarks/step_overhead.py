@@ -1,0 +1,132 @@
+"""The synchroniser's overhead at world size 1: plain training against synchronised training, on one
+GPU (NCCL; what the side stream gains) or on the CPU (gloo; what each compressor's passes cost).
+
+A torchvision ResNet (``--model``, ``--image-size``, batch ``--batch``, SGD) trains with: no
+synchronisation at all (``plain``), torch's DistributedDataParallel (``ddp``), and the gradient
+synchroniser over fused buckets (``bucket_mb:25``): ``compressor=none`` and ``efsignsgd`` +
+residual memory, each with its exchanges on the side stream and on the compute stream (CUDA), and
+any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY`` with their default options. One process
+holds every configuration (same initial weights); they run interleaved round by round (A B C ...
+A B C ...) so that clock and thermal drift hit all alike; a step is timed from its start to the
+end of the optimizer step (``torch.cuda.synchronize`` on a GPU). Reported: median step time, its
+ratio to ``plain``, and the exposed time (median minus plain's).
+
+    python benchmarks/step_overhead.py --rounds 10 --steps 20                     # ResNet-50 on the GPU
+    python benchmarks/step_overhead.py --device cpu --model resnet18 --image-size 32 --batch 32 \
+        --configs plain "gc none" --compressors topk+residual qsgd powersgd        # one CPU thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchvision import models
+
+from gc_strategy import GradientSynchronizer, build_components
+
+#: name -> (compressor, memory, fusion, side stream); None: no synchroniser
+CONFIGS = {
+    "plain": None,
+    "ddp": None,
+    "gc none": ("none", "none", "bucket_mb:25", True),
+    "gc none, compute stream": ("none", "none", "bucket_mb:25", False),
+    "gc efsignsgd": ("efsignsgd", "residual", "bucket_mb:25", True),
+    "gc efsignsgd, compute stream": ("efsignsgd", "residual", "bucket_mb:25", False),
+    "gc efsignsgd single bucket": ("efsignsgd", "residual", "single", True),
+}
+
+
+def build(name: str, roles: tuple | None, reference: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    model = copy.deepcopy(reference)
+    keep = None
+    if name == "ddp":
+        on_gpu = next(model.parameters()).is_cuda
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
+    elif roles is not None:
+        compressor, memory, fusion, side = roles
+        c = build_components(compressor, memory, fusion=fusion)
+        keep = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), keep
+
+
+def compressor_config(spec: str) -> tuple[str, tuple]:
+    """``NAME`` or ``NAME+MEMORY`` -> (configuration name, roles)."""
+    compressor, _, memory = spec.partition("+")
+    return f"gc {spec}", (compressor, memory or "none", "bucket_mb:25", True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet101"])
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (--device cpu)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--compressors", nargs="*", default=[], metavar="NAME[+MEMORY]",
+                        help="more synchronised configurations, e.g. topk+residual qsgd")
+    args = parser.parse_args()
+    configs = {name: CONFIGS[name] for name in args.configs}
+    for spec in args.compressors:
+        name, roles = compressor_config(spec)
+        build_components(*roles[:2])  # names and memories checked before any work
+        configs[name] = roles
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        torch.backends.cudnn.benchmark = True
+    else:
+        torch.set_num_threads(args.threads)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    reference = getattr(models, args.model)(num_classes=1000).to(args.device)
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=args.device)
+    y = torch.randint(0, 1000, (args.batch,), device=args.device)
+    runs = {name: build(name, roles, reference) for name, roles in configs.items()}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        synchronize()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        synchronize()
+        return time.perf_counter() - start
+
+    for name, (model, optimizer, _) in runs.items():
+        for _ in range(args.warmup):
+            step(model, optimizer)
+    for _ in range(args.rounds):
+        for name, (model, optimizer, _) in runs.items():
+            times[name] += [step(model, optimizer) for _ in range(args.steps)]
+    plain = statistics.median(times["plain"]) if "plain" in times else None
+    device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
+    print(f"\n{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, {device}, torch {torch.__version__}; "
+          f"{args.rounds} rounds x {args.steps} steps\n")
+    print("| configuration | median step (ms) | / plain | exposed (ms) |")
+    print("|---|---|---|---|")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        ratio = f"{median / plain:.3f}" if plain else "-"
+        exposed = f"{1000 * (median - plain):.2f}" if plain else "-"
+        print(f"| {name} | {1000 * median:.2f} | {ratio} | {exposed} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
