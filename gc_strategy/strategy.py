@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Optional, Union
 
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout

@@ -114,7 +114,7 @@ class DGCMemory(Memory):
 
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
-        if compensated is v:  # formed in place (finite): zero both where the compressor sent
+        if compensated is v:  # formed in place (finite, on the CPU): zero both where the compressor sent
             sent = torch.from_numpy(np.flatnonzero((local_estimate != 0).numpy()))  # ~10x faster than on floats
             u.index_fill_(0, sent, 0)
             v.index_fill_(0, sent, 0)
