@@ -67,6 +67,12 @@ class Compressor(BucketState):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         raise NotImplementedError
 
+    def magnitudes(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        """``|flat|`` in fp32, written into this compressor's workspace for the bucket (which the
+        caller may go on to modify in place)."""
+        scratch = self.workspace("magnitudes", bucket)
+        return torch.abs(flat, out=scratch) if flat.dtype == scratch.dtype else scratch.copy_(flat).abs_()
+
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         """``decode(payload)``, which a subclass may write into ``scratch`` (a bucket-sized fp32
         tensor it may overwrite) instead of a new tensor: what :meth:`aggregate` calls per rank."""

@@ -56,8 +56,7 @@ class _LevelQuantizer(_Quantizer):
             return [scales, triton_bits.level_codes(flat, scales, chunk, s, self.bits(), self.seed_for(bucket, shared=False), bound)]
         # in place in workspaces (no new bucket-sized tensors): x = |clip(g)| s / scale, then
         # level = ⌊x⌋ + [u < x − ⌊x⌋], the test as ⌊u − frac⌋ = −1 (a rounded difference keeps its sign)
-        x = self.workspace("scaled", bucket)
-        x = torch.abs(flat, out=x) if flat.dtype == x.dtype else x.copy_(flat).abs_()
+        x = self.magnitudes(flat, bucket)
         if bound is not None:
             x.clamp_max_(bound)
         _scale_chunks_(x, s / scales.clamp_min(torch.finfo(torch.float32).tiny), chunk)
@@ -161,8 +160,7 @@ class Natural(_Quantizer):
     ZERO = 127
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
-        g = flat.float()
-        a = torch.abs(g, out=self.workspace("magnitude", bucket))
+        a = self.magnitudes(flat, bucket)
         top = torch.frexp(a.max()).exponent  # a.max() < 2^top
         # a = m 2^x with m in [0.5, 1): 2^(x-1) <= a < 2^x, rounded up to 2^x with probability
         # (a - 2^(x-1)) / 2^(x-1) = 2m - 1; offset d = top - exponent = top + 1 - x - [up]
@@ -179,7 +177,7 @@ class Natural(_Quantizer):
             offset.masked_fill_(tiny & (uniform < torch.div(a, smallest, out=mantissa)), self.ZERO - 1)
         offset.masked_fill_(a == 0, self.ZERO)
         codes = offset.to(torch.uint8)  # the payload is a new tensor
-        return [top.to(torch.int32).reshape(1), codes.bitwise_or_((g < 0).to(torch.uint8) << 7)]
+        return [top.to(torch.int32).reshape(1), codes.bitwise_or_((flat < 0).to(torch.uint8) << 7)]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[1].device))

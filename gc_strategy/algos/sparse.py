@@ -88,11 +88,6 @@ class Sparsifier(_Positional):
         """Indices (int64) of the elements to send."""
         raise NotImplementedError
 
-    def magnitudes(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        """``|flat|`` in fp32, written into this compressor's workspace for the bucket."""
-        scratch = self.workspace("magnitudes", bucket)
-        return torch.abs(flat, out=scratch) if flat.dtype == scratch.dtype else scratch.copy_(flat).abs_()
-
     def target_density(self) -> float:
         return self.options["density"]
 
