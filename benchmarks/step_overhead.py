@@ -73,10 +73,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="*", choices=list(CONFIGS),
+                        help="default: all (on the CPU, which has no side stream, all but the compute-stream rows)")
     parser.add_argument("--compressors", nargs="*", default=[], metavar="NAME[+MEMORY]",
                         help="more synchronised configurations, e.g. topk+residual qsgd")
     args = parser.parse_args()
+    if args.configs is None:
+        args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
     configs = {name: CONFIGS[name] for name in args.configs}
     for spec in args.compressors:
         name, roles = compressor_config(spec)
