@@ -4,7 +4,10 @@ A communicator's :meth:`Communicator.exchange` is a generator: it issues one col
 :class:`Round` (the in-flight collective) and receives the round's result back when the engine has
 waited for it. The engine drives these generators in one deterministic order on every rank, so a
 collective that needs a previous one (the data gather after a length exchange, PowerSGD's Q after P)
-is issued at the same point on all ranks.
+is issued at the same point on all ranks. An exchange may mark a round ``eager``: one whose result a
+later collective of the same exchange needs (PowerSGD's P, a length handshake), small enough to
+have arrived by the next bucket's launch, where the engine then advances it, so that the later
+collective is issued during backward rather than at its end.
 
 - ``allreduce``: element-wise sum of summable payloads; one collective per payload tensor.
 - ``allgather``: every rank receives every rank's payload. Payload tensors of any dtypes are packed
@@ -29,8 +32,8 @@ Payload = list[Tensor]
 
 class Round:
     """In-flight collectives (``works``, issued together): ``wait()`` blocks until all complete and
-    returns the round's result. ``eager`` rounds (small handshakes) are advanced by the engine at the
-    next bucket launch instead of at the end of backward."""
+    returns the round's result. ``eager`` rounds are advanced by the engine at the next bucket
+    launch instead of at the end of backward (see the module's docstring)."""
 
     def __init__(self, works: list[Any], result: Callable[[], Any], nbytes: int, eager: bool = False) -> None:
         self.works = works
@@ -85,7 +88,9 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
 
-    def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
+    def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
+        """Send ``payload``; the generator yields the collectives' rounds (the last one ``eager``
+        when asked) and returns what arrived."""
         raise NotImplementedError
 
 
@@ -95,12 +100,12 @@ class AllReduce(Communicator):
 
     sums = True
 
-    def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
+    def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
         if variable_size:
             raise ValueError("allreduce cannot sum payloads whose sizes differ between ranks")
         nbytes = sum(t.numel() * t.element_size() for t in payload)
         works = [] if self.world_size == 1 else [dist.all_reduce(t, group=self.group, async_op=True) for t in payload]
-        return (yield Round(works, lambda: payload, nbytes))
+        return (yield Round(works, lambda: payload, nbytes, eager))
 
 
 @COMMUNICATORS.register("allgather")
@@ -109,11 +114,11 @@ class AllGather(Communicator):
 
     sums = False
 
-    def exchange(self, payload: Payload, variable_size: bool) -> Exchange:
+    def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
         payload = [t.contiguous().view(-1) for t in payload]
         nbytes = sum(t.numel() * t.element_size() for t in payload)
         if self.world_size == 1:
-            return (yield Round([], lambda: [payload], nbytes))
+            return (yield Round([], lambda: [payload], nbytes, eager))
         counts = [t.numel() for t in payload]
         if variable_size:  # the one host synchronisation: every rank's lengths are needed to unpack
             lengths = torch.tensor(counts, dtype=torch.int64, device=_device(payload))
@@ -126,7 +131,7 @@ class AllGather(Communicator):
         packed = torch.zeros(padded, dtype=torch.uint8, device=_device(payload))
         if nbytes:
             torch.cat([t.view(torch.uint8) for t in payload], out=packed[:nbytes])
-        gathered = yield self._gather(packed, nbytes=nbytes)
+        gathered = yield self._gather(packed, eager, nbytes)
         return [_unpack(buf, rank_sizes, dtypes) for buf, rank_sizes in zip(gathered, sizes)]
 
     def _gather(self, tensor: Tensor, eager: bool = False, nbytes: int | None = None) -> Round:

@@ -7,13 +7,14 @@ One synchronised backward (DESIGN.md §One training step):
    buffer. The first hook of a backward queues the end-of-backward callback.
 2. When bucket ``k`` is complete and buckets ``0..k-1`` have been launched, bucket ``k`` launches:
    ``memory.compensate -> compressor.encode -> communicator`` (asynchronous; on CUDA on a side stream
-   that waits for the compute stream). Before it, earlier buckets waiting on a small handshake round
-   (``Round.eager``) are advanced, so their next collective is issued at the same point on every rank.
-3. End of backward: launch what is left (parameters that got no gradient contribute zeros), then
-   advance every bucket's exchange to completion in bucket order (later rounds of multi-round
-   methods are issued here, in that order), decode, average, ``memory.update`` (skipped for buckets
-   holding inf/NaN), and make each ``param.grad`` a view of the averaged bucket (a copy where the
-   dtypes differ).
+   that waits for the compute stream). After its first collective is issued, earlier buckets
+   waiting on an eager round (``Round.eager``: a length handshake, PowerSGD's P) are advanced, so
+   their next collective is issued during backward, at the same point on every rank.
+3. End of backward: launch what is left (parameters that got no gradient contribute zeros), advance
+   the eager rounds once more, then every bucket's exchange to completion in bucket order (later
+   rounds of multi-round methods are issued here, in that order), decode, average, ``memory.update``
+   (skipped for buckets holding inf/NaN), and make each ``param.grad`` a view of the averaged
+   bucket (a copy where the dtypes differ).
 
 Buckets follow reverse registration order until the first synchronised backward has recorded the
 real gradient-ready order; then rank 0's order is broadcast and every rank rebuilds its buckets
@@ -220,16 +221,14 @@ class GradientSynchronizer:
 
     def _launch(self, b: int) -> None:
         bucket, flat = self.buckets[b], self.buffers[b]
+        tel = self._step_telemetry
         with self._side_stream():
-            for job in self._jobs:
-                if job.round is not None and job.round.eager:
-                    self._advance(job)
             start = time.perf_counter()
             job = _Job(bucket, start_exchange(self.compressor, self.memory, flat, bucket, self.comm))
             job.round = next(job.exchange)
+            tel.encode_s += time.perf_counter() - start
+            self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in
             self._jobs.append(job)
-        tel = self._step_telemetry
-        tel.encode_s += time.perf_counter() - start
         tel.buckets += 1
         tel.raw_bytes += bucket.nbytes
 
@@ -250,6 +249,12 @@ class GradientSynchronizer:
             job.round, job.result = None, stop.value
             tel.decode_s += time.perf_counter() - resumed
 
+    def _advance_eager(self) -> None:
+        """Advance, in bucket order, every job waiting on an eager round (``Round.eager``)."""
+        for job in self._jobs:
+            if job.round is not None and job.round.eager:
+                self._advance(job)
+
     def _finish_backward(self) -> None:
         try:
             for b in range(self._next_launch, len(self.buckets)):
@@ -258,6 +263,7 @@ class GradientSynchronizer:
                         self.views[b][slot].zero_()
                 self._launch(b)
             with self._side_stream():
+                self._advance_eager()  # the last bucket's next round travels while the others finish
                 for job in self._jobs:
                     while job.round is not None:
                         self._advance(job)

@@ -80,10 +80,10 @@ class SpyAllReduce(AllReduce):
         self.engine_ref = engine_ref
         self.launches = []
 
-    def exchange(self, payload, variable_size):
+    def exchange(self, payload, variable_size, eager=False):
         engine = self.engine_ref[0]
         self.launches.append(sum(engine._filled))
-        return (yield from super().exchange(payload, variable_size))
+        return (yield from super().exchange(payload, variable_size, eager))
 
 
 class Pairs(FusionPlanner):
@@ -255,3 +255,38 @@ def test_gradients_become_views_of_the_averaged_buckets_and_still_accumulate():
             assert torch.equal(a.grad, b.grad)
     storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(storages) == len(engine.buckets) == 2
+
+
+class EventAllReduce(AllReduce):
+    """Records, for each collective, how many gradients were ready when it was issued and whether it
+    was marked eager."""
+
+    def __init__(self, engine_ref):
+        super().__init__()
+        self.engine_ref = engine_ref
+        self.events = []
+
+    def exchange(self, payload, variable_size, eager=False):
+        self.events.append((sum(self.engine_ref[0]._filled), eager))
+        return (yield from super().exchange(payload, variable_size, eager))
+
+
+def test_powersgd_issues_each_buckets_q_at_the_next_buckets_launch():
+    """PowerSGD's P round is eager: a bucket's Q collective goes out when the next bucket launches,
+    during backward, right after that bucket's own first collective (the last bucket's Q at the end
+    of backward)."""
+    model = SmallCNN()
+    ref = []
+    comm = EventAllReduce(ref)
+    c = build_components("powersgd", rank=1, start_iter=0, fusion="layerwise")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, comm, c.fusion)
+    ref.append(engine)
+    _backward(model)  # records the order
+    comm.events.clear()
+    _backward(model, 1)
+    assert engine.order == ["head.bias", "head.weight", "conv2.weight", "conv2.bias", "bn1.weight", "bn1.bias",
+                            "conv1.weight", "conv1.bias"]
+    # (gradients ready, eager): vectors go dense in one round; each weight sends P (eager) at its
+    # launch and Q at the next launch, after the next bucket's own collective
+    assert comm.events == [(1, False), (2, True), (3, True), (3, False), (4, False), (4, False), (5, False),
+                           (6, False), (7, True), (8, False), (8, False)]

@@ -213,9 +213,9 @@ def test_acpsgd_alternates_p_and_q_steps():
     sizes = []
 
     class Recording(AllReduce):
-        def exchange(self, payload, variable_size):
+        def exchange(self, payload, variable_size, eager=False):
             sizes.append([t.numel() for t in payload])
-            return (yield from super().exchange(payload, variable_size))
+            return (yield from super().exchange(payload, variable_size, eager))
 
     comm = Recording()
     comm.bind(None)
