@@ -45,6 +45,19 @@ def test_estimators_match_their_closed_forms():
     assert float((sample > gamma_threshold(sample, q)).float().mean()) == pytest.approx(q, rel=0.05)
 
 
+def test_multi_stage_threshold_adds_the_fits_of_the_exceedances():
+    """Three exponential stages, computed plainly: t₁ = mean(a)·ln(1/q₁), then t_{s+1} = t_s +
+    mean(a − t_s over a > t_s)·ln(1/q_{s+1})."""
+    a = _laplace(50_000, seed=3).abs()
+    compressor = build("sidco", density=0.001, estimator="exponential", first_ratio=0.25)
+    ratios = compressor.stage_ratios(3)
+    threshold = a.double().mean() * math.log(1 / ratios[0])
+    for q in ratios[1:]:
+        above = a.double()[a.double() > threshold]
+        threshold = threshold + (above - threshold).mean() * math.log(1 / q)
+    assert float(compressor.threshold(a, 3)) == pytest.approx(float(threshold), rel=1e-5)
+
+
 def test_stage_ratios_multiply_to_the_density():
     compressor = build("sidco", density=0.001, first_ratio=0.25)
     for stages in range(1, 6):

@@ -34,6 +34,18 @@ from .selection import at_least
 from .sparse import DENSITY, Sparsifier
 
 
+def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
+    """``a − t`` for the elements ``a > t`` (NaN is not above), as a new tensor. On the CPU through
+    numpy, whose boolean indexing is ~4x faster than torch's there (6 against 25 ms for 11.2M
+    elements and a 1% tail)."""
+    if magnitudes.device.type == "cpu":
+        values = magnitudes.numpy()
+        tail = torch.from_numpy(values[values > float(threshold)])
+    else:
+        tail = magnitudes[magnitudes > threshold]
+    return tail.sub_(threshold)
+
+
 def exponential_threshold(y: Tensor, q: float) -> Tensor:
     return y.mean() * math.log(1 / q)
 
@@ -48,11 +60,11 @@ def gpareto_threshold(y: Tensor, q: float) -> Tensor:
 
 
 def gamma_threshold(y: Tensor, q: float) -> Tensor:
-    positive = y[y > 0]
+    positive = exceedances(y, 0.0)
     if positive.numel() < 2:
         return exponential_threshold(y, q)
     mean = positive.mean()
-    s = float(mean.log() - positive.log().mean())
+    s = float(mean.log() - positive.log_().mean())
     if s <= 0:  # all values equal: no spread to fit
         return mean
     shape = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
@@ -90,20 +102,24 @@ class SIDCo(Sparsifier):
         return [first] + [(density / first) ** (1 / (stages - 1))] * (stages - 1)
 
     def threshold(self, magnitudes: Tensor, stages: int) -> Tensor:
+        """The sum of the stages' estimates: the first fits ``a`` itself, each later one the
+        exceedances over the threshold so far, taken from the previous stage's (a subset: ``a > t +
+        η`` exactly where ``a − t > η``), and none is formed after the last stage."""
         estimator = self.options["estimator"]
-        threshold = magnitudes.new_zeros(())
-        tail = magnitudes
+        threshold, tail = None, magnitudes
         for stage, q in enumerate(self.stage_ratios(stages)):
-            if tail.numel() == 0:
-                break
+            if threshold is not None:
+                tail = exceedances(tail, estimate)
+                if tail.numel() == 0:
+                    break
             if stage == 0 and estimator == "gamma":
                 fit = gamma_threshold
             elif estimator == "exponential":
                 fit = exponential_threshold
             else:
                 fit = gpareto_threshold
-            threshold = threshold + fit(tail - threshold, q)
-            tail = magnitudes[magnitudes > threshold]
+            estimate = fit(tail, q)
+            threshold = estimate if threshold is None else threshold + estimate
         return threshold
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
