@@ -115,7 +115,9 @@ class DGCMemory(Memory):
     def update(self, compensated: Tensor, local_estimate: Tensor, bucket: Bucket, finite: Tensor) -> None:
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
         if compensated is v:  # formed in place (finite, on the CPU): zero both where the compressor sent
-            sent = torch.from_numpy(np.flatnonzero((local_estimate != 0).numpy()))  # ~10x faster than on floats
+            # numpy's comparison, then the positions of a bool array: 3 ms for 6.6M elements here,
+            # where torch's `!=` alone takes 4.5 and `flatnonzero` of the floats 16
+            sent = torch.from_numpy(np.flatnonzero(np.not_equal(local_estimate.numpy(), 0)))
             u.index_fill_(0, sent, 0)
             v.index_fill_(0, sent, 0)
             return
