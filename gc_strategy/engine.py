@@ -7,9 +7,10 @@ One synchronised backward (DESIGN.md §One training step):
    buffer. The first hook of a backward queues the end-of-backward callback.
 2. When bucket ``k`` is complete and buckets ``0..k-1`` have been launched, bucket ``k`` launches:
    ``memory.compensate -> compressor.encode -> communicator`` (asynchronous; on CUDA on a side stream
-   that waits for the compute stream). After its first collective is issued, earlier buckets
-   waiting on an eager round (``Round.eager``: a length handshake, PowerSGD's P) are advanced, so
-   their next collective is issued during backward, at the same point on every rank.
+   that waits for the compute stream). After its first collective is issued, if the bucket holds
+   at least ``EAGER_AFTER_BYTES``, earlier buckets waiting on an eager round (``Round.eager``: a
+   length handshake, PowerSGD's P) are advanced, so their next collective is issued during
+   backward, at the same point on every rank.
 3. End of backward: launch what is left (parameters that got no gradient contribute zeros), advance
    the eager rounds once more, then every bucket's exchange to completion in bucket order (later
    rounds of multi-round methods are issued here, in that order), decode, average, ``memory.update``
@@ -52,6 +53,10 @@ from .fusion.plans import PLAN_FILE_FORMAT
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
+#: eager rounds are advanced after the launch of a bucket of at least this size (or at the end of
+#: backward): a smaller one's gradients and encode give the round too little time to arrive, and
+#: waiting for it would stall backward
+EAGER_AFTER_BYTES = 1 << 20
 
 
 class _Job:
@@ -227,7 +232,8 @@ class GradientSynchronizer:
             job = _Job(bucket, start_exchange(self.compressor, self.memory, flat, bucket, self.comm))
             job.round = next(job.exchange)
             tel.encode_s += time.perf_counter() - start
-            self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in
+            if bucket.nbytes >= EAGER_AFTER_BYTES:
+                self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in
             self._jobs.append(job)
         tel.buckets += 1
         tel.raw_bytes += bucket.nbytes

@@ -271,10 +271,22 @@ class EventAllReduce(AllReduce):
         return (yield from super().exchange(payload, variable_size, eager))
 
 
-def test_powersgd_issues_each_buckets_q_at_the_next_buckets_launch():
-    """PowerSGD's P round is eager: a bucket's Q collective goes out when the next bucket launches,
-    during backward, right after that bucket's own first collective (the last bucket's Q at the end
-    of backward)."""
+# (gradients ready, eager) per collective of a layerwise PowerSGD step on SmallCNN: vectors go dense
+# in one round, each weight sends P (eager) at its launch; its Q follows after the own collective of
+# the next bucket at least EAGER_AFTER_BYTES large, or at the end of backward
+Q_AT_THE_NEXT_LAUNCH = [(1, False), (2, True), (3, True), (3, False), (4, False), (4, False), (5, False), (6, False),
+                        (7, True), (8, False), (8, False)]
+Q_AT_THE_END = [(1, False), (2, True), (3, True), (4, False), (5, False), (6, False), (7, True), (8, False),
+                (8, False), (8, False), (8, False)]
+
+
+@pytest.mark.parametrize("after_bytes, expected", [(0, Q_AT_THE_NEXT_LAUNCH), (1 << 20, Q_AT_THE_END)],
+                         ids=["every launch", "no bucket large enough"])
+def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expected, monkeypatch):
+    """PowerSGD's P round is eager: a bucket's Q collective goes out during backward, right after the
+    next large enough bucket's own first collective (SmallCNN's buckets hold at most 4.6 kB), or at
+    the end of backward before any bucket is decoded."""
+    monkeypatch.setattr("gc_strategy.engine.EAGER_AFTER_BYTES", after_bytes)
     model = SmallCNN()
     ref = []
     comm = EventAllReduce(ref)
@@ -286,7 +298,4 @@ def test_powersgd_issues_each_buckets_q_at_the_next_buckets_launch():
     _backward(model, 1)
     assert engine.order == ["head.bias", "head.weight", "conv2.weight", "conv2.bias", "bn1.weight", "bn1.bias",
                             "conv1.weight", "conv1.bias"]
-    # (gradients ready, eager): vectors go dense in one round; each weight sends P (eager) at its
-    # launch and Q at the next launch, after the next bucket's own collective
-    assert comm.events == [(1, False), (2, True), (3, True), (3, False), (4, False), (4, False), (5, False),
-                           (6, False), (7, True), (8, False), (8, False)]
+    assert comm.events == expected
