@@ -83,7 +83,10 @@ def main() -> None:
     configs = {name: CONFIGS[name] for name in args.configs}
     for spec in args.compressors:
         name, roles = compressor_config(spec)
-        build_components(*roles[:2])  # names and memories checked before any work
+        try:
+            build_components(*roles[:2])  # names and memories checked before any work
+        except ValueError as error:
+            parser.error(f"--compressors {spec}: {error}")
         configs[name] = roles
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
