@@ -118,8 +118,10 @@ def copy_bandwidth(device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", nargs="+", default=["resnet50", "resnet101", "bert-base"])
-    parser.add_argument("--compressors", nargs="+", default=[n for n in COMPRESSORS.names() if n != "none"])
+    parser.add_argument("--models", nargs="+", default=["resnet50", "resnet101", "bert-base"],
+                        choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "bert-base"])
+    parser.add_argument("--compressors", nargs="+", default=[n for n in COMPRESSORS.names() if n != "none"],
+                        choices=COMPRESSORS.names())
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--runs", type=int, default=5)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gc_strategy import GradientSynchronizer, build_components
+from gc_strategy import COMPRESSORS, MEMORIES, GradientSynchronizer, build_components
 from gc_strategy.fusion import CostModel, best_plan, simulate
 
 FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
@@ -101,8 +101,8 @@ def resnet101_search_seconds(measured: CostModel) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compressor", default="efsignsgd")
-    parser.add_argument("--memory", default="residual")
+    parser.add_argument("--compressor", default="efsignsgd", choices=COMPRESSORS.names())
+    parser.add_argument("--memory", default="residual", choices=MEMORIES.names())
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="measured steps per plan per round")
