@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, all_finite, assign_if_finite
+from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
 from ..comm import Exchange, Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor, written
@@ -124,10 +124,16 @@ class Signum(_MajorityVote):
     applies_momentum = True
 
     def signed_input(self, flat: Tensor, bucket: Bucket) -> Tensor:
+        """``m ← m + (1 − β)(g − m)`` (one pass), in ``m`` itself where the bucket is known on the
+        host to be finite (the CPU: no new bucket-sized tensors), else into a new tensor that
+        replaces ``m`` only if finite."""
         momentum = self.buffer("momentum", bucket)
-        beta = self.options["momentum"]
-        updated = torch.add(momentum * beta, flat.float(), alpha=1 - beta)
-        assign_if_finite(momentum, updated, all_finite(flat))
+        weight = 1 - self.options["momentum"]
+        finite = all_finite(flat)
+        if finite_on_host(finite):
+            return momentum.lerp_(flat.float(), weight)
+        updated = torch.lerp(momentum, flat.float(), weight)
+        assign_if_finite(momentum, updated, finite)
         return updated
 
 
