@@ -6,6 +6,7 @@ the decodes averaged. Codes are bit-packed (:mod:`.packing`): the wire carries w
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,8 +23,12 @@ class _Quantizer(Compressor):
     summable = False
 
     def _uniform(self, out: Tensor, bucket: Bucket) -> Tensor:
-        """``out`` filled with U[0, 1) draws, independent across ranks, reproducible from (seed, step,
-        bucket, rank)."""
+        """``out`` (fp32) filled with U[0, 1) draws, independent across ranks, reproducible from
+        (seed, step, bucket, rank). On the CPU from numpy's PCG64 (12 ms per 6.6M draws here,
+        torch's generator 19), elsewhere from the device's torch generator."""
+        if out.device.type == "cpu":
+            np.random.default_rng(self.seed_for(bucket, shared=False)).random(out=out.numpy(), dtype=np.float32)
+            return out
         return out.uniform_(generator=self.generator(bucket, out.device, shared=False))
 
 
