@@ -19,6 +19,24 @@ from .packing import bits_for, pack_bits, unpack_bits
 from .sparse import SEED
 
 
+def _frexp(a: Tensor, mantissa: Tensor, exponent: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.frexp(a)`` written into ``mantissa`` (fp32) and ``exponent`` (int32); on the CPU by
+    numpy's (3.6 against torch's 13.9 ms per 6.6M elements here)."""
+    if a.device.type == "cpu":
+        np.frexp(a.numpy(), mantissa.numpy(), exponent.numpy())
+        return mantissa, exponent
+    return torch.frexp(a, out=(mantissa, exponent))
+
+
+def _fill_where_zero(target: Tensor, a: Tensor, value: int) -> None:
+    """``target[a == 0] = value``; on the CPU by numpy's ``putmask`` (5 against torch's 13 ms per
+    6.6M elements here)."""
+    if a.device.type == "cpu":
+        np.putmask(target.numpy(), a.numpy() == 0, value)
+    else:
+        target.masked_fill_(a == 0, value)
+
+
 class _Quantizer(Compressor):
     summable = False
 
@@ -169,8 +187,7 @@ class Natural(_Quantizer):
         top = torch.frexp(a.max()).exponent  # a.max() < 2^top
         # a = m 2^x with m in [0.5, 1): 2^(x-1) <= a < 2^x, rounded up to 2^x with probability
         # (a - 2^(x-1)) / 2^(x-1) = 2m - 1; offset d = top - exponent = top + 1 - x - [up]
-        mantissa, offset = torch.frexp(a, out=(self.workspace("mantissa", bucket),
-                                               self.workspace("exponent", bucket, torch.int32)))
+        mantissa, offset = _frexp(a, self.workspace("mantissa", bucket), self.workspace("exponent", bucket, torch.int32))
         uniform = self._uniform(self.workspace("uniform", bucket), bucket)
         up = torch.lt(uniform, mantissa.mul_(2).sub_(1), out=self.workspace("up", bucket, torch.int32))
         offset.neg_().add_(top + 1).sub_(up)
@@ -180,7 +197,7 @@ class Natural(_Quantizer):
         if a.device.type != "cpu" or bool(tiny.any()):  # x86 divides by a subnormal ~100x slower: only when needed
             smallest = torch.ldexp(torch.ones((), device=a.device), top - 126)  # may be subnormal: still exact
             offset.masked_fill_(tiny & (uniform < torch.div(a, smallest, out=mantissa)), self.ZERO - 1)
-        offset.masked_fill_(a == 0, self.ZERO)
+        _fill_where_zero(offset, a, self.ZERO)
         codes = offset.to(torch.uint8)  # the payload is a new tensor
         return [top.to(torch.int32).reshape(1), codes.bitwise_or_((flat < 0).to(torch.uint8) << 7)]
 
