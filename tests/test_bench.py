@@ -1,7 +1,6 @@
 """The benchmark harness: outputs, failure reporting, network namespaces, bad input."""
 
 import csv
-import json
 import os
 import subprocess
 import sys

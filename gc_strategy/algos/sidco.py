@@ -106,9 +106,10 @@ class SIDCo(Sparsifier):
         exceedances over the threshold so far, taken from the previous stage's (a subset: ``a > t +
         η`` exactly where ``a − t > η``), and none is formed after the last stage."""
         estimator = self.options["estimator"]
-        threshold, tail = None, magnitudes
+        threshold = estimate = None
+        tail = magnitudes
         for stage, q in enumerate(self.stage_ratios(stages)):
-            if threshold is not None:
+            if stage:
                 tail = exceedances(tail, estimate)
                 if tail.numel() == 0:
                     break
@@ -119,7 +120,7 @@ class SIDCo(Sparsifier):
             else:
                 fit = gpareto_threshold
             estimate = fit(tail, q)
-            threshold = estimate if threshold is None else threshold + estimate
+            threshold = estimate if stage == 0 else threshold + estimate
         return threshold
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
