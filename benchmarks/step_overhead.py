@@ -78,6 +78,11 @@ def main() -> None:
     parser.add_argument("--compressors", nargs="*", default=[], metavar="NAME[+MEMORY]",
                         help="more synchronised configurations, e.g. topk+residual qsgd")
     args = parser.parse_args()
+    for option in ("batch", "threads", "rounds", "steps", "image_size"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be an integer >= 1, not {getattr(args, option)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
     configs = {name: CONFIGS[name] for name in args.configs}

@@ -5,9 +5,9 @@ A communicator's :meth:`Communicator.exchange` is a generator: it issues one col
 waited for it. The engine drives these generators in one deterministic order on every rank, so a
 collective that needs a previous one (the data gather after a length exchange, PowerSGD's Q after P)
 is issued at the same point on all ranks. An exchange may mark a round ``eager``: one whose result a
-later collective of the same exchange needs (PowerSGD's P, a length handshake), small enough to
-have arrived by the next bucket's launch, where the engine then advances it, so that the later
-collective is issued during backward rather than at its end.
+later collective of the same exchange needs (PowerSGD's P, a length handshake) and small enough to
+arrive quickly. The engine advances it at the next launch of a large enough bucket (or at the end
+of backward), so that the later collective is issued during backward rather than after it.
 
 - ``allreduce``: element-wise sum of summable payloads; one collective per payload tensor.
 - ``allgather``: every rank receives every rank's payload. Payload tensors of any dtypes are packed
@@ -32,8 +32,8 @@ Payload = list[Tensor]
 
 class Round:
     """In-flight collectives (``works``, issued together): ``wait()`` blocks until all complete and
-    returns the round's result. ``eager`` rounds are advanced by the engine at the next bucket
-    launch instead of at the end of backward (see the module's docstring)."""
+    returns the round's result. ``eager`` rounds are advanced by the engine during backward (see
+    the module's docstring)."""
 
     def __init__(self, works: list[Any], result: Callable[[], Any], nbytes: int, eager: bool = False) -> None:
         self.works = works

@@ -337,7 +337,7 @@ class PowerSGD(_LowRank):
         mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
         q = orthogonalize(self.factor_batch("q", bucket, flat.device).clone(), eps)
         p_flat = self._products("p", mats, layout, q)
-        # eager: the engine advances it at the next bucket's launch, issuing Q while backward goes on
+        # eager: the engine advances it during backward (a later bucket's launch), so Q goes out early
         (summed,) = yield from comm.exchange([torch.cat([p_flat, m_flat[layout.dense]])], False, eager=True)
         p = orthogonalize(self._padded("p", layout, summed[: p_flat.numel()]), eps)
         (summed_q,) = yield from comm.exchange([self._products("q", mats, layout, p)], False)

@@ -35,15 +35,16 @@ from .sparse import DENSITY, Sparsifier
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
-    """``a − t`` for the elements ``a > t`` (NaN is not above), as a new tensor. On the CPU through
-    numpy, whose boolean indexing is ~4x faster than torch's there (6 against 25 ms for 11.2M
-    elements and a 1% tail)."""
+    """``a − t`` for the elements ``a > t`` (NaN is not above), as a new tensor (for the number
+    ``t = 0``, the positive elements, without a pass subtracting it). On the CPU through numpy,
+    whose boolean indexing is ~4x faster than torch's there (6 against 25 ms for 11.2M elements
+    and a 1% tail)."""
     if magnitudes.device.type == "cpu":
         values = magnitudes.numpy()
         tail = torch.from_numpy(values[values > float(threshold)])
     else:
         tail = magnitudes[magnitudes > threshold]
-    return tail.sub_(threshold)
+    return tail if isinstance(threshold, float) and threshold == 0 else tail.sub_(threshold)
 
 
 def exponential_threshold(y: Tensor, q: float) -> Tensor:
