@@ -10,7 +10,8 @@ per rank; see ``recipes/bench_worker.py``), and the configurations are interleav
 (A B C ... A B C ...) so that machine noise hits all alike; medians pool all rounds. A configuration
 that fails or hangs is reported as such and the others go on. Outputs, in the Hydra run directory:
 ``results.md`` (also printed), ``results.csv``, ``speedup.png`` (speedup vs ``ddp``),
-``breakdown.png`` (compute / encode+decode / exposed communication and the rest), the W&B run
+``breakdown.png`` (one rank computing alone / what the ranks lose by sharing the machine /
+encode+decode / exposed communication and the rest), the W&B run
 (offline unless ``logger=wandb_online``) and ``logs/`` (each rank's output).
 """
 
@@ -33,13 +34,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import GCFusedStrategy
-from recipes.bench_worker import BASELINES, parse_config
+from recipes.bench_worker import ALONE, BASELINES, parse_config, ranks
 from recipes.netns import check_can_emulate, emulated_network, loopback
 
 ROOT = Path(__file__).resolve().parent
 PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
 COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step", "step / compute",
-           "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd", "speedup vs ddp+powersgd-1bucket"]
+           "step / compute-parallel", "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd", "speedup vs ddp+powersgd-1bucket"]
 
 
 def validate(cfg: DictConfig) -> None:
@@ -61,16 +62,16 @@ def validate(cfg: DictConfig) -> None:
 
 def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, port: int, out: Path, tag: str) -> dict[str, Any]:
     """One configuration once: its ranks as processes. Returns the summary or ``{"failed": why}``."""
-    world_size = 1 if name == "compute" else cfg.world_size
-    result = out / "runs" / f"{tag}.json"
-    logs = [out / "logs" / f"{tag}-rank{r}.log" for r in range(world_size)]
+    rank_count = ranks(name, cfg.world_size)
+    results = [out / "runs" / (f"{tag}.json" if r == 0 else f"{tag}-rank{r}.json") for r in range(rank_count)]
+    logs = [out / "logs" / f"{tag}-rank{r}.log" for r in range(rank_count)]
     processes = []
-    for r in range(world_size):
+    for r in range(rank_count):
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONPATH": str(ROOT)}
-        if world_size > 1:
-            env.update(MASTER_ADDR=network[0].address, MASTER_PORT=str(port), NODE_RANK=str(r), WORLD_SIZE=str(world_size),
-                       LOCAL_RANK="0", GLOO_SOCKET_IFNAME=network[r].interface)
-        command = network[r].command + [sys.executable, "-m", "recipes.bench_worker", str(config_file), name, str(result)]
+        if name not in ALONE:
+            env.update(MASTER_ADDR=network[0].address, MASTER_PORT=str(port), NODE_RANK=str(r),
+                       WORLD_SIZE=str(rank_count), LOCAL_RANK="0", GLOO_SOCKET_IFNAME=network[r].interface)
+        command = network[r].command + [sys.executable, "-m", "recipes.bench_worker", str(config_file), name, str(results[r])]
         with open(logs[r], "w") as log:
             processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
@@ -82,13 +83,13 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
                 process.kill()
                 process.wait()
     failed = [r for r, process in enumerate(processes) if process.returncode != 0]
-    if failed or not result.is_file():
+    if failed or not results[0].is_file():
         on_their_own = [r for r in failed if processes[r].returncode != -signal.SIGKILL]
         reasons = [(r, _reason(logs[r])) for r in on_their_own or failed or [0]]
         # a rank that lost its peer only reports the peer's failure: prefer the peer's own error
         rank, reason = next(((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0])
         return {"failed": f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"}
-    return json.loads(result.read_text())
+    return json.loads(results[0].read_text())
 
 
 def _wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -129,7 +130,7 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
             first_failure = next((r["failed"] for r in results if "failed" in r), "")
             row["status"] = "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds; otherwise {first_failure}"
             row["median step (s)"] = medians[name]
-            row["samples/s"] = cfg.data.batch_size * ok[0]["world_size"] / medians[name]
+            row["samples/s"] = cfg.data.batch_size * ok[0]["ranks"] / medians[name]
             row["bytes sent / step"] = ok[0].get("sent_bytes_per_step")
             row["encode+decode (s)"] = (ok[0].get("breakdown") or {}).get("encode+decode", 0.0)
         rows.append(row)
@@ -137,10 +138,10 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
         median = medians.get(row["configuration"])
         if median is None:
             continue
-        if "compute" in medians:
-            row["step / compute"] = median / medians["compute"]
-        for baseline in (b for b in BASELINES if b != "compute"):
-            if baseline in medians:
+        for baseline in (b for b in BASELINES if b in medians):
+            if baseline in ALONE:
+                row[f"step / {baseline}"] = median / medians[baseline]
+            else:
                 row[f"speedup vs {baseline}"] = medians[baseline] / median
     return rows
 
@@ -192,27 +193,38 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     figure.savefig(out / "speedup.png", dpi=120)
     plt.close(figure)
 
-    compute = next((row["median step (s)"] for row in ran if row["configuration"] == "compute"), None)
     figure, axis = plt.subplots(figsize=(max(6, 1.4 * len(ran)), 5))
-    parts = {"compute": [], "encode+decode": [], "exposed communication and the rest": []}
-    for row in ran:
-        step = row["median step (s)"]
-        base = min(step, compute) if compute is not None else 0.0
-        codec = min(row.get("encode+decode (s)", 0.0), step - base)
-        parts["compute"].append(base)
-        parts["encode+decode"].append(codec)
-        parts["exposed communication and the rest"].append(step - base - codec)
+    parts = breakdown(ran)
     bottom = [0.0] * len(ran)
     for label, values in parts.items():
         axis.bar(names, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     axis.set_ylabel("median step time (s)")
-    axis.set_title("step-time breakdown (compute = the one-rank `compute` configuration)", fontsize=9)
+    axis.set_title("step-time breakdown (from the `compute` and `compute-parallel` configurations and the "
+                   "synchroniser's telemetry)", fontsize=9)
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=7)
     figure.tight_layout()
     figure.savefig(out / "breakdown.png", dpi=120)
     plt.close(figure)
+
+
+def breakdown(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each row's median step split into stacked parts: one rank computing alone (``compute``), what
+    the ranks lose by sharing the machine (``compute-parallel`` minus ``compute``), the
+    synchroniser's encode+decode, and the rest (exposed communication, synchronisation, bookkeeping).
+    A part without its baseline in ``rows`` is 0; no part exceeds what is left of the step."""
+    ideal = {row["configuration"]: row["median step (s)"] for row in rows if row["configuration"] in ALONE}
+    parts: dict[str, list[float]] = {"compute (one rank alone)": [], "ranks sharing the machine": [],
+                                     "encode+decode": [], "exposed communication and the rest": []}
+    for row in rows:
+        step = row["median step (s)"]
+        alone = min(step, ideal.get("compute", 0.0))
+        shared = min(step, max(alone, ideal.get("compute-parallel", 0.0)))
+        codec = min(row.get("encode+decode (s)", 0.0), step - shared)
+        for label, value in zip(parts, (alone, shared - alone, codec, step - shared - codec)):
+            parts[label].append(value)
+    return parts
 
 
 def log_to_wandb(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str | None:
@@ -243,13 +255,13 @@ def benchmark(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
     network = (emulated_network(cfg.world_size, cfg.net.rate, cfg.net.burst, cfg.net.latency) if cfg.net.rate
                else loopback(cfg.world_size))
     port = 29400 + os.getpid() % 500
-    with network as ranks:
+    with network as links:
         for round_index in range(cfg.rounds):
             for index, name in enumerate(cfg.configs):
                 port += 1
                 tag = f"r{round_index}-c{index}"
                 started = time.monotonic()
-                result = run_config(name, cfg, config_file, ranks, port, out, tag)
+                result = run_config(name, cfg, config_file, links, port, out, tag)
                 state = result.get("failed") or f"median {result['step_time_s']:.3f} s"
                 print(f"[round {round_index + 1}/{cfg.rounds}] {name}: {state} ({time.monotonic() - started:.0f} s)", flush=True)
                 runs[name].append(result)

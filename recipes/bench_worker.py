@@ -7,7 +7,9 @@ The rank, world size and rendezvous come from the environment (``NODE_RANK``, ``
 namespace; every rank is a Lightning "node" with one CPU device. Rank 0 writes ``RESULT.json``: the
 step times after ``warmup`` steps (``ThroughputMonitor``'s summary) and the payload bytes per step.
 
-Configuration names: ``compute`` (one rank, no communication), ``ddp``, ``ddp+fp16`` (torch's
+Configuration names: ``compute`` (one rank, no communication), ``compute-parallel`` (``world_size``
+ranks at once, each training alone: no communication, but the ranks share the machine's cores, caches
+and memory bandwidth as in every distributed configuration), ``ddp``, ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook``, rank 4, DDP's usual 25 MB
 buckets), ``ddp+powersgd-1bucket`` (the same hook over one bucket holding every gradient: the form
 in which it runs on gloo, where with several buckets it fails), and
@@ -26,7 +28,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-BASELINES = ("compute", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
+BASELINES = ("compute", "compute-parallel", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
+ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
 ONE_BUCKET_MB = 1 << 20  # a DDP bucket cap no model reaches (with an explicit cap the first bucket has it too)
 
 
@@ -66,7 +69,7 @@ def parse_config(name: str) -> dict[str, Any]:
 def make_strategy(name: str, warmup: int):
     import gc_strategy
 
-    if name == "compute":
+    if name in ALONE:
         return "auto"
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo")
@@ -84,6 +87,11 @@ def make_strategy(name: str, warmup: int):
     return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
 
 
+def ranks(name: str, world_size: int) -> int:
+    """How many processes a configuration runs: one for ``compute``, ``world_size`` otherwise."""
+    return 1 if name == "compute" else world_size
+
+
 def main(config_path: str, name: str, result_path: str) -> None:
     import lightning.pytorch as pl
     import torch
@@ -94,7 +102,7 @@ def main(config_path: str, name: str, result_path: str) -> None:
 
     cfg = OmegaConf.load(config_path)
     torch.set_num_threads(cfg.threads_per_rank)
-    world_size = 1 if name == "compute" else cfg.world_size
+    world_size = 1 if name in ALONE else cfg.world_size
     steps = cfg.warmup + cfg.steps
     cfg.data.train_samples = cfg.data.batch_size * world_size * steps
     cfg.data.val_samples = cfg.data.batch_size
@@ -113,7 +121,7 @@ def main(config_path: str, name: str, result_path: str) -> None:
         elements = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if name in ("ddp", "ddp+fp16"):  # what the hook puts on the wire: every gradient, fp32 or fp16
             summary["sent_bytes_per_step"] = elements * (4 if name == "ddp" else 2)
-        summary["world_size"] = world_size
+        summary["ranks"] = ranks(name, cfg.world_size)
         with open(result_path, "w") as f:
             json.dump(summary, f)
 

@@ -25,15 +25,19 @@ def _bench(tmp_path, *args, timeout=600):
 
 
 @pytest.mark.slow
-def test_a_two_config_run_on_loopback_writes_table_csv_charts_and_wandb(tmp_path):
-    done = _bench(tmp_path, 'configs=[ddp,"gc_fused:compressor=fp16"]', "rounds=1", "steps=3", "warmup=1")
+def test_a_short_run_on_loopback_writes_table_csv_charts_and_wandb(tmp_path):
+    done = _bench(tmp_path, 'configs=[compute-parallel,ddp,"gc_fused:compressor=fp16"]', "rounds=1", "steps=3", "warmup=1",
+                  "data.batch_size=4")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     run = tmp_path / "run"
     rows = list(csv.DictReader(open(run / "results.csv")))
-    assert [r["configuration"] for r in rows] == ["ddp", "gc_fused:compressor=fp16"]
+    assert [r["configuration"] for r in rows] == ["compute-parallel", "ddp", "gc_fused:compressor=fp16"]
     assert all(r["status"] == "ok" and float(r["median step (s)"]) > 0 for r in rows)
-    assert float(rows[0]["bytes sent / step"]) == 2 * float(rows[1]["bytes sent / step"])  # fp32 vs fp16 payload
-    assert float(rows[0]["speedup vs ddp"]) == 1.0
+    assert float(rows[1]["bytes sent / step"]) == 2 * float(rows[2]["bytes sent / step"])  # fp32 vs fp16 payload
+    assert float(rows[1]["speedup vs ddp"]) == 1.0 and float(rows[0]["step / compute-parallel"]) == 1.0
+    # both ranks of compute-parallel trained (each alone, without a process group): 2 x batch per step
+    assert float(rows[0]["samples/s"]) == pytest.approx(2 * 4 / float(rows[0]["median step (s)"]))
+    assert len(list((run / "runs").glob("r0-c0*.json"))) == 2
     assert "| ddp | ok |" in (run / "results.md").read_text() and "| ddp | ok |" in done.stdout
     for chart in ("speedup.png", "breakdown.png"):
         assert (run / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -50,13 +54,30 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
     crash = netns.RankNetwork(["sh", "-c", "echo 'RuntimeError: boom' >&2; exit 3", "--"], "127.0.0.1", "lo")
     failed = bench.run_config("ddp", cfg, tmp_path / "none.yaml", [crash, crash], 29999, tmp_path, "r0-c0")
     assert failed == {"failed": "rank 0 exited with 3: RuntimeError: boom"}
-    fine = {"step_times_s": [0.5, 0.7, 0.6], "world_size": 2, "sent_bytes_per_step": 100, "step_time_s": 0.6}
+    fine = {"step_times_s": [0.5, 0.7, 0.6], "ranks": 2, "sent_bytes_per_step": 100, "step_time_s": 0.6}
     rows = bench.aggregate(cfg, {"ddp": [failed], "gc_fused:compressor=fp16": [fine]})
     assert rows[0]["status"] == failed["failed"] and "median step (s)" not in rows[0]
     assert rows[1]["status"] == "ok" and rows[1]["median step (s)"] == 0.6 and rows[1]["samples/s"] == 4 * 2 / 0.6
     markdown = bench.write_outputs(OmegaConf.merge(cfg, {"model": {"cifar_stem": False}}), rows, tmp_path)
     assert "| ddp | rank 0 exited with 3: RuntimeError: boom | n/a |" in markdown
     assert (tmp_path / "speedup.png").is_file()
+
+
+def test_the_breakdown_stacks_compute_sharing_codec_and_the_rest_up_to_each_step():
+    cfg = OmegaConf.create({"data": {"batch_size": 32}})
+    def ran(step, ranks=2, codec=None):
+        return [{"step_times_s": [step], "ranks": ranks, "step_time_s": step, "breakdown": codec and {"encode+decode": codec}}]
+    rows = bench.aggregate(cfg, {"compute": ran(0.10, ranks=1), "compute-parallel": ran(0.13), "ddp": ran(0.40),
+                                 "gc_fused:compressor=randk": ran(0.20, codec=0.02), "gc_fused:compressor=none": ran(0.12)})
+    assert rows[3]["step / compute"] == pytest.approx(2.0) and rows[3]["step / compute-parallel"] == pytest.approx(0.20 / 0.13)
+    assert rows[3]["speedup vs ddp"] == pytest.approx(2.0) and "speedup vs compute-parallel" not in rows[3]
+    assert rows[1]["samples/s"] == pytest.approx(2 * 32 / 0.13)
+    parts = bench.breakdown(rows)
+    expected = [[0.10, 0.0, 0.0, 0.0], [0.10, 0.03, 0.0, 0.0], [0.10, 0.03, 0.0, 0.27], [0.10, 0.03, 0.02, 0.05],
+                [0.10, 0.02, 0.0, 0.0]]  # the last step is shorter than compute-parallel's: no part exceeds it
+    assert [[parts[label][i] for label in parts] for i in range(5)] == [pytest.approx(row) for row in expected]
+    without_parallel = bench.breakdown([rows[0], rows[3]])
+    assert [values[1] for values in without_parallel.values()] == pytest.approx([0.10, 0.0, 0.02, 0.08])
 
 
 def test_a_rank_that_dies_ends_the_run_at_once_and_its_error_is_reported(tmp_path, monkeypatch):
@@ -103,7 +124,7 @@ def test_a_second_emulated_network_is_refused_while_one_is_in_use():
 
 
 def test_bad_configs_are_refused_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match="configs: 'dpp' is invalid; allowed: compute, ddp"):
+    with pytest.raises(ValueError, match="configs: 'dpp' is invalid; allowed: compute, compute-parallel, ddp"):
         parse_config("dpp")
     assert parse_config("gc_fused:compressor=topk,density=0.01") == {"compressor": "topk", "density": 0.01}
     done = _bench(tmp_path, 'configs=[ddp,"gc_fused:compressor=topk,density=2"]', timeout=120)
