@@ -26,6 +26,7 @@ from torch import nn
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
 from gc_strategy.fusion.auto import time_exchange
+from cli import add_device_option, integer_at_least
 
 #: memory and options each compressor is usually run with
 USUAL = {
@@ -117,14 +118,14 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_option(parser)
     parser.add_argument("--models", nargs="+", default=["resnet50", "resnet101", "bert-base"],
                         choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "bert-base"])
     parser.add_argument("--compressors", nargs="+", default=[n for n in COMPRESSORS.names() if n != "none"],
                         choices=COMPRESSORS.names())
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--batch", type=integer_at_least(1), default=8)
+    parser.add_argument("--image-size", type=integer_at_least(1), default=224)
+    parser.add_argument("--runs", type=integer_at_least(1), default=5)
     parser.add_argument("--profile", action="store_true", help="print each compressor's top kernels on one bucket")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gc_strategy
+from cli import integer_at_least
 
 #: (label, strategy options, learning rate, optimizer momentum)
 METHODS = [
@@ -121,7 +122,7 @@ def run_all(epochs: int, seed: int = 0, only: list[str] | None = None) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--epochs", type=integer_at_least(1), default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", metavar="LABEL", help="methods whose label starts with these")
     args = parser.parse_args()

@@ -26,6 +26,7 @@ from torch import nn
 
 from gc_strategy import COMPRESSORS, MEMORIES, GradientSynchronizer, build_components
 from gc_strategy.fusion import CostModel, best_plan, simulate
+from cli import integer_at_least
 
 FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
 
@@ -103,9 +104,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compressor", default="efsignsgd", choices=COMPRESSORS.names())
     parser.add_argument("--memory", default="residual", choices=MEMORIES.names())
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per plan per round")
+    parser.add_argument("--batch-size", type=integer_at_least(1), default=32)
+    parser.add_argument("--rounds", type=integer_at_least(1), default=3)
+    parser.add_argument("--steps", type=integer_at_least(1), default=5, help="measured steps per plan per round")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = mp.get_context("fork")

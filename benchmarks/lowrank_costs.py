@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
+from cli import integer_at_least
 
 
 def resnet(name: str) -> nn.Module:
@@ -49,8 +50,8 @@ def measure(model_name: str, compressor: str, rank: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=integer_at_least(1), default=10)
+    parser.add_argument("--threads", type=integer_at_least(1), default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("| model | rank | PowerSGD bytes/step | ratio | ACP-SGD bytes/step (mean of P and Q steps) | ratio | PowerSGD enc+dec (ms) | ACP-SGD enc+dec (ms) |")

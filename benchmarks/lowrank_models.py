@@ -19,6 +19,7 @@ from gc_strategy.lowrank_models import factorize  # noqa: E402
 from recipes.bert import BertMaskedLM  # noqa: E402
 from recipes.lstm import LSTMLanguageModel  # noqa: E402
 from recipes.resnet import build_resnet  # noqa: E402
+from cli import integer_at_least  # noqa: E402
 
 
 def parameter_counts(ratio: float) -> list[tuple[str, int, int, int]]:
@@ -66,10 +67,10 @@ def step_times(ratio: float, cifar_stem: bool, batch: int, rounds: int, steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=integer_at_least(1), default=5)
+    parser.add_argument("--steps", type=integer_at_least(1), default=10)
+    parser.add_argument("--batch", type=integer_at_least(1), default=32)
+    parser.add_argument("--threads", type=integer_at_least(1), default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

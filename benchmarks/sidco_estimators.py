@@ -22,6 +22,7 @@ from torch import nn
 
 from gc_strategy import COMPRESSORS
 from gc_strategy.bucket import Bucket
+from cli import add_device_option, integer_at_least
 
 DENSITIES = (0.1, 0.01, 0.001)
 #: (label, compressor name, options besides density)
@@ -77,9 +78,9 @@ def measure(name: str, options: dict, density: float, g: torch.Tensor, repeats: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", choices=("resnet18", "laplace", "normal"), default="resnet18")
-    parser.add_argument("--size", type=int, default=1 << 24, help="elements for laplace/normal")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", type=integer_at_least(1), default=1 << 24, help="elements for laplace/normal")
+    parser.add_argument("--repeats", type=integer_at_least(1), default=5)
+    add_device_option(parser)
     args = parser.parse_args()
     g = gradient(args.source, args.size).to(args.device)
     print(f"{args.source} gradient: {g.numel():,} elements on {args.device}, median of {args.repeats} runs\n")

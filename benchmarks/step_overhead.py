@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchvision import models
 
 from gc_strategy import GradientSynchronizer, build_components
+from cli import add_device_option, integer_at_least
 
 #: name -> (compressor, memory, fusion, side stream); None: no synchroniser
 CONFIGS = {
@@ -65,24 +66,19 @@ def compressor_config(spec: str) -> tuple[str, tuple]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    add_device_option(parser)
     parser.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet101"])
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (--device cpu)")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--image-size", type=integer_at_least(1), default=224)
+    parser.add_argument("--batch", type=integer_at_least(1), default=64)
+    parser.add_argument("--threads", type=integer_at_least(1), default=1, help="CPU threads (--device cpu)")
+    parser.add_argument("--rounds", type=integer_at_least(1), default=10)
+    parser.add_argument("--steps", type=integer_at_least(1), default=20)
+    parser.add_argument("--warmup", type=integer_at_least(0), default=10)
     parser.add_argument("--configs", nargs="*", choices=list(CONFIGS),
                         help="default: all (on the CPU, which has no side stream, all but the compute-stream rows)")
     parser.add_argument("--compressors", nargs="*", default=[], metavar="NAME[+MEMORY]",
                         help="more synchronised configurations, e.g. topk+residual qsgd")
     args = parser.parse_args()
-    for option in ("batch", "threads", "rounds", "steps", "image_size"):
-        if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be an integer >= 1, not {getattr(args, option)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
     configs = {name: CONFIGS[name] for name in args.configs}

@@ -1,0 +1,47 @@
+"""The benchmark scripts refuse bad counts and devices with argparse errors before any work."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from cli import integer_at_least  # noqa: E402
+
+
+def _run(script: str, monkeypatch, capsys, *args: str) -> str:
+    """Run a script as ``python benchmarks/SCRIPT ARGS`` in this process; return what argparse wrote
+    to stderr when it refused the arguments (exit status 2)."""
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_integer_at_least_parses_and_names_what_is_allowed():
+    parse = integer_at_least(1)
+    assert parse("3") == 3
+    for text, message in (("0", "0 is invalid; allowed: an integer >= 1"), ("2.5", "'2.5' is not an integer")):
+        with pytest.raises(Exception, match=message):
+            parse(text)
+
+
+@pytest.mark.parametrize("script,option", [
+    ("compression_costs.py", "--runs"), ("convergence_digits.py", "--epochs"), ("fusion_auto.py", "--rounds"),
+    ("lowrank_costs.py", "--steps"), ("lowrank_models.py", "--batch"), ("sidco_estimators.py", "--repeats"),
+    ("step_overhead.py", "--rounds"),
+])
+def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
+    assert f"argument {option}: 0 is invalid; allowed: an integer >= 1" in _run(script, monkeypatch, capsys, option, "0")
+
+
+@pytest.mark.parametrize("script", ["compression_costs.py", "sidco_estimators.py", "step_overhead.py"])
+def test_a_bad_or_missing_device_is_an_argparse_error(script, monkeypatch, capsys):
+    assert "argument --device: 'tpu' is invalid; allowed: cuda, cpu" in _run(script, monkeypatch, capsys, "--device", "tpu")
+    if not torch.cuda.is_available():
+        assert "argument --device: no CUDA device is available here" in _run(script, monkeypatch, capsys, "--device", "cuda")
