@@ -131,7 +131,8 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
             row["status"] = "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds; otherwise {first_failure}"
             row["median step (s)"] = medians[name]
             row["samples/s"] = cfg.data.batch_size * ok[0]["ranks"] / medians[name]
-            row["bytes sent / step"] = ok[0].get("sent_bytes_per_step")
+            sent = ok[0].get("sent_bytes_per_step")  # a mean over steps: whole bytes are enough
+            row["bytes sent / step"] = None if sent is None else round(sent)
             row["encode+decode (s)"] = (ok[0].get("breakdown") or {}).get("encode+decode", 0.0)
         rows.append(row)
     for row in rows:

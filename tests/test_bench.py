@@ -54,10 +54,11 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
     crash = netns.RankNetwork(["sh", "-c", "echo 'RuntimeError: boom' >&2; exit 3", "--"], "127.0.0.1", "lo")
     failed = bench.run_config("ddp", cfg, tmp_path / "none.yaml", [crash, crash], 29999, tmp_path, "r0-c0")
     assert failed == {"failed": "rank 0 exited with 3: RuntimeError: boom"}
-    fine = {"step_times_s": [0.5, 0.7, 0.6], "ranks": 2, "sent_bytes_per_step": 100, "step_time_s": 0.6}
+    fine = {"step_times_s": [0.5, 0.7, 0.6], "ranks": 2, "sent_bytes_per_step": 100.4, "step_time_s": 0.6}
     rows = bench.aggregate(cfg, {"ddp": [failed], "gc_fused:compressor=fp16": [fine]})
     assert rows[0]["status"] == failed["failed"] and "median step (s)" not in rows[0]
     assert rows[1]["status"] == "ok" and rows[1]["median step (s)"] == 0.6 and rows[1]["samples/s"] == 4 * 2 / 0.6
+    assert rows[1]["bytes sent / step"] == 100  # a mean over steps, shown in whole bytes
     markdown = bench.write_outputs(OmegaConf.merge(cfg, {"model": {"cifar_stem": False}}), rows, tmp_path)
     assert "| ddp | rank 0 exited with 3: RuntimeError: boom | n/a |" in markdown
     assert (tmp_path / "speedup.png").is_file()
