@@ -199,7 +199,8 @@ class Natural(_Quantizer):
             offset.masked_fill_(tiny & (uniform < torch.div(a, smallest, out=mantissa)), self.ZERO - 1)
         _fill_where_zero(offset, a, self.ZERO)
         codes = offset.to(torch.uint8)  # the payload is a new tensor
-        return [top.to(torch.int32).reshape(1), codes.bitwise_or_((flat < 0).to(torch.uint8) << 7)]
+        negative = torch.lt(flat, 0, out=self.workspace("negative", bucket, torch.bool)).view(torch.uint8)
+        return [top.to(torch.int32).reshape(1), codes.bitwise_or_(negative.bitwise_left_shift_(7))]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[1].device))
