@@ -63,7 +63,7 @@ def _exchange(name: str, device: str, gradients: list[torch.Tensor], step0: int 
         c.compressor.step = step0 + step
         flat = g.to(device)
         compensated = c.memory.compensate(flat, bucket)
-        exchange = c.compressor.exchange(compensated, bucket, c.communicator, c.memory.needs_local_estimate)
+        exchange = c.compressor.exchange(compensated, bucket, c.communicator, c.memory.local_form)
         average, local = finish(exchange)
         if local is not None:
             c.memory.update(compensated, local, bucket, torch.tensor(True, device=device))

@@ -104,21 +104,57 @@ def test_error_feedback_makes_the_time_average_of_the_error_vanish():
     assert fed_error < plain_error / 100
 
 
-def test_dgc_memory_momentum_correction_accumulation_and_masking():
+@pytest.mark.parametrize("flag", [None, True], ids=["new-tensors", "in-place"])
+def test_dgc_memory_momentum_correction_accumulation_and_masking(flag):
+    """``u = m u + g``, ``v = v + u``; ``u`` and ``v`` zeroed at the sent positions (given as
+    positions: ``local_form``), also where the value sent there is 0 (position 2 at the second step).
+    Given the finite flag (as the engine does) they are formed in place on the CPU."""
     memory = MEMORIES.build("dgc", momentum=0.5)
+    assert memory.local_form == "positions"
+    finite = None if flag is None else torch.tensor(flag)
     bucket = _bucket(4)
     u = torch.zeros(4)
     v = torch.zeros(4)
-    grads = [torch.tensor([1.0, 2.0, -1.0, 0.5]), torch.tensor([0.5, -1.0, 2.0, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])]
-    sent_masks = [torch.tensor([False, True, False, False]), torch.tensor([True, False, False, True]), torch.tensor([False] * 4)]
+    grads = [torch.tensor([1.0, 2.0, -1.0, 0.5]), torch.tensor([0.5, -1.0, 1.5, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])]
+    sent_masks = [torch.tensor([False, True, False, False]), torch.tensor([True, False, True, True]), torch.tensor([False] * 4)]
     for g, sent in zip(grads, sent_masks):
         u = 0.5 * u + g
         v = v + u
-        compensated = memory.compensate(g, bucket)
+        compensated = memory.compensate(g, bucket, finite)
+        assert (compensated is memory.buffer("v", bucket)) == (flag is not None)
         assert torch.allclose(compensated, v)
-        memory.update(compensated, torch.where(sent, compensated, torch.zeros(4)), bucket, torch.tensor(True))
+        memory.update(compensated, sent.nonzero().flatten(), bucket, torch.tensor(True))
         u, v = u * ~sent, v * ~sent
         assert torch.allclose(memory.buffer("u", bucket), u) and torch.allclose(memory.buffer("v", bucket), v)
+
+
+def test_dgc_memory_masks_the_positions_topk_selected_through_the_exchange():
+    """The exchange hands DGC's memory the positions from top-k's payload (no dense decode); ``u``
+    and ``v`` are zero there and follow the plain recursion elsewhere, over steps."""
+    from compressor_helpers import finish
+    from gc_strategy.algos.base import start_exchange
+    from gc_strategy.comm import COMMUNICATORS
+
+    n, k = 1000, 10
+    bucket = _bucket(n)
+    compressor, memory = COMPRESSORS.build("topk", density=k / n), MEMORIES.build("dgc", momentum=0.5)
+    comm = COMMUNICATORS.build("allgather")
+    comm.bind(None)
+    u, v = torch.zeros(n), torch.zeros(n)
+    for step in range(3):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step))
+        u = 0.5 * u + g
+        v = v + u
+        selected = torch.topk(v.abs(), k).indices
+        started = start_exchange(compressor, memory, g.clone(), bucket, comm)
+        average, local = finish(started.exchange)
+        assert torch.equal(torch.sort(local).values, torch.sort(selected).values)
+        torch.testing.assert_close(average[selected], v[selected])
+        memory.update(started.compensated, local, bucket, started.finite)
+        u[selected] = 0
+        v[selected] = 0
+        torch.testing.assert_close(memory.buffer("u", bucket), u)
+        torch.testing.assert_close(memory.buffer("v", bucket), v)
 
 
 def test_dgc_memory_clipping_and_non_finite_guard():
@@ -126,10 +162,11 @@ def test_dgc_memory_clipping_and_non_finite_guard():
     bucket = _bucket(2)
     compensated = memory.compensate(torch.tensor([3.0, 4.0]), bucket)  # norm 5 -> clipped to 1
     assert torch.allclose(compensated, torch.tensor([0.6, 0.8]))
-    memory.update(compensated, torch.zeros(2), bucket, torch.tensor(True))
+    nothing_sent = torch.zeros(0, dtype=torch.int64)
+    memory.update(compensated, nothing_sent, bucket, torch.tensor(True))
     state = memory.state_by_parameter([bucket])
     poisoned = memory.compensate(torch.tensor([float("inf"), 1.0]), bucket)
-    memory.update(poisoned, torch.zeros(2), bucket, torch.tensor(False))
+    memory.update(poisoned, torch.tensor([0]), bucket, torch.tensor(False))
     assert torch.equal(memory.buffer("u", bucket), state["u"]["w"]) and torch.equal(memory.buffer("v", bucket), state["v"]["w"])
     restored = MEMORIES.build("dgc")
     restored.load_state_by_parameter(state, [bucket])
@@ -163,7 +200,7 @@ def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor
         started = start_exchange(compressor, memories[0], buffer, b, comm)
         average, local = finish(started.exchange)
         twin_compensated = memories[1].compensate(g.clone(), b)
-        expected, twin_local = finish(twin.exchange(twin_compensated, b, comm, memories[1].needs_local_estimate))
+        expected, twin_local = finish(twin.exchange(twin_compensated, b, comm, memories[1].local_form))
         assert average is buffer
         # equal; to fp32 rounding where Triton's fused sign path (atomic sums) meets the twin's torch path
         torch.testing.assert_close(average, expected.float(), rtol=1e-6, atol=0)

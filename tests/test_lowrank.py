@@ -25,7 +25,7 @@ def _single_rank_exchange(compressor, flat, bucket):
 
     comm = AllReduce()
     comm.bind(None)
-    return finish(compressor.exchange(flat, bucket, comm, need_local=True))
+    return finish(compressor.exchange(flat, bucket, comm, local_form="estimate"))
 
 
 @pytest.mark.parametrize("true_rank, rank", [(1, 1), (2, 4), (3, 3)])
@@ -223,7 +223,7 @@ def test_acpsgd_alternates_p_and_q_steps():
     compressor = build("acpsgd", rank=2, start_iter=3)
     for step in range(1, 9):
         compressor.step = step
-        exchange = compressor.exchange(torch.randn(600), bucket, comm, need_local=False)
+        exchange = compressor.exchange(torch.randn(600), bucket, comm, local_form=None)
         round_ = next(exchange)
         with pytest.raises(StopIteration):
             exchange.send(round_.wait())

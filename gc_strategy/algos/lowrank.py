@@ -22,7 +22,7 @@ from torch import Tensor
 from ..bucket import Bucket, all_finite, assign_if_finite
 from ..comm import Communicator, Exchange
 from ..registry import Option
-from .base import COMPRESSORS, Compressor
+from .base import COMPRESSORS, Compressor, LocalForm, in_form
 from .memory import compensated_from, keep_difference
 
 LOWRANK_OPTIONS = {
@@ -283,11 +283,11 @@ class _LowRank(Compressor):
         keep_difference(error, m_flat, approximation, finite)
         error[self.layout(bucket).dense] = 0
 
-    def _dense_exchange(self, flat: Tensor, comm: Communicator, need_local: bool) -> Exchange:
+    def _dense_exchange(self, flat: Tensor, comm: Communicator, local_form: LocalForm) -> Exchange:
         """Plain allreduce of the whole bucket (before ``start_iter``, or nothing to compress)."""
         local = flat.float()
         (summed,) = yield from comm.exchange([local.clone()], False)
-        return summed.div_(comm.world_size), local if need_local else None
+        return summed.div_(comm.world_size), in_form(local, local_form)
 
     def extra_state(self) -> dict[str, Any]:
         return {"factors": {kind: {**self._restored[kind], **{n: t.clone() for n, t in self.factors_by_parameter(kind).items()}}
@@ -326,11 +326,11 @@ class PowerSGD(_LowRank):
 
     OPTIONS = {**LOWRANK_OPTIONS, "warm_start": Option(True, bool)}
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,
+    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm,
                  out: Tensor | None = None) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
-            return (yield from self._dense_exchange(flat, comm, need_local))
+            return (yield from self._dense_exchange(flat, comm, local_form))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket, finite)
@@ -347,7 +347,7 @@ class PowerSGD(_LowRank):
         self._write_products(result, layout, p, q)
         self.keep_factors("q", bucket, q, finite)
         self._keep_error(m_flat, result, bucket, finite)
-        return result, result if need_local else None
+        return result, in_form(result, local_form)
 
 
 @COMPRESSORS.register("acpsgd")
@@ -371,11 +371,11 @@ class ACPSGD(_LowRank):
     def is_p_step(self) -> bool:
         return (self.step - self.options["start_iter"]) % 2 == 0
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, need_local: bool,
+    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm,
                  out: Tensor | None = None) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
-            return (yield from self._dense_exchange(flat, comm, need_local))
+            return (yield from self._dense_exchange(flat, comm, local_form))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket, finite)
@@ -396,7 +396,7 @@ class ACPSGD(_LowRank):
         self._write_products(result, layout, *self._ordered(sent, averaged, fixed_batch))
         self.keep_factors(sent, bucket, averaged, finite)
         self.keep_factors(fixed, bucket, fixed_batch, finite)
-        return result, local if need_local else None
+        return result, in_form(local, local_form)
 
     @staticmethod
     def _ordered(sent: str, sent_batch: Tensor, fixed_batch: Tensor) -> tuple[Tensor, Tensor]:

@@ -49,6 +49,9 @@ class _Positional(Compressor):
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket))
 
+    def sent_positions(self, payload: Payload, bucket: Bucket) -> Tensor:
+        return self.sent(payload, bucket)[0]  # no dense decode to search
+
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket), out=scratch)
 
