@@ -104,11 +104,13 @@ def test_error_feedback_makes_the_time_average_of_the_error_vanish():
     assert fed_error < plain_error / 100
 
 
+@pytest.mark.parametrize("as_mask", [False, True], ids=["indices", "mask"])
 @pytest.mark.parametrize("flag", [None, True], ids=["new-tensors", "in-place"])
-def test_dgc_memory_momentum_correction_accumulation_and_masking(flag):
-    """``u = m u + g``, ``v = v + u``; ``u`` and ``v`` zeroed at the sent positions (given as
-    positions: ``local_form``), also where the value sent there is 0 (position 2 at the second step).
-    Given the finite flag (as the engine does) they are formed in place on the CPU."""
+def test_dgc_memory_momentum_correction_accumulation_and_masking(flag, as_mask):
+    """``u = m u + g``, ``v = v + u``; ``u`` and ``v`` zeroed at the sent positions (``local_form``:
+    indices, or a bool mask as on accelerators), also where the value sent there is 0 (position 2
+    at the second step). Given the finite flag (as the engine does) they are formed in place on
+    the CPU."""
     memory = MEMORIES.build("dgc", momentum=0.5)
     assert memory.local_form == "positions"
     finite = None if flag is None else torch.tensor(flag)
@@ -123,7 +125,7 @@ def test_dgc_memory_momentum_correction_accumulation_and_masking(flag):
         compensated = memory.compensate(g, bucket, finite)
         assert (compensated is memory.buffer("v", bucket)) == (flag is not None)
         assert torch.allclose(compensated, v)
-        memory.update(compensated, sent.nonzero().flatten(), bucket, torch.tensor(True))
+        memory.update(compensated, sent if as_mask else sent.nonzero().flatten(), bucket, torch.tensor(True))
         u, v = u * ~sent, v * ~sent
         assert torch.allclose(memory.buffer("u", bucket), u) and torch.allclose(memory.buffer("v", bucket), v)
 

@@ -17,7 +17,8 @@ COMPRESSORS: Registry["Compressor"] = Registry("compressor")
 MEMORIES: Registry["Memory"] = Registry("memory")
 
 #: what error feedback needs of a rank's own payload (:attr:`Memory.local_form`): its decode
-#: (``"estimate"``), the positions where that decode may be nonzero (``"positions"``), or nothing
+#: (``"estimate"``), the positions where that decode may be nonzero (``"positions"``: int64
+#: indices, or a bool mask over the bucket; see :func:`zero_at`), or nothing
 LocalForm = Optional[Literal["estimate", "positions"]]
 
 
@@ -89,9 +90,10 @@ class Compressor(BucketState):
         return self.decode_into(payload, bucket, self.workspace("local estimate", bucket))
 
     def sent_positions(self, payload: Payload, bucket: Bucket) -> Tensor:
-        """The int64 positions where the decode of this rank's own payload may be nonzero (for a
-        memory that masks what was sent): by default where :meth:`local_estimate` is nonzero; a
-        sparsifier reads them from its payload without a dense decode."""
+        """The positions where the decode of this rank's own payload may be nonzero, for a memory
+        that masks what was sent (int64 indices or a bool mask, as :func:`zero_at` takes them): by
+        default where :meth:`local_estimate` is nonzero; a sparsifier reads its indices from its
+        payload without a dense decode."""
         return nonzero_positions(self.local_estimate(payload, bucket))
 
     def local(self, payload: Payload, bucket: Bucket, form: LocalForm) -> Tensor | None:
@@ -170,12 +172,22 @@ def apart_from(tensor: Tensor, others: Payload) -> Tensor:
 
 
 def nonzero_positions(dense: Tensor) -> Tensor:
-    """The int64 positions of the nonzero (or NaN) elements of a 1-d tensor. On the CPU through
-    numpy: 3 ms per 6.6M fp32 elements here, where torch's ``!=`` alone takes 4.5 and numpy's
-    ``flatnonzero`` of the floats 16. On an accelerator this waits for the device (the count)."""
-    if dense.device.type == "cpu" and dense.dtype in (torch.float32, torch.float64):
+    """The nonzero (or NaN) elements of a 1-d tensor: on the CPU their int64 positions, through
+    numpy (3 ms per 6.6M fp32 elements here, where torch's ``!=`` alone takes 4.5 and numpy's
+    ``flatnonzero`` of the floats 16); elsewhere a bool mask, since counting the positions would
+    make the host wait for the device."""
+    if dense.device.type != "cpu":
+        return dense != 0
+    if dense.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(np.flatnonzero(np.not_equal(dense.numpy(), 0)))
     return torch.nonzero(dense).flatten()
+
+
+def zero_at(tensor: Tensor, positions: Tensor) -> Tensor:
+    """``tensor`` zeroed in place at ``positions``: int64 indices or a bool mask of its length."""
+    if positions.dtype == torch.bool:
+        return tensor.masked_fill_(positions, 0)
+    return tensor.index_fill_(0, positions, 0)
 
 
 def in_form(estimate: Tensor, form: LocalForm) -> Tensor | None:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..bucket import Bucket, assign_if_finite, finite_on_host
 from ..registry import Option
-from .base import MEMORIES, Memory
+from .base import MEMORIES, Memory, zero_at
 
 
 def compensated_from(error: Tensor, grad: Tensor, finite: Tensor | None, beta: float = 1.0,
@@ -116,11 +116,11 @@ class DGCMemory(Memory):
         return v + u
 
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:
-        """``local``: the int64 positions sent (``local_form``)."""
+        """``local``: the positions sent (``local_form``)."""
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
         if compensated is v:  # formed in place (finite, on the CPU)
-            u.index_fill_(0, local, 0)
-            v.index_fill_(0, local, 0)
+            zero_at(u, local)
+            zero_at(v, local)
             return
-        assign_if_finite(u, self._pending_u.pop(bucket.index).index_fill_(0, local, 0), finite)
-        assign_if_finite(v, compensated.index_fill_(0, local, 0), finite)
+        assign_if_finite(u, zero_at(self._pending_u.pop(bucket.index), local), finite)
+        assign_if_finite(v, zero_at(compensated, local), finite)
