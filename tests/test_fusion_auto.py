@@ -4,6 +4,7 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,28 @@ def test_cost_curves_interpolate_and_extrapolate():
     assert cost.seconds == (1.0, 2.5, 5.0)  # the median of the repeated size
     assert cost(0) == 1.0 and cost(55) == pytest.approx(1.75) and cost(1900) == pytest.approx(7.5)
     assert Cost.linear(2.0, 0.5)(10) == pytest.approx(7.0)
+
+
+def test_measured_costs_that_fall_as_the_size_grows_are_pooled():
+    """Isotonic regression of the medians, weighted by the measurements per size."""
+    assert Cost.measured([1, 2, 3], [1.0, 3.0, 2.0]).seconds == pytest.approx((1.0, 2.5, 2.5))
+    # size 2 measured three times (median 3.0) outweighs size 3 measured once (2.0): (3·3 + 2) / 4
+    assert Cost.measured([1, 2, 2, 2, 3], [1.0, 3.0, 2.9, 3.1, 2.0]).seconds == pytest.approx((1.0, 2.75, 2.75))
+    assert Cost.measured([1, 2, 3], [1.0, 2.0, 4.0]).seconds == (1.0, 2.0, 4.0)
+
+
+@pytest.mark.parametrize("chunk", [3, 128])
+def test_pareto_keeps_exactly_the_undominated_rows(chunk):
+    """Against the definition, on labels with many ties (a row equal to an earlier one is dropped)
+    and more rows than one chunk."""
+    from gc_strategy.fusion.timeline import _pareto
+
+    rng = np.random.default_rng(chunk)
+    labels = rng.integers(0, 6, size=(400, 3)).astype(float)
+    kept = set(_pareto(labels).tolist())
+    for i, row in enumerate(labels):
+        dominated = any(np.all(labels[j] <= row) and (np.any(labels[j] < row) or j < i) for j in range(len(labels)) if j != i)
+        assert (i not in kept) == dominated, (i, row)
 
 
 def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():

