@@ -56,7 +56,8 @@ def model_and_loss(name: str, batch: int, image_size: int, device: torch.device)
 
 
 def buckets_of(model: nn.Module, loss, compressor: str, fusion: str) -> tuple[list, list]:
-    """The buckets a synchroniser with ``fusion`` forms (after its plan is final) and their gradients."""
+    """The buckets a synchroniser with ``fusion`` forms (after its plan is final) and their raw
+    gradients, from a plain backward once the synchroniser is gone (its buffers hold averages)."""
     memory, options = USUAL.get(compressor, ("none", {}))
     c = build_components(compressor, memory, fusion=fusion, **options)
     engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
@@ -65,9 +66,12 @@ def buckets_of(model: nn.Module, loss, compressor: str, fusion: str) -> tuple[li
         model.zero_grad()
         loss().backward()
         steps += 1
-    buckets, flats = list(engine.buckets), [buffer.clone() for buffer in engine.buffers]
     engine.close()
-    return buckets, flats
+    model.zero_grad()
+    loss().backward()
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    flats = [torch.cat([grads[name].flatten() for name in bucket.names]).to(bucket.dtype) for bucket in engine.buckets]
+    return list(engine.buckets), flats
 
 
 def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[float, int]:

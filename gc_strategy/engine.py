@@ -202,7 +202,7 @@ class GradientSynchronizer:
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         if self.tuner is not None and self.tuner.recording:
             tel = self._step_telemetry  # so far only the hooks' own work has been timed this step
-            self.tuner.on_ready(index, tel.encode_s + tel.decode_s + tel.exposed_wait_s)
+            self.tuner.on_ready(index, tel.encode_s + tel.decode_s + tel.exposed_wait_s, param.grad)
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)

@@ -169,6 +169,37 @@ def _train(model, engine, steps, seed=0):
         optimizer.step()
 
 
+def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(monkeypatch):
+    """After a synchronised step ``.grad`` holds the (here sparse) average; the cost samples must be
+    the gradients the compressor sees in training: those of a plain backward, computed here alone."""
+    import copy
+
+    from gc_strategy.fusion import auto
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    expected = torch.autograd.grad(torch.nn.functional.cross_entropy(reference(x), y), list(reference.parameters()))
+    seen = {}
+
+    def capture(engine, numels, gradients):
+        seen.update(gradients=dict(gradients), names=list(engine.names))
+        raise KeyboardInterrupt  # stop here: the samples are what is checked
+
+    monkeypatch.setattr(auto, "measure_costs", capture)
+    c = build_components("topk", "residual", density=0.05, fusion="auto:2")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):  # no optimizer step: the same gradient every step
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert sorted(seen["gradients"]) == list(range(len(expected)))
+    for index, want in enumerate(expected):
+        torch.testing.assert_close(seen["gradients"][index], want.flatten())
+    assert (model.conv1.weight.grad == 0).float().mean() > 0.5  # the averages are sparse: not what was timed
+
+
 def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     torch.manual_seed(0)
     model = SmallCNN()

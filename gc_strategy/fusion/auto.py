@@ -10,8 +10,10 @@ is an :class:`~gc_strategy.fusion.plans.AutoPlan` (``auto:S``). Once the gradien
    the CPU; CUDA events on the compute stream on GPU), and the iteration period, hence ``other`` =
    period - (first gradient ready -> end of synchronisation). At the end of that step, on every rank,
    the compressor's encode and decode and the communicator's exchange are timed with real
-   collectives on buckets cut from the model's own tensors (real shapes, real gradient values) at
-   sizes spread geometrically from one tensor to the whole model: the *shape* of the cost curves.
+   collectives on buckets cut from the model's own tensors (real shapes, and the raw local gradients
+   of the last settling step: what the compressor sees in training, not the averages that ``.grad``
+   holds after a synchronised step) at sizes spread geometrically from one tensor to the whole model:
+   the *shape* of the cost curves.
 3. **Trials**, ``S`` steps each with a few fixed plans of different granularity (:data:`TRIAL_PLANS`):
    real step times of real plans in this training run.
 4. **Fit and search**: the compression and communication curves are scaled by the two factors under
@@ -77,6 +79,7 @@ class AutoTuner:
         self._fitted: CostModel | None = None  # after fitting its scales to the measured steps
         self._fp32: Cost | None = None  # an fp32 allreduce's cost curve (the uncompressed baseline)
         self._profile_s = 0.0
+        self._gradients: dict[int, Tensor] = {}  # raw local gradients by parameter index, for the profile
         self._measured: dict[tuple[int, ...], float] = {}  # plan -> median step time (this rank)
         self._names: dict[tuple[int, ...], str] = {}
         self._queue: list[tuple[int, ...]] = []
@@ -86,8 +89,12 @@ class AutoTuner:
         return self.phase != "done" and self.engine.ready_order is not None
 
     # ------------------------------------------------------------------ during backward
-    def on_ready(self, index: int, excluded_s: float) -> None:
-        """At the hook of parameter ``index``; ``excluded_s``: the synchroniser's hook work so far."""
+    def on_ready(self, index: int, excluded_s: float, grad: Tensor) -> None:
+        """At the hook of parameter ``index``, whose local gradient is ``grad``; ``excluded_s``: the
+        synchroniser's hook work so far. In the last settling step (whose times are not used) the
+        gradient is kept for the profile's samples."""
+        if self.phase == "settle" and self._settled == self.steps - 1:
+            self._gradients[index] = grad.detach().flatten().float().clone()
         now = time.perf_counter()
         if self._first_wall is None:
             self._first_wall = now
@@ -149,7 +156,8 @@ class AutoTuner:
         engine = self.engine
         start = time.perf_counter()
         numels = [engine._param(name).numel() for name in engine.order]
-        sizes, costs = measure_costs(engine, numels)
+        sizes, costs = measure_costs(engine, numels, self._gradients)
+        self._gradients = {}
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
         ready, other = values[: len(numels)], values[len(numels)]
@@ -303,10 +311,12 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
     return sorted(picks, key=lambda r: (sum(numels[r[0] : r[1]]), r))
 
 
-def measure_costs(engine: "GradientSynchronizer", numels: list[int]) -> tuple[list[int], torch.Tensor]:
+def measure_costs(engine: "GradientSynchronizer", numels: list[int], gradients: dict[int, Tensor]
+                  ) -> tuple[list[int], torch.Tensor]:
     """Bucket sizes (elements) and, on this rank, ``[4, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) of this synchroniser's
-    roles, and an fp32 allreduce of the same bucket (the uncompressed baseline)."""
+    roles, and an fp32 allreduce of the same bucket (the uncompressed baseline), on samples cut from
+    ``gradients`` (flat local gradients by parameter index; zeros where one is missing)."""
     from ..algos import COMPRESSORS
     from ..comm import COMMUNICATORS
 
@@ -317,7 +327,9 @@ def measure_costs(engine: "GradientSynchronizer", numels: list[int]) -> tuple[li
     plain.world_size, plain.rank = compressor.world_size, compressor.rank
     allreduce = COMMUNICATORS.build("allreduce")
     allreduce.bind(engine.group)
-    gradient = torch.cat([_gradient(engine._param(name)) for name in engine.order])
+    indices = [engine._index[name] for name in engine.order]
+    gradient = torch.cat([gradients[i] if i in gradients else torch.zeros(engine.params[i].numel(), device=engine.device)
+                          for i in indices])
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
@@ -335,12 +347,6 @@ def measure_costs(engine: "GradientSynchronizer", numels: list[int]) -> tuple[li
                 timed.append([*ours, fp32])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
     return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T
-
-
-def _gradient(param: torch.nn.Parameter) -> Tensor:
-    if param.grad is None:
-        return torch.zeros(param.numel(), device=param.device)
-    return param.grad.detach().flatten().float()
 
 
 def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket) -> tuple[float, float, float, int]:
