@@ -194,6 +194,7 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
         for _ in range(10):  # no optimizer step: the same gradient every step
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert engine.tuner.phase == "profile"  # stopped where the profile takes its samples
     assert sorted(seen["gradients"]) == list(range(len(expected)))
     for index, want in enumerate(expected):
         torch.testing.assert_close(seen["gradients"][index], want.flatten())
