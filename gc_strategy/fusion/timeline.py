@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,6 @@ class Cost:
         a CPU (on sparse averaged gradients, before the profile took raw ones), whose encode curve
         fell from 16 to 5 ms between 5.5M and 9.9M elements: the search took 3.2 s on the raw
         curves, 0.4 s on the pooled ones."""
-        from scipy.optimize import isotonic_regression
-
         by_size: dict[float, list[float]] = {}
         for size, value in zip(sizes, seconds):
             by_size.setdefault(float(size), []).append(max(float(value), 0.0))
