@@ -21,11 +21,18 @@ data loading, which no plan changes.
 
 Search (:func:`best_plan`), exact over all ``2^(N-1)`` contiguous plans: a label-setting dynamic
 programme over prefixes. A prefix ending at tensor ``j`` matters to the rest of the plan only
-through three numbers, ``(Σ enc, C, Σ dec)``, and ``T`` is non-decreasing in each, so of the prefixes
-ending at ``j`` only the Pareto-minimal labels are kept (a dominated one can never end a better plan).
-Branch and bound prunes a label whose lower bound ``max(r_N + Σ enc + Σ dec + R_j, C)`` exceeds the
-time of the best plan known (``R_j``: the least ``Σ (enc + dec)`` of any cut of the remaining
-tensors, itself an exact small DP), which keeps the label sets small.
+through three numbers, ``(Σ enc, C, Σ (enc + dec))``: the encodes so far delay every later launch,
+but the decodes enter ``T`` only through the device's total. ``T`` is non-decreasing in each, so of
+the prefixes ending at ``j`` only the Pareto-minimal labels are kept (a dominated one can never end
+a better plan; with ``Σ dec`` as the third number instead, 3.5x as many labels were kept in the
+example below). Branch and bound prunes a label whose lower bound ``max(r_N + Σ (enc + dec) + R_j,
+C + R'_j)`` exceeds the time of the best plan known (``R_j``: the least ``Σ (enc + dec)``, ``R'_j``
+the least ``Σ comm`` + last decode, of any cut of the remaining tensors: exact small DPs). The best
+plan known starts as the best fixed plan and improves as the search goes: every kept prefix, ended
+by one bucket of all the remaining tensors, is a plan.
+On ResNet-101's 314 tensors with an efsignsgd profile measured on the CPU (flat communication
+costs, so many plans are within microseconds of each other) the search took 7.6 s without these
+two refinements, 2.0 s with the first and 0.2 s with both.
 """
 
 from __future__ import annotations
@@ -166,32 +173,38 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
     for j in range(count - 1, -1, -1):
         rest_device[j] = np.min(enc[j, j:] + dec[j, j:] + rest_device[j + 1 :])
         rest_network[j] = min(np.min(comm[j, j:-1] + rest_network[j + 1 : -1], initial=np.inf), comm[j, -1] + dec[j, -1])
+
+    def extended(labels: np.ndarray, start, stop: int) -> np.ndarray:
+        """The labels of prefixes ending at ``start`` (one per label) with the bucket of tensors
+        ``start+1..stop`` appended."""
+        encoded = labels[:, 0] + enc[start, stop - 1]
+        network = np.maximum(labels[:, 1], ready[stop - 1] + encoded) + comm[start, stop - 1]
+        return np.stack([encoded, network, labels[:, 2] + enc[start, stop - 1] + dec[start, stop - 1]], 1)
+
+    def finished(labels: np.ndarray, start) -> np.ndarray:
+        """``T`` (less ``other``) of the plans that end these prefixes with one bucket of the rest."""
+        last = extended(labels, start, count)
+        return np.maximum(ready[-1] + last[:, 2], last[:, 1] + dec[start, -1])
+
     best_groups = min(_starting_plans(model.numels), key=lambda g: simulate(model, g))
     bound = simulate(model, best_groups) - model.other
-    # every kept prefix ("label"): where it ends, (Σ enc, C, Σ dec), and the label it extends
-    ends, values, parents = np.zeros(1, dtype=np.int64), np.array([[0.0, -np.inf, 0.0]]), np.full(1, -1)
-    best_label = -1
-    for j in range(1, count + 1):
-        i = ends
-        encoded = values[:, 0] + enc[i, j - 1]
-        network = np.maximum(values[:, 1], ready[j - 1] + encoded) + comm[i, j - 1]
-        decoded = values[:, 2] + dec[i, j - 1]
-        if j == count:
-            totals = np.maximum(ready[-1] + encoded + decoded, network + dec[i, j - 1])
-            k = int(np.argmin(totals))
-            if totals[k] < bound:
-                bound, best_label = float(totals[k]), k
-            break
-        lower = np.maximum(ready[-1] + encoded + decoded + rest_device[j], network + rest_network[j])
+    # every kept prefix ("label"): where it ends, (Σ enc, C, Σ (enc + dec)), and the label it extends
+    ends, labels, parents = np.zeros(1, dtype=np.int64), np.array([[0.0, -np.inf, 0.0]]), np.full(1, -1)
+    for j in range(1, count):
+        new = extended(labels, ends, j)
+        lower = np.maximum(ready[-1] + new[:, 2] + rest_device[j], new[:, 1] + rest_network[j])
         alive = np.flatnonzero(lower <= bound)
         if len(alive):
-            new = np.stack([encoded[alive], network[alive], decoded[alive]], 1)
-            kept = _pareto(new)
+            kept = alive[_pareto(new[alive])]
+            # each kept prefix ended by one bucket of the rest is a plan: the best of them bounds the search
+            bound = min(bound, float(finished(new[kept], j).min()))
             ends = np.concatenate([ends, np.full(len(kept), j)])
-            values = np.concatenate([values, new[kept]])
-            parents = np.concatenate([parents, alive[kept]])
-    if best_label >= 0:
-        cuts, label = [count], best_label
+            labels = np.concatenate([labels, new[kept]])
+            parents = np.concatenate([parents, kept])
+    totals = finished(labels, ends)  # the same arithmetic as the bounds above: the best plan's total is ≤ bound
+    label = int(np.argmin(totals))
+    if totals[label] <= bound:
+        bound, cuts = float(totals[label]), [count]
         while label > 0:
             cuts.append(int(ends[label]))
             label = int(parents[label])
