@@ -10,8 +10,9 @@ per rank; see ``recipes/bench_worker.py``), and the configurations are interleav
 (A B C ... A B C ...) so that machine noise hits all alike; medians pool all rounds. A configuration
 that fails or hangs is reported as such and the others go on. Outputs, in the Hydra run directory:
 ``results.md`` (also printed), ``results.csv``, ``speedup.png`` (speedup vs ``ddp``),
-``breakdown.png`` (one rank computing alone / what the ranks lose by sharing the machine /
-encode+decode / exposed communication and the rest), the W&B run
+``breakdown.png`` (one rank computing alone / what the ranks lose by sharing the machine / what
+synchronous ranks cost before exchanging anything / encode+decode / exposed communication and the
+rest), the W&B run
 (offline unless ``logger=wandb_online``) and ``logs/`` (each rank's output).
 """
 
@@ -34,13 +35,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import GCFusedStrategy
-from recipes.bench_worker import ALONE, BASELINES, parse_config, ranks
+from recipes.bench_worker import ALONE, BASELINES, IDEALS, parse_config, ranks
 from recipes.netns import check_can_emulate, emulated_network, loopback
 
 ROOT = Path(__file__).resolve().parent
 PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
-COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step", "step / compute",
-           "step / compute-parallel", "speedup vs ddp", "speedup vs ddp+fp16", "speedup vs ddp+powersgd", "speedup vs ddp+powersgd-1bucket"]
+COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step",
+           *(f"step / {ideal}" for ideal in IDEALS), *(f"speedup vs {b}" for b in BASELINES if b not in IDEALS)]
 
 
 def validate(cfg: DictConfig) -> None:
@@ -140,7 +141,7 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
         if median is None:
             continue
         for baseline in (b for b in BASELINES if b in medians):
-            if baseline in ALONE:
+            if baseline in IDEALS:
                 row[f"step / {baseline}"] = median / medians[baseline]
             else:
                 row[f"speedup vs {baseline}"] = medians[baseline] / median
@@ -201,8 +202,8 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         axis.bar(names, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     axis.set_ylabel("median step time (s)")
-    axis.set_title("step-time breakdown (from the `compute` and `compute-parallel` configurations and the "
-                   "synchroniser's telemetry)", fontsize=9)
+    axis.set_title("step-time breakdown (from the `compute`, `compute-parallel` and `ddp+no-comm` configurations "
+                   "and the synchroniser's telemetry)", fontsize=9)
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=7)
     figure.tight_layout()
@@ -212,18 +213,22 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
 
 def breakdown(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Each row's median step split into stacked parts: one rank computing alone (``compute``), what
-    the ranks lose by sharing the machine (``compute-parallel`` minus ``compute``), the
-    synchroniser's encode+decode, and the rest (exposed communication, synchronisation, bookkeeping).
-    A part without its baseline in ``rows`` is 0; no part exceeds what is left of the step."""
-    ideal = {row["configuration"]: row["median step (s)"] for row in rows if row["configuration"] in ALONE}
+    the ranks lose by sharing the machine (``compute-parallel`` minus ``compute``), what synchronous
+    ranks cost before any gradient is exchanged (``ddp+no-comm`` minus ``compute-parallel``: copies
+    into buckets, running in step), the synchroniser's encode+decode, and the rest (exposed
+    communication, waiting, bookkeeping). A part without its baseline in ``rows`` is 0; no part
+    exceeds what is left of the step."""
+    ideal = {row["configuration"]: row["median step (s)"] for row in rows if row["configuration"] in IDEALS}
     parts: dict[str, list[float]] = {"compute (one rank alone)": [], "ranks sharing the machine": [],
-                                     "encode+decode": [], "exposed communication and the rest": []}
+                                     "ranks in step, no communication": [], "encode+decode": [],
+                                     "exposed communication and the rest": []}
     for row in rows:
-        step = row["median step (s)"]
-        alone = min(step, ideal.get("compute", 0.0))
-        shared = min(step, max(alone, ideal.get("compute-parallel", 0.0)))
-        codec = min(row.get("encode+decode (s)", 0.0), step - shared)
-        for label, value in zip(parts, (alone, shared - alone, codec, step - shared - codec)):
+        step, levels = row["median step (s)"], [0.0]
+        for name in IDEALS:  # each ideal bounds the step from below, and each includes the one before
+            levels.append(min(step, max(levels[-1], ideal.get(name, 0.0))))
+        codec = min(row.get("encode+decode (s)", 0.0), step - levels[-1])
+        values = [high - low for low, high in zip(levels, levels[1:])] + [codec, step - levels[-1] - codec]
+        for label, value in zip(parts, values):
             parts[label].append(value)
     return parts
 

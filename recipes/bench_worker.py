@@ -12,7 +12,10 @@ ranks at once, each training alone: no communication, but the ranks share the ma
 and memory bandwidth as in every distributed configuration), ``ddp``, ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook``, rank 4, DDP's usual 25 MB
 buckets), ``ddp+powersgd-1bucket`` (the same hook over one bucket holding every gradient: the form
-in which it runs on gloo, where with several buckets it fails), and
+in which it runs on gloo, where with several buckets it fails), ``ddp+no-comm`` (DDP with a
+communication hook that sends nothing, each rank keeping its own gradients: what synchronous data
+parallelism costs before any gradient is exchanged, i.e. DDP's copies into buckets and the ranks
+running in step, since Lightning starts every step with a broadcast), and
 ``gc_fused[:key=value,...]`` with the options of :class:`gc_strategy.GCFusedStrategy`
 (``gc_fused:compressor=dgc,memory=dgc,density=0.01,fusion=auto:2``).
 """
@@ -28,8 +31,10 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-BASELINES = ("compute", "compute-parallel", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
+BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
+#: configurations that exchange no gradient: bounds on a step, so ratios to them read "step / X"
+IDEALS = (*ALONE, "ddp+no-comm")
 ONE_BUCKET_MB = 1 << 20  # a DDP bucket cap no model reaches (with an explicit cap the first bucket has it too)
 
 
@@ -44,6 +49,16 @@ class DDPWithCommHook(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         self.model.register_comm_hook(self._state, self._hook)
+
+
+def keep_local_gradients(state, bucket):  # unannotated: DDP rejects annotations other than its own types
+    """A DDP communication hook that communicates nothing: the bucket's "average" is this rank's
+    own gradient."""
+    import torch
+
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def parse_config(name: str) -> dict[str, Any]:
@@ -73,6 +88,8 @@ def make_strategy(name: str, warmup: int):
         return "auto"
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo")
+    if name == "ddp+no-comm":
+        return DDPWithCommHook(keep_local_gradients)
     if name == "ddp+fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -119,8 +136,8 @@ def main(config_path: str, name: str, result_path: str) -> None:
     if trainer.is_global_zero:
         summary = dict(monitor.summary)
         elements = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        if name in ("ddp", "ddp+fp16"):  # what the hook puts on the wire: every gradient, fp32 or fp16
-            summary["sent_bytes_per_step"] = elements * (4 if name == "ddp" else 2)
+        if name in ("ddp+no-comm", "ddp", "ddp+fp16"):  # what the hook puts on the wire: nothing, every gradient in fp32 or fp16
+            summary["sent_bytes_per_step"] = elements * {"ddp+no-comm": 0, "ddp": 4, "ddp+fp16": 2}[name]
         summary["ranks"] = ranks(name, cfg.world_size)
         with open(result_path, "w") as f:
             json.dump(summary, f)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,7 +16,10 @@ sys.path.insert(0, str(ROOT))
 
 import bench  # noqa: E402
 from recipes import netns  # noqa: E402
-from recipes.bench_worker import parse_config  # noqa: E402
+from recipes.bench_worker import keep_local_gradients, parse_config  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+from distributed import run_ranks  # noqa: E402
 
 
 def _bench(tmp_path, *args, timeout=600):
@@ -26,15 +30,17 @@ def _bench(tmp_path, *args, timeout=600):
 
 @pytest.mark.slow
 def test_a_short_run_on_loopback_writes_table_csv_charts_and_wandb(tmp_path):
-    done = _bench(tmp_path, 'configs=[compute-parallel,ddp,"gc_fused:compressor=fp16"]', "rounds=1", "steps=3", "warmup=1",
-                  "data.batch_size=4")
+    done = _bench(tmp_path, 'configs=[compute-parallel,ddp+no-comm,ddp,"gc_fused:compressor=fp16"]', "rounds=1", "steps=3",
+                  "warmup=1", "data.batch_size=4")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     run = tmp_path / "run"
     rows = list(csv.DictReader(open(run / "results.csv")))
-    assert [r["configuration"] for r in rows] == ["compute-parallel", "ddp", "gc_fused:compressor=fp16"]
+    assert [r["configuration"] for r in rows] == ["compute-parallel", "ddp+no-comm", "ddp", "gc_fused:compressor=fp16"]
     assert all(r["status"] == "ok" and float(r["median step (s)"]) > 0 for r in rows)
-    assert float(rows[1]["bytes sent / step"]) == 2 * float(rows[2]["bytes sent / step"])  # fp32 vs fp16 payload
-    assert float(rows[1]["speedup vs ddp"]) == 1.0 and float(rows[0]["step / compute-parallel"]) == 1.0
+    assert float(rows[2]["bytes sent / step"]) == 2 * float(rows[3]["bytes sent / step"])  # fp32 vs fp16 payload
+    assert float(rows[1]["bytes sent / step"]) == 0
+    assert float(rows[2]["speedup vs ddp"]) == 1.0 and float(rows[0]["step / compute-parallel"]) == 1.0
+    assert float(rows[1]["step / ddp+no-comm"]) == 1.0
     # both ranks of compute-parallel trained (each alone, without a process group): 2 x batch per step
     assert float(rows[0]["samples/s"]) == pytest.approx(2 * 4 / float(rows[0]["median step (s)"]))
     assert len(list((run / "runs").glob("r0-c0*.json"))) == 2
@@ -64,21 +70,54 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
     assert (tmp_path / "speedup.png").is_file()
 
 
-def test_the_breakdown_stacks_compute_sharing_codec_and_the_rest_up_to_each_step():
+def test_the_breakdown_stacks_compute_sharing_lockstep_codec_and_the_rest_up_to_each_step():
     cfg = OmegaConf.create({"data": {"batch_size": 32}})
     def ran(step, ranks=2, codec=None):
         return [{"step_times_s": [step], "ranks": ranks, "step_time_s": step, "breakdown": codec and {"encode+decode": codec}}]
-    rows = bench.aggregate(cfg, {"compute": ran(0.10, ranks=1), "compute-parallel": ran(0.13), "ddp": ran(0.40),
-                                 "gc_fused:compressor=randk": ran(0.20, codec=0.02), "gc_fused:compressor=none": ran(0.12)})
-    assert rows[3]["step / compute"] == pytest.approx(2.0) and rows[3]["step / compute-parallel"] == pytest.approx(0.20 / 0.13)
-    assert rows[3]["speedup vs ddp"] == pytest.approx(2.0) and "speedup vs compute-parallel" not in rows[3]
+    rows = bench.aggregate(cfg, {"compute": ran(0.10, ranks=1), "compute-parallel": ran(0.13), "ddp+no-comm": ran(0.16),
+                                 "ddp": ran(0.40), "gc_fused:compressor=randk": ran(0.20, codec=0.02),
+                                 "gc_fused:compressor=none": ran(0.12)})
+    randk = rows[4]
+    assert randk["step / compute"] == pytest.approx(2.0) and randk["step / compute-parallel"] == pytest.approx(0.20 / 0.13)
+    assert randk["step / ddp+no-comm"] == pytest.approx(1.25) and "speedup vs ddp+no-comm" not in randk
+    assert randk["speedup vs ddp"] == pytest.approx(2.0) and "speedup vs compute-parallel" not in randk
     assert rows[1]["samples/s"] == pytest.approx(2 * 32 / 0.13)
     parts = bench.breakdown(rows)
-    expected = [[0.10, 0.0, 0.0, 0.0], [0.10, 0.03, 0.0, 0.0], [0.10, 0.03, 0.0, 0.27], [0.10, 0.03, 0.02, 0.05],
-                [0.10, 0.02, 0.0, 0.0]]  # the last step is shorter than compute-parallel's: no part exceeds it
-    assert [[parts[label][i] for label in parts] for i in range(5)] == [pytest.approx(row) for row in expected]
-    without_parallel = bench.breakdown([rows[0], rows[3]])
-    assert [values[1] for values in without_parallel.values()] == pytest.approx([0.10, 0.0, 0.02, 0.08])
+    assert list(parts) == ["compute (one rank alone)", "ranks sharing the machine", "ranks in step, no communication",
+                           "encode+decode", "exposed communication and the rest"]
+    expected = [[0.10, 0.0, 0.0, 0.0, 0.0], [0.10, 0.03, 0.0, 0.0, 0.0], [0.10, 0.03, 0.03, 0.0, 0.0],
+                [0.10, 0.03, 0.03, 0.0, 0.24], [0.10, 0.03, 0.03, 0.02, 0.02],
+                [0.10, 0.02, 0.0, 0.0, 0.0]]  # the last step is shorter than compute-parallel's: no part exceeds it
+    assert [[parts[label][i] for label in parts] for i in range(6)] == [pytest.approx(row) for row in expected]
+    without_parallel = bench.breakdown([rows[0], rows[4]])  # a missing ideal's part is 0; the next ones still count
+    assert [values[1] for values in without_parallel.values()] == pytest.approx([0.10, 0.0, 0.0, 0.02, 0.08])
+    without_compute = bench.breakdown([rows[2], rows[4]])
+    assert [values[1] for values in without_compute.values()] == pytest.approx([0.0, 0.0, 0.16, 0.02, 0.02])
+
+
+def _ddp_without_communication(rank, world_size):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, keep_local_gradients)
+    x = torch.full((2, 4), float(rank + 1))
+    ddp(x).square().sum().backward()
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().sum().backward()
+    return [(p.grad.clone(), q.grad.clone()) for p, q in zip(model.parameters(), reference.parameters())]
+
+
+def test_the_no_comm_baseline_keeps_each_ranks_own_gradients():
+    """``ddp+no-comm``: DDP runs as usual, but the hook sends nothing and averages nothing."""
+    ranks = run_ranks(_ddp_without_communication, 2)
+    for grads in ranks:
+        for got, local in grads:
+            assert torch.equal(got, local)
+    assert not torch.equal(ranks[0][0][0], ranks[1][0][0])  # the ranks' inputs differ, and so do their gradients
 
 
 def test_a_rank_that_dies_ends_the_run_at_once_and_its_error_is_reported(tmp_path, monkeypatch):

@@ -174,16 +174,16 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
         rest_device[j] = np.min(enc[j, j:] + dec[j, j:] + rest_device[j + 1 :])
         rest_network[j] = min(np.min(comm[j, j:-1] + rest_network[j + 1 : -1], initial=np.inf), comm[j, -1] + dec[j, -1])
 
-    def extended(labels: np.ndarray, start, stop: int) -> np.ndarray:
-        """The labels of prefixes ending at ``start`` (one per label) with the bucket of tensors
-        ``start+1..stop`` appended."""
-        encoded = labels[:, 0] + enc[start, stop - 1]
-        network = np.maximum(labels[:, 1], ready[stop - 1] + encoded) + comm[start, stop - 1]
-        return np.stack([encoded, network, labels[:, 2] + enc[start, stop - 1] + dec[start, stop - 1]], 1)
+    def extended(prefixes: np.ndarray, start: int | np.ndarray, stop: int) -> np.ndarray:
+        """The labels of prefixes (rows of ``prefixes``) ending at ``start`` (one per row, or one for
+        all) with the bucket of tensors ``start+1..stop`` appended."""
+        encoded = prefixes[:, 0] + enc[start, stop - 1]
+        network = np.maximum(prefixes[:, 1], ready[stop - 1] + encoded) + comm[start, stop - 1]
+        return np.stack([encoded, network, prefixes[:, 2] + enc[start, stop - 1] + dec[start, stop - 1]], 1)
 
-    def finished(labels: np.ndarray, start) -> np.ndarray:
+    def finished(prefixes: np.ndarray, start: int | np.ndarray) -> np.ndarray:
         """``T`` (less ``other``) of the plans that end these prefixes with one bucket of the rest."""
-        last = extended(labels, start, count)
+        last = extended(prefixes, start, count)
         return np.maximum(ready[-1] + last[:, 2], last[:, 1] + dec[start, -1])
 
     best_groups = min(_starting_plans(model.numels), key=lambda g: simulate(model, g))
