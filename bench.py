@@ -202,8 +202,8 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         axis.bar(names, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     axis.set_ylabel("median step time (s)")
-    axis.set_title("step-time breakdown (from the `compute`, `compute-parallel` and `ddp+no-comm` configurations "
-                   "and the synchroniser's telemetry)", fontsize=9)
+    axis.set_title("step-time breakdown\n(from the compute, compute-parallel and ddp+no-comm configurations "
+                   "and the synchroniser's telemetry)", fontsize=9, wrap=True)
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=7)
     figure.tight_layout()
