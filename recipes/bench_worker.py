@@ -35,6 +35,8 @@ BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "d
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
 #: configurations that exchange no gradient: bounds on a step, so ratios to them read "step / X"
 IDEALS = (*ALONE, "ddp+no-comm")
+#: bytes per gradient element that a DDP baseline's hook puts on the wire
+WIRE_BYTES = {"ddp+no-comm": 0, "ddp": 4, "ddp+fp16": 2}
 ONE_BUCKET_MB = 1 << 20  # a DDP bucket cap no model reaches (with an explicit cap the first bucket has it too)
 
 
@@ -136,8 +138,8 @@ def main(config_path: str, name: str, result_path: str) -> None:
     if trainer.is_global_zero:
         summary = dict(monitor.summary)
         elements = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        if name in ("ddp+no-comm", "ddp", "ddp+fp16"):  # what the hook puts on the wire: nothing, every gradient in fp32 or fp16
-            summary["sent_bytes_per_step"] = elements * {"ddp+no-comm": 0, "ddp": 4, "ddp+fp16": 2}[name]
+        if name in WIRE_BYTES:
+            summary["sent_bytes_per_step"] = elements * WIRE_BYTES[name]
         summary["ranks"] = ranks(name, cfg.world_size)
         with open(result_path, "w") as f:
             json.dump(summary, f)

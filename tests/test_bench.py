@@ -96,7 +96,6 @@ def test_the_breakdown_stacks_compute_sharing_lockstep_codec_and_the_rest_up_to_
 
 
 def _ddp_without_communication(rank, world_size):
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)

@@ -177,9 +177,10 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
     def extended(prefixes: np.ndarray, start: int | np.ndarray, stop: int) -> np.ndarray:
         """The labels of prefixes (rows of ``prefixes``) ending at ``start`` (one per row, or one for
         all) with the bucket of tensors ``start+1..stop`` appended."""
-        encoded = prefixes[:, 0] + enc[start, stop - 1]
+        encode = enc[start, stop - 1]  # gathered once per label
+        encoded = prefixes[:, 0] + encode
         network = np.maximum(prefixes[:, 1], ready[stop - 1] + encoded) + comm[start, stop - 1]
-        return np.stack([encoded, network, prefixes[:, 2] + enc[start, stop - 1] + dec[start, stop - 1]], 1)
+        return np.stack([encoded, network, prefixes[:, 2] + encode + dec[start, stop - 1]], 1)
 
     def finished(prefixes: np.ndarray, start: int | np.ndarray) -> np.ndarray:
         """``T`` (less ``other``) of the plans that end these prefixes with one bucket of the rest."""
