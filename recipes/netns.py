@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -55,8 +56,16 @@ def remove_all() -> None:
         _ip("link", "del", link, check=False)
 
 
+#: a rate as tc reads it: a number and a unit of bits or bytes per second, e.g. 1gbit, 100mbit, 125mbps
+RATE = re.compile(r"\d+(\.\d+)?([kmgt]i?)?(bit|bps)", re.IGNORECASE)
+
+
 def check_can_emulate(rate: str) -> None:
     """Refuse clearly, before anything starts, when the emulation cannot run here."""
+    if not RATE.fullmatch(str(rate)):
+        raise ValueError(f"net.rate = {rate!r} is invalid; allowed: a number and a unit as tc reads it "
+                         "(bit, kbit, mbit, gbit, tbit, or bps, kbps, mbps, gbps, tbps), e.g. 1gbit or 10gbit; "
+                         "or null for loopback")
     if os.geteuid() != 0:
         raise PermissionError(f"net.rate={rate} needs root (network namespaces and tc); run as root, "
                               "or leave net.rate unset to run on loopback")

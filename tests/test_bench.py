@@ -171,3 +171,6 @@ def test_bad_configs_are_refused_before_any_work(tmp_path):
     assert not (tmp_path / "run" / "runs").exists()
     done = _bench(tmp_path, "world_size=1", timeout=120)
     assert done.returncode == 2 and "world_size = 1 is invalid" in done.stderr
+    done = _bench(tmp_path, "net.rate=fast", timeout=120)
+    assert done.returncode == 2 and "net.rate = 'fast' is invalid; allowed: a number and a unit" in done.stderr
+    assert all(netns.RATE.fullmatch(rate) for rate in ("1gbit", "10Gbit", "100mbit", "2.5gbit", "125mbps", "1gibit"))
