@@ -188,30 +188,40 @@ class _LowRank(Compressor):
         return layout.index["p"].numel(), layout.index["q"].numel(), layout.dense.numel()
 
     # ---------------------------------------------------------------- factors
+    def initial_factor(self, kind: str, name: str, rows: int, rank: int) -> Tensor:
+        """A Gaussian ``[rows, rank]`` factor seeded by (seed, factor, parameter name) and, without
+        ``warm_start``, the step: the same on every rank and in every process, and without warm start
+        a fresh draw every step, as in the paper and torch's ``powerSGD_hook``."""
+        step = -1 if self._warm_start() else self.step
+        mixed = (self.options["seed"] * 1_000_003 + zlib.crc32(f"{kind}:{name}".encode())) * 1_000_033 + step + 1
+        return torch.randn(rows, rank, generator=torch.Generator().manual_seed(mixed % (2**63 - 1)))
+
     def _initial(self, kind: str, m: _Matrix) -> Tensor:
-        size = m.rows if kind == "p" else m.cols
-        # seeded by (seed, parameter name, factor): the same on every rank and in every process
-        generator = torch.Generator().manual_seed(self.options["seed"] * 1_000_003 + zlib.crc32(f"{kind}:{m.name}".encode()))
-        return torch.randn(size, m.rank, generator=generator)
+        return self.initial_factor(kind, m.name, m.rows if kind == "p" else m.cols, m.rank)
 
     def factor_batch(self, kind: str, bucket: Bucket, device: torch.device) -> Tensor:
         """This bucket's stored factors as one zero-padded batch (see :class:`_Layout`): last step's
-        (``warm_start``), a checkpoint's, or initial ones from the seed all ranks share. A batch
-        built for new buckets (a changed fusion plan) takes over the factors of the old ones by name."""
+        (``warm_start``), a checkpoint's, or initial ones from the seed all ranks share (every step
+        anew without ``warm_start``). A batch built for new buckets (a changed fusion plan) takes over
+        the factors of the old ones by name."""
         key = (kind, tuple(bucket.names))
-        if key not in self._batches:
-            layout = self.layout(bucket)
-            known = {**self.factors_by_parameter(kind), **self._restored[kind]} if self._warm_start() else {}
-            batch = torch.zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
-            for slot, m in enumerate(layout.matrices):
-                value = known.get(m.name)
-                value = self._initial(kind, m) if value is None else value
-                batch[slot, : value.shape[0], : m.rank] = value
-                self._restored[kind].pop(m.name, None)
-            names = set(bucket.names)
-            for old in [k for k in self._batches if k[0] == kind and names & set(k[1])]:
-                del self._batches[old]
-            self._batches[key] = batch.to(device)
+        warm = self._warm_start()
+        if warm and key in self._batches:
+            return self._batches[key]
+        layout = self.layout(bucket)
+        known = {**self.factors_by_parameter(kind), **self._restored[kind]} if warm else {}
+        batch = torch.zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
+        for slot, m in enumerate(layout.matrices):
+            value = known.get(m.name)
+            value = self._initial(kind, m) if value is None else value
+            batch[slot, : value.shape[0], : m.rank] = value
+            self._restored[kind].pop(m.name, None)
+        if not warm:
+            return batch.to(device)
+        names = set(bucket.names)
+        for old in [k for k in self._batches if k[0] == kind and names & set(k[1])]:
+            del self._batches[old]
+        self._batches[key] = batch.to(device)
         return self._batches[key]
 
     def _warm_start(self) -> bool:
@@ -219,7 +229,7 @@ class _LowRank(Compressor):
 
     def keep_factors(self, kind: str, bucket: Bucket, batch: Tensor, finite: Tensor) -> None:
         """Store the factors for the next step (not from a bucket holding inf/NaN; without
-        ``warm_start`` every step starts again from the initial ones)."""
+        ``warm_start`` every step draws fresh ones)."""
         if not self._warm_start():
             return
         stored = self.factor_batch(kind, bucket, batch.device)
@@ -234,6 +244,9 @@ class _LowRank(Compressor):
                 for slot, m in enumerate(layout.matrices):
                     out[m.name] = batch[slot, : m.rows if kind == "p" else m.cols, : m.rank]
         return out
+
+    def keeps_error_feedback(self) -> bool:
+        return self.options["use_error_feedback"]
 
     # ---------------------------------------------------------------- shared pieces
     def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
