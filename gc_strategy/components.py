@@ -3,7 +3,8 @@
 Keyword options are routed to every selected role that declares them (``density`` to a sparsifier,
 ``beta`` to the residual memory, ...); an option that no selected role takes is an error. The
 communicator ``auto`` picks ``allreduce`` for summable payloads and ``allgather`` otherwise; an
-explicit ``allreduce`` for a compressor whose payloads cannot be summed is refused.
+explicit ``allreduce`` for a compressor whose payloads cannot be summed is refused, and so is an
+error-feedback memory on a compressor that keeps its own (PowerSGD, ACP-SGD).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def build_components(
         raise ValueError(
             f"compressor '{built_compressor.name}' runs its own allreduce rounds and needs comm='allreduce' "
             f"(or 'auto'), not '{built_comm.name}'"
+        )
+    if built_compressor.keeps_error_feedback() and built_memory.local_form is not None:
+        raise ValueError(
+            f"compressor '{built_compressor.name}' keeps its own error feedback (use_error_feedback=True), and "
+            f"memory '{built_memory.name}' would stack a second loop on it; use memory='none', or "
+            "use_error_feedback=False to let the memory's feedback act instead"
         )
     if built_comm.sums and built_compressor.variable_size:
         raise ValueError(

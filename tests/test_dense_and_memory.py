@@ -177,7 +177,7 @@ def test_dgc_memory_clipping_and_non_finite_guard():
 
 @pytest.mark.parametrize("name, memory", [("none", "none"), ("fp16", "none"), ("efsignsgd", "residual"),
                                           ("qsgd", "residual"), ("signsgd", "none"), ("powersgd", "none"),
-                                          ("acpsgd", "residual")])
+                                          ("acpsgd", "none")])
 def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor(name, memory):
     """The engine's exchange start hands over the bucket's gradient buffer: the average comes back in
     it, equal to what the same exchange returns into a tensor of its own (a twin, one process; under

@@ -39,6 +39,17 @@ def test_incompatible_communicator_is_refused():
     assert build_components(compressor=Unsummable()).communicator.name == "allgather"
 
 
+@pytest.mark.parametrize("compressor", ["powersgd", "acpsgd"])
+@pytest.mark.parametrize("memory", ["residual", "dgc"])
+def test_a_second_error_feedback_loop_is_refused(compressor, memory):
+    with pytest.raises(ValueError, match=f"compressor '{compressor}' keeps its own error feedback .* memory '{memory}' "
+                                         "would stack a second loop on it; use memory='none', or use_error_feedback=False"):
+        GCFusedStrategy(compressor=compressor, memory=memory)
+    # either loop alone is fine
+    assert GCFusedStrategy(compressor=compressor).components.memory.name == "none"
+    assert GCFusedStrategy(compressor=compressor, memory=memory, use_error_feedback=False).components.memory.name == memory
+
+
 def test_auto_communicator_and_option_routing():
     components = build_components(compressor="fp16", memory="residual", beta=0.5, fusion="groups:3")
     assert components.communicator.name == "allreduce"

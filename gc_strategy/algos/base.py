@@ -63,6 +63,11 @@ class Compressor(BucketState):
         """A torch generator seeded by :meth:`seed_for`."""
         return torch.Generator(device=device).manual_seed(self.seed_for(bucket, shared))
 
+    def keeps_error_feedback(self) -> bool:
+        """Whether this compressor keeps its own error feedback (PowerSGD's ``e``): an error-feedback
+        memory on top of it would be a second loop, and is refused."""
+        return False
+
     def pop_metrics(self) -> dict[str, float]:
         """Method-specific telemetry accumulated since the last call (e.g. achieved density)."""
         return {}
