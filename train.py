@@ -55,6 +55,8 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
         fusion=fusion_spec(cfg.fusion),
         start_method=cfg.trainer.start_method,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
+        find_unused_parameters=cfg.trainer.find_unused_parameters,
+        broadcast_buffers=cfg.trainer.broadcast_buffers,
         **options,
     )
 

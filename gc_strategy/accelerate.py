@@ -19,9 +19,12 @@ gives the model a ``no_sync()`` so that ``accelerator.accumulate`` / ``accelerat
 synchronisation on micro-batches that do not step; wraps ``forward`` in ``accelerator.autocast()``
 under mixed precision (as Accelerate does for the models it wraps); registers the compression state
 (error feedback, factors, the fusion plan) for ``accelerator.save_state`` / ``load_state``, gathered
-from every rank into the main process's file; then hands the model and the other objects to
+from every rank into the main process's file; broadcasts rank 0's buffers before forwards as DDP
+does (``broadcast_buffers``); then hands the model and the other objects to
 ``accelerator.prepare`` (which places optimizers, schedulers and data loaders as usual, and keeps
-the model as it is). The synchroniser is ``model.gc_synchronizer``.
+the model as it is). The synchroniser is ``model.gc_synchronizer``. DDP's ``find_unused_parameters`` and
+``broadcast_buffers`` come from the accelerator's ``DistributedDataParallelKwargs`` handler where one
+is given, or from the arguments of the same names.
 """
 
 from __future__ import annotations
@@ -61,10 +64,14 @@ def prepare(
     memory: Union[str, Memory] = "none",
     comm: Union[str, Communicator] = "auto",
     fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+    find_unused_parameters: bool | None = None,
+    broadcast_buffers: bool | None = None,
     **options: Any,
 ) -> Any:
     """Like ``accelerator.prepare(model, *objects)``, with compressed fused gradient synchronisation
-    in place of DDP. Returns what ``accelerator.prepare`` returns (the model first)."""
+    in place of DDP. Returns what ``accelerator.prepare`` returns (the model first).
+    ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
+    else DDP's defaults False and True) mean what they mean for DDP."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if kind not in SUPPORTED:
         raise ValueError(
@@ -75,10 +82,18 @@ def prepare(
     if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
         raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
     components = build_components(compressor, memory, comm, fusion, **options)
+    handler = getattr(accelerator, "ddp_handler", None)
+    if find_unused_parameters is None:
+        find_unused_parameters = getattr(handler, "find_unused_parameters", False)
+    if broadcast_buffers is None:
+        broadcast_buffers = getattr(handler, "broadcast_buffers", True)
     model = model.to(accelerator.device)
     synchronizer = GradientSynchronizer(
-        model, components.compressor, components.memory, components.communicator, components.fusion
+        model, components.compressor, components.memory, components.communicator, components.fusion,
+        find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
     )
+    model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
+    model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
     if accelerator.mixed_precision in ("fp16", "bf16"):
         forward = model.forward
 

@@ -4,29 +4,43 @@ It replaces ``DistributedDataParallel`` for any ``nn.Module`` and process group 
 One synchronised backward (DESIGN.md §One training step):
 
 1. Each trainable parameter's post-accumulate-grad hook copies its gradient into its bucket's flat
-   buffer. The first hook of a backward queues the end-of-backward callback.
+   buffer. The first hook of a backward queues the end-of-backward callback on autograd's current
+   graph task. Where that task is a nested (reentrant) backward, e.g. inside
+   ``torch.utils.checkpoint(..., use_reentrant=True)``, the callback does not finish the step: it
+   re-queues itself on the enclosing backward once the node running the nested one returns, so the
+   step finishes exactly once, at the end of the outermost backward.
 2. When bucket ``k`` is complete and buckets ``0..k-1`` have been launched, bucket ``k`` launches:
    ``memory.compensate -> compressor.encode -> communicator`` (asynchronous; on CUDA on a side stream
    that waits for the compute stream). After its first collective is issued, if the bucket holds
    at least ``EAGER_AFTER_BYTES``, earlier buckets waiting on an eager round (``Round.eager``: a
    length handshake, PowerSGD's P) are advanced, so their next collective is issued during
    backward, at the same point on every rank.
-3. End of backward: launch what is left (parameters that got no gradient contribute zeros), advance
-   the eager rounds once more, then every bucket's exchange to completion in bucket order (later
-   rounds of multi-round methods are issued here, in that order), decode, average, ``memory.update``
-   (skipped for buckets holding inf/NaN), and make each ``param.grad`` a view of the averaged
-   bucket (a copy where the dtypes differ).
+3. End of backward: launch what is left (parameters that got no gradient contribute zeros), then,
+   where usage has to be known (``find_unused_parameters``, or the first step), one allreduce
+   of which parameters each rank used; advance the eager rounds once more, then every bucket's
+   exchange to completion in bucket order (later rounds of multi-round methods are issued here, in
+   that order), decode, average, ``memory.update`` (skipped for buckets holding inf/NaN), and make
+   each ``param.grad`` a view of the averaged bucket (a copy where the dtypes differ).
 
 Buckets follow reverse registration order until the first synchronised backward has recorded the
 real gradient-ready order; then rank 0's order is broadcast and every rank rebuilds its buckets
 (the way DDP rebuilds its buckets after the first iteration).
 
-Semantics worth knowing:
+Semantics, those of ``DistributedDataParallel``:
 - Frozen parameters (``requires_grad=False``) are not synchronised at all.
-- A parameter that gets no gradient on a rank contributes zeros on that rank; every rank then holds
-  the average in ``.grad``, also a rank whose ``.grad`` was ``None`` (zeros if no rank used it).
+- Unused parameters. With ``find_unused_parameters=True``, a parameter that got no gradient on a
+  rank contributes zeros there; where some rank used it, every rank holds the average in ``.grad``
+  (also a rank whose ``.grad`` was ``None``); where no rank used it, its ``.grad`` is left as it was
+  (``None`` after ``zero_grad()``, so optimizers skip it) and its error-feedback and compressor state
+  is restored to what it was before the step. With ``find_unused_parameters=False`` (the default, as
+  for DDP) a parameter without a gradient is an error: in the first step on every rank (one small
+  allreduce tells them all), later on the rank that saw it, after its exchanges completed.
 - Inside :meth:`GradientSynchronizer.no_sync` (gradient accumulation) backward launches nothing;
-  gradients accumulate locally and the next synchronised backward averages the accumulated sums.
+  gradients accumulate locally and the next synchronised backward averages the accumulated sums. A
+  parameter used in any backward since the last synchronisation counts as used.
+- Buffers (``broadcast_buffers=True``): rank 0's buffers are broadcast before a forward that follows
+  a synchronised, grad-enabled forward (call the forward inside :meth:`GradientSynchronizer.forward_pass`;
+  Lightning's strategy and the Accelerate integration do), as DDP does before its forwards.
 - Where the averaged bucket has the parameter's dtype, ``.grad`` becomes a view of it (no copy-out;
   like DDP's ``gradient_as_bucket_view``): the gradients of a bucket share one storage, the
   bucket's own gradient buffer (the exchange writes its average there), which the next backward
@@ -71,11 +85,109 @@ class _Job:
         self.result: tuple[Tensor, Tensor | None] | None = None
 
 
+class _Usage:
+    """Which parameters took part in one synchronised step, on this rank and on any rank, and what
+    ``find_unused_parameters`` makes of it (see the module's docstring).
+
+    A parameter counts as used on a rank when its gradient arrived in this backward or in a
+    ``no_sync`` backward since the last synchronisation. One that did not contributes its ``.grad``
+    where it has one (as DDP does), else zeros. Where usage across ranks must be known, one
+    allreduce of the per-parameter flags follows the launch of every bucket, at the same point of
+    the collective order on every rank.
+    """
+
+    def __init__(self, engine: "GradientSynchronizer") -> None:
+        self.engine = engine
+        self.used = [filled or (accumulated and p.grad is not None)
+                     for filled, accumulated, p in zip(engine._filled, engine._accumulated, engine.params)]
+        self.global_check = engine.find_unused_parameters or engine.ready_order is None
+        self._count: Tensor | None = None
+        self._work: Any = None
+        #: (parameter index, bucket, slot) of each parameter this rank did not use ->
+        #: {(role, state name): that state's slice before the step}
+        self._saved: dict[tuple[int, int, int], dict[tuple[int, str], Tensor]] = {}
+
+    def prepare_bucket(self, b: int) -> None:
+        """Before bucket ``b`` launches at the end of backward: fill the slots of parameters whose
+        gradient did not arrive in this backward, and keep their state for :meth:`restore_state`."""
+        engine = self.engine
+        buffer = engine.buffers[b]
+        for slot, name in enumerate(engine.buckets[b].names):
+            index = engine._index[name]
+            if engine._filled[index]:
+                continue
+            param, view = engine.params[index], engine.views[b][slot]
+            if param.grad is None:
+                view.zero_()
+            else:
+                if param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                    param.grad = param.grad.clone()  # keep it out of the exchange, which writes the buffer
+                view.copy_(param.grad)
+            if not self.used[index] and engine.find_unused_parameters:
+                self._save(index, b, slot)
+
+    def _state_slices(self, b: int, slot: int) -> dict[tuple[int, str], Tensor]:
+        """The slot's slices of every per-element state of the memory (role 0) and compressor (1)."""
+        slices = {}
+        for role_index, role in enumerate((self.engine.memory, self.engine.compressor)):
+            for state_name, per_bucket in role.buffers.items():
+                if b in per_bucket:
+                    slices[(role_index, state_name)] = self.engine.buckets[b].views(per_bucket[b])[slot]
+        return slices
+
+    def _save(self, index: int, b: int, slot: int) -> None:
+        self._saved[(index, b, slot)] = {key: view.clone() for key, view in self._state_slices(b, slot).items()}
+
+    def start_exchange(self) -> None:
+        """Issue the allreduce of the usage flags (after every bucket's launch)."""
+        if not self.global_check or self.engine.world_size == 1:
+            return
+        self._count = torch.tensor(self.used, dtype=torch.int32, device=self.engine.device)
+        self._work = dist.all_reduce(self._count, group=self.engine.group, async_op=True)
+
+    def unused_by_all(self) -> set[int]:
+        """Parameters no rank used (where that is known: with the allreduce, or at world size 1),
+        else an empty set."""
+        if self._work is not None:
+            self._work.wait()
+            return {i for i, count in enumerate(self._count.tolist()) if count == 0}
+        if self.engine.world_size == 1:
+            return {i for i, used in enumerate(self.used) if not used}
+        return set()
+
+    def restore_state(self, unused: set[int]) -> None:
+        """Put back the error-feedback and compressor state of the parameters no rank used: for
+        them the step did not happen (state created during the step starts at zero)."""
+        for (index, b, slot), saved in self._saved.items():
+            if index in unused:
+                for key, view in self._state_slices(b, slot).items():
+                    view.copy_(saved[key]) if key in saved else view.zero_()
+
+    def check(self, unused: set[int]) -> None:
+        """With ``find_unused_parameters=False``, refuse a step in which a parameter got no gradient."""
+        engine = self.engine
+        if engine.find_unused_parameters:
+            return
+        missing = sorted(unused | {i for i, used in enumerate(self.used) if not used})
+        if not missing:
+            return
+        names = ", ".join(repr(engine.names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        where = "on some rank" if unused else f"on rank {engine.comm.rank}"
+        raise RuntimeError(
+            f"find_unused_parameters=False (the default, as for DDP), but {len(missing)} parameter(s) got no "
+            f"gradient {where} in synchronised step {engine.step - 1}: {names}. Pass "
+            "find_unused_parameters=True (in Lightning: GCFusedStrategy(find_unused_parameters=True) or "
+            "strategy='gc_fused_find_unused_parameters_true'), or freeze those parameters (requires_grad=False)."
+        )
+
+
 class GradientSynchronizer:
     """Averages gradients of ``module`` across ``process_group`` through compressor, memory and
     communicator, over buckets cut by ``fusion`` (a planner or its string form, e.g. ``"groups:4"``).
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
     stream, after backward's kernels: for measuring what the overlap gains).
+    ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
+    ``DistributedDataParallel`` (see the module's docstring).
     """
 
     def __init__(
@@ -88,6 +200,8 @@ class GradientSynchronizer:
         process_group: Any = None,
         broadcast_from_rank0: bool = True,
         side_stream: bool = True,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         self.module = module
         self.compressor = compressor
@@ -95,6 +209,9 @@ class GradientSynchronizer:
         self.comm = communicator
         self.planner = parse_fusion(fusion)
         self.group = process_group
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_due = True  # broadcast the buffers before the next forward (DDP's rule)
         communicator.bind(process_group)
         compressor.world_size, compressor.rank = communicator.world_size, communicator.rank
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -118,6 +235,7 @@ class GradientSynchronizer:
         else:
             self._build(list(reversed(self.names)))
         self._enabled = True
+        self._accumulated = [False] * len(self.params)  # got a gradient inside no_sync since the last synchronisation
         self._reset_step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
 
@@ -127,12 +245,25 @@ class GradientSynchronizer:
         return self.comm.world_size
 
     def _broadcast_module_states(self) -> None:
-        if self.world_size == 1:
+        self._broadcast([*self.module.parameters(), *self.module.buffers()])
+
+    def _broadcast(self, tensors: list[Tensor]) -> None:
+        """Rank 0's values of ``tensors`` to every rank: one broadcast per dtype and device, of the
+        tensors flattened into one buffer (like DDP's coalesced broadcast)."""
+        if self.world_size == 1 or not tensors:
             return
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(tensor.detach(), src, group=self.group)
+            for same in groups.values():
+                flat = torch.cat([t.reshape(-1) for t in same])
+                dist.broadcast(flat, src, group=self.group)
+                start = 0
+                for t in same:
+                    t.copy_(flat[start : start + t.numel()].view_as(t))
+                    start += t.numel()
 
     def _build(self, order: list[str], groups: list[int] | None = None) -> None:
         """Cut ``order`` (parameter names in gradient-ready order) into buckets."""
@@ -189,6 +320,7 @@ class GradientSynchronizer:
         self._next_launch = 0
         self._jobs: list[_Job] = []
         self._recorded: list[str] = []
+        self._usage: _Usage | None = None
         self._step_telemetry = StepTelemetry()
         self.compressor.step = self.step
 
@@ -196,6 +328,8 @@ class GradientSynchronizer:
         def hook(param: Tensor) -> None:
             if self._enabled:
                 self._on_grad_ready(index, param)
+            else:
+                self._accumulated[index] = True
 
         return hook
 
@@ -205,7 +339,7 @@ class GradientSynchronizer:
             self.tuner.on_ready(index, tel.encode_s + tel.decode_s + tel.exposed_wait_s, param.grad)
         if not self._in_backward:
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
         if self._filled[index]:
             raise RuntimeError(f"the gradient of '{self.names[index]}' became ready twice in one backward")
         self._filled[index] = True
@@ -261,13 +395,30 @@ class GradientSynchronizer:
             if job.round is not None and job.round.eager:
                 self._advance(job)
 
+    def _end_of_graph_task(self) -> None:
+        """Autograd's final callback of the graph task the step's first gradient arrived in. Inside a
+        nested backward (run by the node ``_current_autograd_node()`` of an enclosing one, as
+        reentrant checkpointing does) more gradients may follow in the enclosing backward: when
+        that node returns, queue this callback again on the enclosing graph task."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            self._finish_backward()
+            return
+        handles = []
+
+        def requeue(grad_inputs: Any, grad_outputs: Any) -> None:
+            handles.pop().remove()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+
+        handles.append(node.register_hook(requeue))
+
     def _finish_backward(self) -> None:
         try:
+            self._usage = _Usage(self)
             for b in range(self._next_launch, len(self.buckets)):
-                for slot, name in enumerate(self.buckets[b].names):
-                    if not self._filled[self._index[name]]:
-                        self.views[b][slot].zero_()
+                self._usage.prepare_bucket(b)
                 self._launch(b)
+            self._usage.start_exchange()
             with self._side_stream():
                 self._advance_eager()  # the last bucket's next round travels while the others finish
                 for job in self._jobs:
@@ -275,7 +426,10 @@ class GradientSynchronizer:
                         self._advance(job)
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._apply_results()
+            unused = self._usage.unused_by_all()
+            self._apply_results(unused)
+            self._usage.restore_state(unused)
+            self._accumulated = [False] * len(self.params)
             self.step += 1
             self._step_telemetry.extra = self.compressor.pop_metrics()
             self.telemetry.record(self._step_telemetry)
@@ -283,10 +437,11 @@ class GradientSynchronizer:
                 self._adopt_recorded_order()
             if self.tuner is not None and self.tuner.recording:
                 self.tuner.on_step_end()
+            self._usage.check(unused)
         finally:
             self._reset_step()
 
-    def _apply_results(self) -> None:
+    def _apply_results(self, unused: set[int]) -> None:
         nonfinite = []
         for job in self._jobs:
             average, local = job.result
@@ -297,6 +452,8 @@ class GradientSynchronizer:
             if job.finite is not None:
                 nonfinite.append(~job.finite)
             for name, value in zip(job.bucket.names, job.bucket.views(average)):
+                if self._index[name] in unused:
+                    continue  # no rank used it: .grad stays as it was, as with DDP
                 param = self._param(name)
                 if value.dtype == param.dtype:  # the gradient becomes a view of the average: no copy
                     param.grad = value.detach()
@@ -308,6 +465,24 @@ class GradientSynchronizer:
             self._step_telemetry.nonfinite_buckets = torch.stack(nonfinite).sum()  # no host synchronisation
 
     # ------------------------------------------------------------------ public API
+    @contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """Run a forward of the module inside this context (or call :meth:`before_forward` and
+        :meth:`after_forward` around it): with ``broadcast_buffers``, rank 0's buffers are broadcast
+        first where DDP would (the previous forward was grad-enabled and synchronised, or there was none)."""
+        self.before_forward()
+        try:
+            yield
+        finally:
+            self.after_forward()
+
+    def before_forward(self) -> None:
+        if self._buffers_due and self.broadcast_buffers:
+            self._broadcast(list(self.module.buffers()))
+
+    def after_forward(self) -> None:
+        self._buffers_due = torch.is_grad_enabled() and self._enabled
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this context do not synchronise (gradient accumulation)."""
@@ -363,14 +538,12 @@ class GradientSynchronizer:
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by the same rank of a run with the same world size."""
+        """Restore a :meth:`state_dict`: one saved by this rank, or one that :func:`resharded` made
+        from the states of a run with another world size."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"gradient synchroniser state has format {state.get('format')!r}; expected {STATE_FORMAT}")
         if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"the checkpoint's compression state was saved with world size {state['world_size']}, "
-                f"this run has {self.world_size}; error-feedback state is per rank and cannot be resharded"
-            )
+            state = {**state, "auto_plan": None}  # its timings were measured with another world size: plan again
         order = state["ready_order"]
         if order is not None:
             unknown = sorted(set(order) ^ set(self.names))
@@ -401,13 +574,33 @@ def gather_rank_states(synchronizer: GradientSynchronizer) -> dict[str, Any]:
 
 
 def load_rank_state(synchronizer: GradientSynchronizer, states: dict[str, Any]) -> None:
-    """Restore this rank's entry of :func:`gather_rank_states`' result."""
-    if states["world_size"] != synchronizer.world_size:
-        raise ValueError(
-            f"the checkpoint holds compression state for {states['world_size']} ranks, this run has "
-            f"{synchronizer.world_size}; per-rank error-feedback state cannot be resharded"
-        )
-    synchronizer.load_state_dict(states["ranks"][synchronizer.comm.rank])
+    """Restore this rank's entry of :func:`gather_rank_states`' result, or, where the checkpoint was
+    saved with another world size, the :func:`resharded` state of all its ranks."""
+    if states["world_size"] == synchronizer.world_size:
+        synchronizer.load_state_dict(states["ranks"][synchronizer.comm.rank])
+    else:
+        synchronizer.load_state_dict(resharded(states["ranks"]))
+
+
+def resharded(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state every rank of a run with another world size starts from, given the ``W`` old
+    ranks' :meth:`~GradientSynchronizer.state_dict` s (README.md, "Differences from ddp"):
+
+    - per-element state of the memory and the compressor (residuals ``e_r``, momenta ``u_r``, DGC's
+      accumulation ``v_r``, PowerSGD's error): the mean ``(1/W) Σ_r e_r`` on every new rank. The
+      correction all ranks apply together, ``(1/W') Σ_r' e_r'``, is then the old one;
+    - state all ranks share (PowerSGD's and ACP-SGD's factors, the step, the gradient order, the
+      plan): rank 0's, which equals every rank's;
+    - per-rank random draws are not state: they are derived anew from (seed, step, rank);
+    - a plan measured by ``fusion="auto"`` is dropped (its timings were for ``W`` ranks), and is
+      planned again.
+    """
+    merged = dict(states[0])
+    for role in ("memory", "compressor"):
+        merged[role] = {name: {param: torch.stack([s[role][name][param].float() for s in states]).mean(0)
+                               for param in tensors}
+                        for name, tensors in states[0][role].items()}
+    return merged
 
 
 def _to_cpu(value: Any) -> Any:

@@ -2,8 +2,10 @@
 
 Lightning glue only: process-group set-up, launchers and everything else stay DDPStrategy's. The
 LightningModule runs unwrapped; :class:`~gc_strategy.engine.GradientSynchronizer` averages the
-gradients. Its per-rank state is gathered into the checkpoint that rank 0 writes (key
-``"gc_strategy"``, one entry per rank) and each rank takes its own entry back on resume.
+gradients, and each step's forward runs inside its :meth:`~gc_strategy.engine.GradientSynchronizer.forward_pass`
+(DDP's buffer broadcast). Its per-rank state is gathered into the checkpoint that rank 0 writes (key
+``"gc_strategy"``, one entry per rank) and each rank takes its own entry back on resume. DDP's
+keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists them.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from datetime import timedelta
 from typing import Any, Callable, Generator, Optional, Union
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
 
 from .algos import Compressor, Memory
 from .comm import Communicator
 from .components import Components, build_components
+from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .engine import GradientSynchronizer, gather_rank_states, load_rank_state
 from .fusion import FusionPlanner
 
@@ -32,7 +37,11 @@ class GCFusedStrategy(DDPStrategy):
         compressor, memory, comm, fusion: a registered name (with keyword ``options``) or an object;
             ``comm="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
             is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"`` (``"auto:S"``),
-            ``"file:PATH"`` or a planner.
+            ``"file:PATH"`` or a planner (default ``"bucket_mb:25"``).
+        find_unused_parameters, broadcast_buffers, bucket_cap_mb: as for ``DDPStrategy``
+            (``bucket_cap_mb=X`` is ``fusion="bucket_mb:X"``); ``gradient_as_bucket_view`` is taken
+            and has no effect (gradients are always bucket views); DDP's other arguments are refused
+            with what to use instead.
         log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
             (``None``: the Trainer's own ``log_every_n_steps``).
         **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
@@ -45,7 +54,10 @@ class GCFusedStrategy(DDPStrategy):
         compressor: Union[str, Compressor] = "none",
         memory: Union[str, Memory] = "none",
         comm: Union[str, Communicator] = "auto",
-        fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+        fusion: Union[str, FusionPlanner, None] = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: Optional[float] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list] = None,
         cluster_environment: Any = None,
@@ -57,7 +69,15 @@ class GCFusedStrategy(DDPStrategy):
         log_every_n_steps: Optional[int] = None,
         **options: Any,
     ) -> None:
-        self.components = build_components(compressor, memory, comm, fusion, **options)
+        refuse_ddp_arguments(options)
+        for key in NO_OPS:
+            options.pop(key, None)
+        for key, value in (("find_unused_parameters", find_unused_parameters), ("broadcast_buffers", broadcast_buffers)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} = {value!r} is invalid; allowed: True or False")
+        self.components = build_components(compressor, memory, comm, fusion_for(fusion, bucket_cap_mb), **options)
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -78,8 +98,7 @@ class GCFusedStrategy(DDPStrategy):
     # ---------------------------------------------------------------- model set-up
     def configure_ddp(self) -> None:
         """Install the gradient synchroniser on the unwrapped LightningModule (no DDP wrapper)."""
-        c = self.components
-        self.synchronizer = GradientSynchronizer(self.model, c.compressor, c.memory, c.communicator, c.fusion)
+        self.synchronizer = self._synchronizer(self.components)
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
@@ -92,10 +111,42 @@ class GCFusedStrategy(DDPStrategy):
         self.components = components
         if self.synchronizer is not None:
             self.synchronizer.close()
-            c = components
-            self.synchronizer = GradientSynchronizer(
-                self.model, c.compressor, c.memory, c.communicator, c.fusion, broadcast_from_rank0=broadcast_from_rank0
-            )
+            self.synchronizer = self._synchronizer(components, broadcast_from_rank0)
+
+    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> GradientSynchronizer:
+        return GradientSynchronizer(
+            self.model, c.compressor, c.memory, c.communicator, c.fusion, broadcast_from_rank0=broadcast_from_rank0,
+            find_unused_parameters=self.find_unused_parameters, broadcast_buffers=self.broadcast_buffers,
+        )
+
+    # ---------------------------------------------------------------- forward passes
+    @contextmanager
+    def _forward_pass(self) -> Generator[None, None, None]:
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.forward_pass():
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().predict_step(*args, **kwargs)
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
@@ -123,10 +174,12 @@ class GCFusedStrategy(DDPStrategy):
         with self.synchronizer.no_sync():
             yield
 
+    @override
     def teardown(self) -> None:
         if self.synchronizer is not None:
             self.synchronizer.close()
             self.synchronizer = None
+        self._pending_state = None  # a checkpoint's state applies only to the run that loaded it
         super().teardown()
 
     # ---------------------------------------------------------------- telemetry
@@ -179,7 +232,9 @@ class GCFusedStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(CHECKPOINT_KEY)
-        if state is not None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        if state is not None and fitting:  # validate/test/predict(ckpt_path=...) have no synchroniser
             if self.synchronizer is not None:
                 self._restore(state)
             else:
@@ -193,10 +248,13 @@ class GCFusedStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, start_method in (("gc_fused", "popen"), ("gc_fused_spawn", "spawn"), ("gc_fused_fork", "fork")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"compressed fused gradient synchronisation, start_method '{start_method}'",
-                    start_method=start_method,
-                )
+            for suffix, find_unused in (("", False), ("_find_unused_parameters_true", True)):
+                if name + suffix not in strategy_registry:
+                    strategy_registry.register(
+                        name + suffix,
+                        cls,
+                        description=f"compressed fused gradient synchronisation, start_method '{start_method}'"
+                                    + (", find_unused_parameters=True" if find_unused else ""),
+                        start_method=start_method,
+                        find_unused_parameters=find_unused,
+                    )

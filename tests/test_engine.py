@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
+from gc_strategy.engine import resharded
 from gc_strategy.comm import AllReduce
 from gc_strategy.fusion import FusionPlanner
 
@@ -130,14 +131,24 @@ def test_no_sync_launches_nothing_and_the_next_sync_averages_the_sum():
         assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_unused_parameters_get_zero_gradients_and_frozen_ones_are_left_alone():
+def test_unused_parameters_keep_none_and_frozen_ones_are_left_alone():
     model = SmallCNN(with_unused=True, frozen_stem=True)
-    engine = _engine(model, fusion="single")
+    c = build_components("none", "none", "auto", "single")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True)
     assert "conv1.weight" not in engine.names and "unused.weight" in engine.names
     _backward(model)
-    assert torch.equal(model.unused.weight.grad, torch.zeros_like(model.unused.weight))
+    assert model.unused.weight.grad is None and model.unused.bias.grad is None  # as DDP: untouched
     assert model.conv1.weight.grad is None
+    assert model.head.weight.grad is not None
     assert engine.telemetry.last.buckets == 1
+
+
+def test_an_unused_parameter_without_find_unused_parameters_is_an_error_naming_the_option():
+    model = SmallCNN(with_unused=True)
+    _engine(model, fusion="single")
+    with pytest.raises(RuntimeError, match=r"find_unused_parameters=True.*|'unused.weight'") as error:
+        _backward(model)
+    assert "'unused.weight'" in str(error.value) and "find_unused_parameters=True" in str(error.value)
 
 
 def test_telemetry_counts_bytes():
@@ -299,3 +310,34 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
     assert engine.order == ["head.bias", "head.weight", "conv2.weight", "conv2.bias", "bn1.weight", "bn1.bias",
                             "conv1.weight", "conv1.bias"]
     assert comm.events == expected
+
+
+def test_resharding_takes_the_mean_of_per_rank_state_and_rank_0s_shared_state():
+    """Two ranks' states (two single-process engines on different data) resharded for another world
+    size: per-element state (residuals; PowerSGD's error) is their mean, PowerSGD's shared factors
+    are rank 0's; a fresh engine loads it."""
+    states = {}
+    for compressor, memory, options in (("topk", "residual", dict(density=0.1)), ("powersgd", "none", dict(rank=1, start_iter=0))):
+        per_rank = []
+        for rank in range(2):
+            torch.manual_seed(0)
+            model = SmallCNN()
+            engine = _engine(model, compressor, memory, fusion="groups:2", **options)
+            for step in range(3):
+                _backward(model, 10 * rank + step)
+            per_rank.append(engine.state_dict())
+        states[compressor] = per_rank
+        merged = resharded(per_rank)
+        role, name = ("memory", "residual") if memory == "residual" else ("compressor", "error")
+        for param, value in merged[role][name].items():
+            expected = (per_rank[0][role][name][param] + per_rank[1][role][name][param]) / 2
+            assert torch.equal(value, expected)
+        assert any(not torch.equal(per_rank[0][role][name][p], per_rank[1][role][name][p]) for p in merged[role][name])
+        torch.manual_seed(0)
+        fresh_model = SmallCNN()
+        fresh = _engine(fresh_model, compressor, memory, fusion="groups:2", **options)
+        fresh.load_state_dict({**merged, "world_size": 3})
+        loaded = (fresh.memory if role == "memory" else fresh.compressor).state_by_parameter(fresh.buckets)[name]
+        assert all(torch.equal(loaded[p], merged[role][name][p]) for p in loaded)
+    factors = resharded(states["powersgd"])["compressor_extra"]["factors"]["q"]
+    assert all(torch.equal(q, states["powersgd"][0]["compressor_extra"]["factors"]["q"][p]) for p, q in factors.items())

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 import gc_strategy
 from gc_strategy import GCFusedStrategy
 
+from distributed import run_ranks
 from models import ParityModule, fit, flat_params
 
 pytestmark = pytest.mark.slow
@@ -66,15 +67,50 @@ def test_gradient_accumulation_syncs_only_on_stepping_micro_batches():
     assert (flat_params(module) - flat_params(reference)).abs().max() <= 1e-6
 
 
-def test_unused_and_frozen_parameters_do_not_hang():
+def test_unused_and_frozen_parameters_match_ddp_and_the_unused_keep_no_gradient():
     kwargs = dict(with_unused=True, frozen_stem=True)
-    frozen_before = ParityModule(**kwargs).net.conv1.weight.clone()
-    module = _train(GCFusedStrategy(start_method="fork", fusion="layerwise"), module_kwargs=kwargs)
+    before = ParityModule(**kwargs)
+    module = _train(GCFusedStrategy(start_method="fork", fusion="layerwise", find_unused_parameters=True),
+                    module_kwargs=kwargs)
     reference = _train("ddp_fork_find_unused_parameters_true", module_kwargs=kwargs)
-    assert torch.equal(module.net.conv1.weight, frozen_before)  # frozen: untouched, same seed
-    used = [n for n, _ in module.named_parameters() if "unused" not in n]
-    diff = max((dict(module.named_parameters())[n] - dict(reference.named_parameters())[n]).abs().max() for n in used)
+    assert torch.equal(module.net.conv1.weight, before.net.conv1.weight)  # frozen: untouched, same seed
+    assert torch.equal(module.net.unused.weight, before.net.unused.weight)  # unused: momentum never moved it
+    diff = max((a - b).abs().max() for a, b in zip(module.parameters(), reference.parameters()))
     assert diff <= 1e-6
+
+
+class ValidatedModule(ParityModule):
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_a_checkpoint_loaded_for_validation_does_not_leak_into_a_later_fit(tmp_path):
+    """``validate(ckpt_path=...)`` reads the checkpoint's compression state; the next ``fit`` on the
+    same Trainer must start fresh, as a fit on a new Trainer does. One rank, run in-process by the
+    Trainer (as under torchrun), inside a forked process that keeps Lightning's environment to itself."""
+    (state_saved, same_as_fresh), = run_ranks(_validate_then_fit, 1, str(tmp_path / "ckpt"))
+    assert state_saved  # there was error-feedback state that could leak
+    assert same_as_fresh
+
+
+def _validate_then_fit(rank, world_size, checkpoints):
+    def strategy():
+        return GCFusedStrategy(compressor="topk", memory="residual", density=0.1, fusion="single")
+
+    _train(strategy(), devices=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
+    last = os.path.join(checkpoints, "last.ckpt")
+    residual = torch.load(last, weights_only=False)["gc_strategy"]["ranks"][0]["memory"]["residual"]
+    fresh = _train(strategy(), seed=1, devices=1)
+    pl.seed_everything(1, verbose=False)
+    module = ValidatedModule()
+    trainer = pl.Trainer(strategy=strategy(), accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(ValidatedModule(), ckpt_path=last, verbose=False)
+    trainer.fit(module)
+    return any(t.abs().sum() > 0 for t in residual.values()), torch.equal(flat_params(module), flat_params(fresh))
 
 
 def test_bf16_mixed_precision_trains():
