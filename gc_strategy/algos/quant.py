@@ -115,6 +115,14 @@ def _scale_chunks_(flat: Tensor, factors: Tensor, chunk: int) -> Tensor:
     return flat
 
 
+#: elements per scale by default. A scale taken over a whole fused bucket makes the estimator's
+#: variance grow with the bucket (QSGD's bound, Alistarh et al. Lemma 3.1: E‖Q(g) − g‖² ≤
+#: min(d/s², √d/s)·‖g‖² for d elements per norm), so fusing buckets would change the method's
+#: statistics; with a fixed chunk they do not depend on the fusion plan.
+#: docs/benchmarks/quantizer_variance_cpu.md measures it on ResNet-18's gradients.
+DEFAULT_CHUNK = 512
+
+
 def _chunk_norms(flat: Tensor, chunk: int) -> Tensor:
     """The 2-norm of each ``chunk`` elements of ``flat`` (the last chunk may be short)."""
     whole = flat.numel() // chunk * chunk
@@ -128,11 +136,12 @@ class QSGD(_LevelQuantizer):
     ``q_i = sign(g_i) · (⌊s|g_i|/‖g‖⌋ + Bernoulli(frac))`` (unbiased: ``E[‖g‖ q / s] = g``).
     Codes ``q + s`` in ``[0, 2s]`` are packed in the fewest bits holding ``2s+1`` values (2 bits for
     s = 1, 4 for s ≤ 7, 8 for s ≤ 127), plus one fp32 norm per chunk of ``chunk`` elements
-    (``chunk = 0``: one norm for the whole bucket)."""
+    (``chunk = 0``: one norm for the whole bucket, whose variance grows with the bucket: see
+    :data:`DEFAULT_CHUNK`)."""
 
     OPTIONS = {
         "levels": Option(127, int, low=1, high=127, help="s"),
-        "chunk": Option(0, int, low=0, help="elements per norm (0: the whole bucket)"),
+        "chunk": Option(DEFAULT_CHUNK, int, low=0, help="elements per norm (0: the whole bucket)"),
         "seed": SEED,
     }
 
@@ -148,24 +157,44 @@ class QSGD(_LevelQuantizer):
 
 @COMPRESSORS.register("terngrad")
 class TernGrad(_LevelQuantizer):
-    """TernGrad (Wen et al., NeurIPS 2017): optionally clip ``g`` to ``±clip_sigma·σ``, then
-    ``s = max|g|`` and ``t_i = sign(g_i) · Bernoulli(|g_i|/s)`` ∈ {-1, 0, 1}, 2 bits per element
-    plus ``s``; decode ``s·t`` (unbiased for the clipped gradient; ``clip_sigma = 0`` disables
-    clipping, the paper uses 2.5). It is the one-level case of the level quantiser: codes ``t + 1``."""
+    """TernGrad (Wen et al., NeurIPS 2017): optionally clip ``g`` to ``±clip_sigma·σ``, then per
+    chunk of ``chunk`` elements ``s = max|g|`` and ``t_i = sign(g_i) · Bernoulli(|g_i|/s)`` ∈
+    {-1, 0, 1}, 2 bits per element plus one fp32 ``s`` per chunk; decode ``s·t`` (unbiased for the
+    clipped gradient; ``clip_sigma = 0`` disables clipping, the paper uses 2.5). It is the one-level
+    case of the level quantiser: codes ``t + 1``. The paper scales per layer; a fixed chunk keeps
+    the variance independent of the fusion plan (:data:`DEFAULT_CHUNK`; ``chunk = 0``: one scale
+    per bucket). σ is the bucket's sample standard deviation (with ``n − 1``)."""
 
-    OPTIONS = {"clip_sigma": Option(2.5, float, low=0.0), "seed": SEED}
+    OPTIONS = {
+        "clip_sigma": Option(2.5, float, low=0.0),
+        "chunk": Option(DEFAULT_CHUNK, int, low=0, help="elements per scale (0: the whole bucket)"),
+        "seed": SEED,
+    }
 
     def levels(self) -> int:
         return 1
 
+    def chunk(self, n: int) -> int:
+        return self.options["chunk"] or max(1, n)
+
     def scales(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
         c = self.options["clip_sigma"]
-        low, high = torch.aminmax(g)
-        top = torch.maximum(-low, high).reshape(1)  # max |g| without a bucket-sized |g|
+        top = _chunk_max_magnitudes(g, self.chunk(g.numel()))
         if c > 0 and g.numel() > 1:
             bound = c * g.std()
             return torch.minimum(top, bound), bound  # max |clip(g)| without the clipped copy
         return top, None
+
+
+def _chunk_max_magnitudes(flat: Tensor, chunk: int) -> Tensor:
+    """``max |x|`` of each ``chunk`` elements of ``flat`` (the last chunk may be short), from the
+    minimum and maximum, without a bucket-sized ``|flat|``."""
+    whole = flat.numel() // chunk * chunk
+    pieces = [flat[:whole].view(-1, chunk)] if whole else []
+    if whole < flat.numel():
+        pieces.append(flat[whole:].view(1, -1))
+    tops = [torch.maximum(-low, high) for low, high in (torch.aminmax(piece, dim=1) for piece in pieces)]
+    return torch.cat(tops)
 
 
 @COMPRESSORS.register("natural")

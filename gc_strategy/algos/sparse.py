@@ -131,7 +131,8 @@ class TopK(Sparsifier):
 
 @COMPRESSORS.register("threshold")
 class Threshold(Sparsifier):
-    """Hard threshold (as in GRACE): send every entry with ``|g| > τ``. Variable size."""
+    """Hard threshold, as in GRACE except for the boundary: send every entry with ``|g| > τ`` (GRACE
+    keeps ``|g| ≥ τ``; the two differ only on ties). Variable size."""
 
     OPTIONS = {"threshold": Option(0.01, float, low=0.0, low_open=True, help="τ")}
     variable_size = True
