@@ -179,7 +179,7 @@ def test_non_finite_gradient_never_enters_memory_and_is_flagged():
     assert not torch.isfinite(model.head.weight.grad).all()  # the step is visibly bad: a scaler skips it
 
 
-def test_state_dict_round_trip_and_refusals():
+def test_state_dict_round_trip_and_a_different_model_is_refused():
     model = SmallCNN()
     engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
     _backward(model)
@@ -191,8 +191,6 @@ def test_state_dict_round_trip_and_refusals():
     assert fresh.order == engine.order and fresh.groups == engine.groups and fresh.step == 2
     for b in engine.buckets:
         assert torch.equal(fresh.memory.buffers["residual"][b.index], engine.memory.buffers["residual"][b.index])
-    with pytest.raises(ValueError, match="saved with world size 4, this run has 1"):
-        fresh.load_state_dict({**state, "world_size": 4})
     other = _engine(Shuffled(), compressor="bf16", memory="residual")
     with pytest.raises(ValueError, match="does not match this model's parameters"):
         other.load_state_dict(state)

@@ -227,28 +227,32 @@ def test_qsgd_codes_round_to_a_neighbouring_level_without_bias(kernels, levels):
     assert float(squared_error / (draws.var(0).sum() / len(draws))) < 1.5
 
 
+@pytest.mark.parametrize("chunk", [0, 512], ids=["one scale", "512 per scale"])
 @pytest.mark.parametrize("clip_sigma", [0.0, 1.0])
-def test_terngrad_codes_are_ternary_draws_of_the_clipped_gradient(kernels, clip_sigma):
+def test_terngrad_codes_are_ternary_draws_of_the_clipped_gradient(kernels, clip_sigma, chunk):
     """TernGrad through the same kernel (one level): every decoded value is 0 or ±scale with the sign
-    of the clipped gradient, the scale is max|clip(g)|, and the mean of 200 draws approaches the
-    clipped gradient without bias."""
+    of the clipped gradient, each chunk's scale is its max|clip(g)| (``chunk=0``: one for the
+    bucket), and the mean of 200 draws approaches the clipped gradient without bias."""
     from gc_strategy.algos import COMPRESSORS
 
     bucket = _sign_bucket(kernels.device)
     g = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(7)).to(kernels.device)
-    compressor = COMPRESSORS.build("terngrad", clip_sigma=clip_sigma)
+    compressor = COMPRESSORS.build("terngrad", clip_sigma=clip_sigma, chunk=chunk)
     clipped = g.cpu().double()
     if clip_sigma:
         bound = clip_sigma * float(g.cpu().std())
         clipped = clipped.clamp(-bound, bound)
+    size = chunk or bucket.numel
+    expected = torch.stack([piece.abs().max() for piece in clipped.split(size)])
     draws = []
     for step in range(200):
         compressor.step = step
         payload = compressor.encode(g, bucket)
-        scale = float(payload[0].cpu())
-        assert scale == pytest.approx(float(clipped.abs().max()), rel=1e-6)
+        scales = payload[0].cpu().double()
+        torch.testing.assert_close(scales, expected, rtol=1e-6, atol=0)
+        per_element = scales.repeat_interleave(size)[: bucket.numel]
         decoded = compressor.decode(payload, bucket).cpu().double()
-        assert bool(((decoded == 0) | ((decoded.abs() == scale) & (decoded.sign() == clipped.sign()))).all())
+        assert bool(((decoded == 0) | ((decoded.abs() == per_element) & (decoded.sign() == clipped.sign()))).all())
         draws.append(decoded)
     draws = torch.stack(draws)
     squared_error = (draws.mean(0) - clipped).square().sum()
