@@ -18,8 +18,8 @@ from rank 0; attaches a :class:`~gc_strategy.engine.GradientSynchronizer` (never
 gives the model a ``no_sync()`` so that ``accelerator.accumulate`` / ``accelerator.no_sync`` skip
 synchronisation on micro-batches that do not step; wraps ``forward`` in ``accelerator.autocast()``
 under mixed precision (as Accelerate does for the models it wraps); registers the compression state
-(error feedback, factors, the fusion plan) for ``accelerator.save_state`` / ``load_state``, gathered
-from every rank into the main process's file; broadcasts rank 0's buffers before forwards as DDP
+(error feedback, factors, the fusion plan) for ``accelerator.save_state`` / ``load_state``, one file
+per rank (:class:`CompressionState`); broadcasts rank 0's buffers before forwards as DDP
 does (``broadcast_buffers``); then hands the model and the other objects to
 ``accelerator.prepare`` (which places optimizers, schedulers and data loaders as usual, and keeps
 the model as it is). The synchroniser is ``model.gc_synchronizer``. DDP's ``find_unused_parameters`` and
@@ -29,31 +29,45 @@ is given, or from the arguments of the same names.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Union
 
 from .algos import Compressor, Memory
 from .comm import Communicator
 from .components import build_components
-from .engine import GradientSynchronizer, gather_rank_states, load_rank_state
+from .checkpoint import load_rank_states, save_rank_states
+from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 
+#: the folder of the per-rank state files inside Accelerate's checkpoint folder
+STATE_FOLDER = "gc_state"
 #: Accelerate distributed types the engine can replace DDP in
 SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
 class CompressionState:
-    """The synchroniser's state as an Accelerate checkpointing object: ``state_dict`` gathers every
-    rank's state (Accelerate calls it on all ranks and writes the main process's copy), and
-    ``load_state_dict`` restores this rank's part."""
+    """The synchroniser's state in Accelerate's checkpoints (:mod:`gc_strategy.checkpoint`): a
+    save-state pre-hook, which Accelerate runs on every process, writes each rank's state to
+    ``<output_dir>/gc_state/rank<r>.pt``; ``state_dict`` gives the manifest that the main process
+    saves as a custom checkpoint; a load-state pre-hook names the folder that ``load_state_dict``
+    reads this rank's state from (the old ranks' mean where the world size changed)."""
 
     def __init__(self, synchronizer: GradientSynchronizer) -> None:
         self.synchronizer = synchronizer
+        self.manifest: dict[str, Any] | None = None
+        self.folder: str | None = None
 
-    def state_dict(self) -> dict[str, Any]:
-        return gather_rank_states(self.synchronizer)
+    def before_save(self, models: Any, weights: Any, output_dir: str) -> None:
+        self.manifest = save_rank_states(self.synchronizer, os.path.join(output_dir, STATE_FOLDER))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_rank_state(self.synchronizer, state)
+    def before_load(self, models: Any, input_dir: str) -> None:
+        self.folder = os.path.join(input_dir, STATE_FOLDER)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.manifest
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        load_rank_states(self.synchronizer, saved, self.folder)
 
 
 def prepare(
@@ -105,5 +119,8 @@ def prepare(
     model.gc_synchronizer = synchronizer
     model.no_sync = synchronizer.no_sync
     model._is_accelerate_prepared = True  # accelerator.prepare then registers the model without wrapping it
-    accelerator.register_for_checkpointing(CompressionState(synchronizer))
+    state = CompressionState(synchronizer)
+    accelerator.register_save_state_pre_hook(state.before_save)
+    accelerator.register_load_state_pre_hook(state.before_load)
+    accelerator.register_for_checkpointing(state)
     return accelerator.prepare(model, *objects)

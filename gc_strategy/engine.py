@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Union
+from typing import Any, Iterable, Iterator, Union
 
 import torch
 import torch.distributed as dist
@@ -561,30 +561,20 @@ class GradientSynchronizer:
         self._reset_step()
 
 
-def gather_rank_states(synchronizer: GradientSynchronizer) -> dict[str, Any]:
-    """Every rank's :meth:`~GradientSynchronizer.state_dict`, gathered on every rank (a collective:
-    call it on all ranks): ``{"world_size": W, "ranks": [state of rank 0, ...]}``. Error-feedback
-    state is per rank, so a checkpoint needs all of them."""
-    state = synchronizer.state_dict()
-    if synchronizer.world_size == 1:
-        return {"world_size": 1, "ranks": [state]}
-    states: list[Any] = [None] * synchronizer.world_size
-    dist.all_gather_object(states, state, group=synchronizer.group)
-    return {"world_size": synchronizer.world_size, "ranks": states}
-
-
 def load_rank_state(synchronizer: GradientSynchronizer, states: dict[str, Any]) -> None:
-    """Restore this rank's entry of :func:`gather_rank_states`' result, or, where the checkpoint was
-    saved with another world size, the :func:`resharded` state of all its ranks."""
+    """Restore this rank's entry of every rank's states gathered, ``{"world_size": W, "ranks":
+    [state of rank 0, ...]}`` (the format of earlier checkpoints), or, where they were saved with
+    another world size, the :func:`resharded` state of all of them."""
     if states["world_size"] == synchronizer.world_size:
         synchronizer.load_state_dict(states["ranks"][synchronizer.comm.rank])
     else:
         synchronizer.load_state_dict(resharded(states["ranks"]))
 
 
-def resharded(states: list[dict[str, Any]]) -> dict[str, Any]:
+def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The state every rank of a run with another world size starts from, given the ``W`` old
-    ranks' :meth:`~GradientSynchronizer.state_dict` s (README.md, "Differences from ddp"):
+    ranks' :meth:`~GradientSynchronizer.state_dict` s, taken one at a time (README.md, "Differences
+    from ddp"):
 
     - per-element state of the memory and the compressor (residuals ``e_r``, momenta ``u_r``, DGC's
       accumulation ``v_r``, PowerSGD's error): the mean ``(1/W) Σ_r e_r`` on every new rank. The
@@ -595,11 +585,23 @@ def resharded(states: list[dict[str, Any]]) -> dict[str, Any]:
     - a plan measured by ``fusion="auto"`` is dropped (its timings were for ``W`` ranks), and is
       planned again.
     """
-    merged = dict(states[0])
+    merged: dict[str, Any] = {}
+    count = 0
+    for state in states:
+        if not merged:
+            merged = {**state, **{role: {name: {param: value.float().clone() for param, value in tensors.items()}
+                                         for name, tensors in state[role].items()}
+                                  for role in ("memory", "compressor")}}
+        else:
+            for role in ("memory", "compressor"):
+                for name, tensors in merged[role].items():
+                    for param, total in tensors.items():
+                        total.add_(state[role][name][param])
+        count += 1
     for role in ("memory", "compressor"):
-        merged[role] = {name: {param: torch.stack([s[role][name][param].float() for s in states]).mean(0)
-                               for param in tensors}
-                        for name, tensors in states[0][role].items()}
+        for tensors in merged[role].values():
+            for total in tensors.values():
+                total.div_(count)
     return merged
 
 

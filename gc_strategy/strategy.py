@@ -3,8 +3,8 @@
 Lightning glue only: process-group set-up, launchers and everything else stay DDPStrategy's. The
 LightningModule runs unwrapped; :class:`~gc_strategy.engine.GradientSynchronizer` averages the
 gradients, and each step's forward runs inside its :meth:`~gc_strategy.engine.GradientSynchronizer.forward_pass`
-(DDP's buffer broadcast). Its per-rank state is gathered into the checkpoint that rank 0 writes (key
-``"gc_strategy"``, one entry per rank) and each rank takes its own entry back on resume. DDP's
+(DDP's buffer broadcast). Each rank writes its own synchroniser state beside the checkpoint, which
+holds a manifest under the key ``"gc_strategy"`` (:mod:`gc_strategy.checkpoint`). DDP's
 keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists them.
 """
 
@@ -24,7 +24,8 @@ from .algos import Compressor, Memory
 from .comm import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .engine import GradientSynchronizer, gather_rank_states, load_rank_state
+from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
+from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 
 CHECKPOINT_KEY = "gc_strategy"
@@ -92,7 +93,7 @@ class GCFusedStrategy(DDPStrategy):
             raise ValueError(f"log_every_n_steps = {log_every_n_steps!r} is invalid; allowed: an integer >= 1 or None")
         self.log_every_n_steps = log_every_n_steps
         self.synchronizer: Optional[GradientSynchronizer] = None
-        self._pending_state: Optional[dict[str, Any]] = None
+        self._pending_state: Optional[tuple[dict[str, Any], str]] = None  # (saved state, its folder)
         self._announced_plan: Optional[dict[str, Any]] = None
 
     # ---------------------------------------------------------------- model set-up
@@ -100,7 +101,7 @@ class GCFusedStrategy(DDPStrategy):
         """Install the gradient synchroniser on the unwrapped LightningModule (no DDP wrapper)."""
         self.synchronizer = self._synchronizer(self.components)
         if self._pending_state is not None:
-            self._restore(self._pending_state)
+            load_rank_states(self.synchronizer, *self._pending_state)
             self._pending_state = None
 
     def switch_components(self, components: Components, broadcast_from_rank0: bool = False) -> None:
@@ -221,28 +222,33 @@ class GCFusedStrategy(DDPStrategy):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     # ---------------------------------------------------------------- checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Gather every rank's synchroniser state into the checkpoint rank 0 writes."""
+        """Every rank writes its synchroniser state beside the checkpoint; rank 0's file holds the manifest."""
         if self.synchronizer is not None:
-            states = gather_rank_states(self.synchronizer)
-            if self.is_global_zero:
-                checkpoint = {**checkpoint, CHECKPOINT_KEY: states}
+            manifest = save_rank_states(self.synchronizer, state_folder(filepath))
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: manifest}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_rank_states(state_folder(filepath))
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state = checkpoint.get(CHECKPOINT_KEY)
+        saved = checkpoint.get(CHECKPOINT_KEY)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
-        if state is not None and fitting:  # validate/test/predict(ckpt_path=...) have no synchroniser
+        if saved is not None and fitting:  # validate/test/predict(ckpt_path=...) have no synchroniser
+            folder = state_folder(checkpoint_path, saved=True)
             if self.synchronizer is not None:
-                self._restore(state)
+                load_rank_states(self.synchronizer, saved, folder)
             else:
-                self._pending_state = state
+                self._pending_state = (saved, folder)
         return checkpoint
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        load_rank_state(self.synchronizer, state)
 
     # ---------------------------------------------------------------- registration
     @classmethod

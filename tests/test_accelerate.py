@@ -94,6 +94,7 @@ def test_save_state_and_load_state_resume_identically_with_residual_memory(tmp_p
     for r in range(2):
         result = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert result["difference"] == 0.0 and result["residual_norm"] > 0
+    assert sorted(p.name for p in (tmp_path / "state" / "gc_state").iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM"])

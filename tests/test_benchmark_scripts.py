@@ -34,7 +34,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
 @pytest.mark.parametrize("script,option", [
     ("compression_costs.py", "--runs"), ("convergence_digits.py", "--epochs"), ("fusion_auto.py", "--rounds"),
     ("lowrank_costs.py", "--steps"), ("lowrank_models.py", "--batch"), ("sidco_estimators.py", "--repeats"),
-    ("quantizer_variance.py", "--samples"),
+    ("quantizer_variance.py", "--samples"), ("checkpoint_memory.py", "--world-sizes"),
     ("step_overhead.py", "--rounds"),
 ])
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):

@@ -102,7 +102,7 @@ def _validate_then_fit(rank, world_size, checkpoints):
 
     _train(strategy(), devices=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
     last = os.path.join(checkpoints, "last.ckpt")
-    residual = torch.load(last, weights_only=False)["gc_strategy"]["ranks"][0]["memory"]["residual"]
+    residual = torch.load(f"{last}.gc_state/rank0.pt")["memory"]["residual"]
     fresh = _train(strategy(), seed=1, devices=1)
     pl.seed_everything(1, verbose=False)
     module = ValidatedModule()
@@ -135,11 +135,11 @@ def test_checkpoint_resume_continues_identically(tmp_path, options):
     _train(strategy(), max_epochs=1, enable_checkpointing=True,
            callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
     last = checkpoints / "last.ckpt"
-    saved = torch.load(last, weights_only=False)["gc_strategy"]
-    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
-    states = [r["memory"] if "residual" in r["memory"] else r["compressor"] for r in saved["ranks"]]
+    assert torch.load(last, weights_only=False)["gc_strategy"] == {"format": "per_rank_files", "world_size": 2}
+    ranks = [torch.load(checkpoints / "last.ckpt.gc_state" / f"rank{r}.pt") for r in range(2)]
+    states = [r["memory"] if "residual" in r["memory"] else r["compressor"] for r in ranks]
     per_rank = [next(iter(state.values())) for state in states]  # residual / error per parameter
-    assert any(not torch.equal(per_rank[0][k], per_rank[1][k]) for k in per_rank[0])  # per-rank state
+    assert any(not torch.equal(per_rank[0][k], per_rank[1][k]) for k in per_rank[0])  # each rank wrote its own
 
     # the same global seed: Lightning's DistributedSampler shuffles with it
     pl.seed_everything(0, verbose=False)
@@ -156,6 +156,37 @@ def test_checkpoint_resume_continues_identically(tmp_path, options):
     no_state = ParityModule()
     fit(no_state, strategy(), max_epochs=2, ckpt_path=str(stripped))
     assert (flat_params(no_state) - flat_params(straight)).abs().max() > 1e-6
+
+    # a checkpoint that holds every rank's state gathered (the earlier format) resumes the same way
+    gathered = tmp_path / "gathered.ckpt"
+    torch.save({**checkpoint, "gc_strategy": {"world_size": 2, "ranks": ranks}}, gathered)
+    pl.seed_everything(0, verbose=False)
+    from_gathered = ParityModule()
+    fit(from_gathered, strategy(), max_epochs=2, ckpt_path=str(gathered))
+    assert (flat_params(from_gathered) - flat_params(straight)).abs().max() <= 1e-6
+
+
+def test_removed_checkpoints_take_their_rank_states_along(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    _train(GCFusedStrategy(compressor="topk", memory="residual", density=0.1, start_method="fork"),
+           enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1)])
+    files = sorted(p.name for p in checkpoints.iterdir())
+    assert len(files) == 2 and files[1] == files[0] + ".gc_state", files  # the latest step's only
+    assert sorted(p.name for p in (checkpoints / files[1]).iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+def test_a_linked_last_checkpoint_resumes_with_its_target_s_rank_states(tmp_path):
+    def strategy():
+        return GCFusedStrategy(compressor="topk", memory="residual", density=0.1, start_method="fork")
+
+    straight = _train(strategy(), max_epochs=2)
+    checkpoints = tmp_path / "ckpt"
+    _train(strategy(), enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last="link")])
+    assert (checkpoints / "last.ckpt").is_symlink()
+    pl.seed_everything(0, verbose=False)
+    resumed = ParityModule()
+    fit(resumed, strategy(), max_epochs=2, ckpt_path=str(checkpoints / "last.ckpt"))
+    assert (flat_params(resumed) - flat_params(straight)).abs().max() <= 1e-6
 
 
 def test_telemetry_reaches_the_logger(tmp_path):

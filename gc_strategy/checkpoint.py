@@ -1,0 +1,74 @@
+"""The synchroniser's state in a checkpoint: one file per rank, written by every rank at once.
+
+Error-feedback state is per rank and as large as the gradients, so gathering it into the file rank 0
+writes would make rank 0's memory and that file grow as ``W`` × the model (64 ranks with residual
+memory for a 1B-parameter model: 256 GB). Instead each rank writes its own
+:meth:`~gc_strategy.engine.GradientSynchronizer.state_dict` to ``FOLDER/rank<r>.pt`` and the
+checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": W}``. On resume
+each rank reads its own file; with another world size each rank reads the old ranks' files one at
+a time into the running mean of :func:`~gc_strategy.engine.resharded`, so no rank holds more than
+two states at once. Checkpoints that hold every rank's state gathered (``{"world_size": W,
+"ranks": [...]}``) still load. Paths go through fsspec, as Lightning's own checkpoints do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from .engine import GradientSynchronizer, load_rank_state, resharded
+
+MANIFEST_FORMAT = "per_rank_files"
+
+
+def state_folder(checkpoint_path: Any, saved: bool = False) -> str:
+    """Where the per-rank files of the checkpoint at ``checkpoint_path`` go: beside it. For a saved
+    local checkpoint, beside the file a link points to (Lightning's ``save_last="link"``)."""
+    path = str(checkpoint_path)
+    if saved and "://" not in path:
+        path = os.path.realpath(path)
+    return f"{path}.gc_state"
+
+
+def save_rank_states(synchronizer: GradientSynchronizer, folder: str) -> dict[str, Any]:
+    """Write this rank's state to ``folder`` (call it on every rank); returns the manifest."""
+    fs = get_filesystem(folder)
+    fs.makedirs(folder, exist_ok=True)
+    with fs.open(_rank_file(folder, synchronizer.comm.rank), "wb") as f:
+        torch.save(synchronizer.state_dict(), f)
+    return {"format": MANIFEST_FORMAT, "world_size": synchronizer.world_size}
+
+
+def load_rank_states(synchronizer: GradientSynchronizer, saved: dict[str, Any], folder: str) -> None:
+    """Restore this rank's state from a manifest and its ``folder``, or from gathered states."""
+    if saved.get("format") != MANIFEST_FORMAT:
+        load_rank_state(synchronizer, saved)
+        return
+    old_world_size = saved["world_size"]
+    if old_world_size == synchronizer.world_size:
+        synchronizer.load_state_dict(_read(folder, synchronizer.comm.rank))
+    else:
+        synchronizer.load_state_dict(resharded(_read(folder, rank) for rank in range(old_world_size)))
+
+
+def remove_rank_states(folder: str) -> None:
+    fs = get_filesystem(folder)
+    if fs.exists(folder):
+        fs.rm(folder, recursive=True)
+
+
+def _rank_file(folder: str, rank: int) -> str:
+    return f"{folder}/rank{rank}.pt"
+
+
+def _read(folder: str, rank: int) -> dict[str, Any]:
+    path = _rank_file(folder, rank)
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"the checkpoint's compression state for rank {rank} is missing: {path} (it is "
+                                "written beside the checkpoint; copy the folder along with the checkpoint)")
+    with fs.open(path, "rb") as f:
+        return torch.load(f, weights_only=True)
