@@ -339,3 +339,44 @@ def test_resharding_takes_the_mean_of_per_rank_state_and_rank_0s_shared_state():
         assert all(torch.equal(loaded[p], merged[role][name][p]) for p in loaded)
     factors = resharded(states["powersgd"])["compressor_extra"]["factors"]["q"]
     assert all(torch.equal(q, states["powersgd"][0]["compressor_extra"]["factors"]["q"][p]) for p, q in factors.items())
+
+
+class CheckpointedPerLayer(nn.Module):
+    """Every layer, the head nearest the loss included, under its own activation checkpoint."""
+
+    def __init__(self, reentrant: bool, frozen_head: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4).requires_grad_(not frozen_head)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.requires_grad_()  # the reentrant mode needs an input that requires grad
+        for layer in self.layers:
+            x = checkpoint(lambda t, layer=layer: torch.relu(layer(t)), x, use_reentrant=self.reentrant)
+        return checkpoint(self.head, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["head", "frozen head"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_layers_finish_once_with_plain_gradients_at_world_size_1(reentrant, frozen_head):
+    """At world size 1 the synchronised gradients equal a plain backward's (the reference: the same
+    model without a synchroniser), and the step finishes once per backward."""
+    torch.manual_seed(0)
+    reference = CheckpointedPerLayer(reentrant, frozen_head)
+    model = CheckpointedPerLayer(reentrant, frozen_head)
+    model.load_state_dict(reference.state_dict())
+    engine = _engine(model, fusion="layerwise")
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m in (reference, model):
+            m.zero_grad(set_to_none=True)
+            m(x.clone()).square().mean().backward()
+        for a, b in zip(reference.parameters(), model.parameters()):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+                assert b.grad.abs().sum() > 0
+        assert engine.step == step + 1
