@@ -40,15 +40,24 @@ from recipes.netns import check_can_emulate, emulated_network, loopback
 
 ROOT = Path(__file__).resolve().parent
 PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
-COLUMNS = ["configuration", "status", "median step (s)", "samples/s", "bytes sent / step",
-           *(f"step / {ideal}" for ideal in IDEALS), *(f"speedup vs {b}" for b in BASELINES if b not in IDEALS)]
+COLUMNS = [
+    "configuration",
+    "status",
+    "median step (s)",
+    "samples/s",
+    "bytes sent / step",
+    *(f"step / {ideal}" for ideal in IDEALS),
+    *(f"speedup vs {b}" for b in BASELINES if b not in IDEALS),
+]
 
 
 def validate(cfg: DictConfig) -> None:
     """Every configuration and setting is checked before any process starts."""
     for name, value in (("world_size", cfg.world_size), ("rounds", cfg.rounds), ("steps", cfg.steps)):
         if not isinstance(value, int) or value < (2 if name == "world_size" else 1):
-            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= {2 if name == 'world_size' else 1}")
+            raise ValueError(
+                f"{name} = {value!r} is invalid; allowed: an integer >= {2 if name == 'world_size' else 1}"
+            )
     if not isinstance(cfg.warmup, int) or cfg.warmup < 0:
         raise ValueError(f"warmup = {cfg.warmup!r} is invalid; allowed: an integer >= 0")
     if len(set(cfg.configs)) != len(cfg.configs) or not cfg.configs:
@@ -61,7 +70,9 @@ def validate(cfg: DictConfig) -> None:
         check_can_emulate(cfg.net.rate)
 
 
-def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, port: int, out: Path, tag: str) -> dict[str, Any]:
+def run_config(
+    name: str, cfg: DictConfig, config_file: Path, network: list, port: int, out: Path, tag: str
+) -> dict[str, Any]:
     """One configuration once: its ranks as processes. Returns the summary or ``{"failed": why}``."""
     rank_count = ranks(name, cfg.world_size)
     results = [out / "runs" / (f"{tag}.json" if r == 0 else f"{tag}-rank{r}.json") for r in range(rank_count)]
@@ -70,9 +81,22 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
     for r in range(rank_count):
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONPATH": str(ROOT)}
         if name not in ALONE:
-            env.update(MASTER_ADDR=network[0].address, MASTER_PORT=str(port), NODE_RANK=str(r),
-                       WORLD_SIZE=str(rank_count), LOCAL_RANK="0", GLOO_SOCKET_IFNAME=network[r].interface)
-        command = network[r].command + [sys.executable, "-m", "recipes.bench_worker", str(config_file), name, str(results[r])]
+            env.update(
+                MASTER_ADDR=network[0].address,
+                MASTER_PORT=str(port),
+                NODE_RANK=str(r),
+                WORLD_SIZE=str(rank_count),
+                LOCAL_RANK="0",
+                GLOO_SOCKET_IFNAME=network[r].interface,
+            )
+        command = network[r].command + [
+            sys.executable,
+            "-m",
+            "recipes.bench_worker",
+            str(config_file),
+            name,
+            str(results[r]),
+        ]
         with open(logs[r], "w") as log:
             processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
@@ -88,7 +112,9 @@ def run_config(name: str, cfg: DictConfig, config_file: Path, network: list, por
         on_their_own = [r for r in failed if processes[r].returncode != -signal.SIGKILL]
         reasons = [(r, _reason(logs[r])) for r in on_their_own or failed or [0]]
         # a rank that lost its peer only reports the peer's failure: prefer the peer's own error
-        rank, reason = next(((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0])
+        rank, reason = next(
+            ((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0]
+        )
         return {"failed": f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"}
     return json.loads(results[0].read_text())
 
@@ -129,7 +155,9 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
             medians[name] = statistics.median(times)
             failures = len(results) - len(ok)
             first_failure = next((r["failed"] for r in results if "failed" in r), "")
-            row["status"] = "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds; otherwise {first_failure}"
+            row["status"] = (
+                "ok" if not failures else f"ok in {len(ok)}/{len(results)} rounds; otherwise {first_failure}"
+            )
             row["median step (s)"] = medians[name]
             row["samples/s"] = cfg.data.batch_size * ok[0]["ranks"] / medians[name]
             sent = ok[0].get("sent_bytes_per_step")  # a mean over steps: whole bytes are enough
@@ -161,9 +189,11 @@ def _cell(value: Any) -> str:
 def write_outputs(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str:
     link = f"{cfg.net.rate} per rank (netns + tc tbf)" if cfg.net.rate else "loopback"
     stem = "CIFAR 3x3" if cfg.model.get("cifar_stem") else "standard"
-    header = (f"{cfg.model.get('arch', cfg.model.recipe)} ({stem} stem), batch {cfg.data.batch_size} per rank, "
-              f"{cfg.world_size} CPU ranks x {cfg.threads_per_rank} thread, {link}; {cfg.rounds} rounds x "
-              f"{cfg.steps} measured steps after {cfg.warmup}, interleaved; medians over all rounds")
+    header = (
+        f"{cfg.model.get('arch', cfg.model.recipe)} ({stem} stem), batch {cfg.data.batch_size} per rank, "
+        f"{cfg.world_size} CPU ranks x {cfg.threads_per_rank} thread, {link}; {cfg.rounds} rounds x "
+        f"{cfg.steps} measured steps after {cfg.warmup}, interleaved; medians over all rounds"
+    )
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     table += ["| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |" for row in rows]
     markdown = header + "\n\n" + "\n".join(table) + "\n"
@@ -202,8 +232,12 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         axis.bar(names, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     axis.set_ylabel("median step time (s)")
-    axis.set_title("step-time breakdown\n(from the compute, compute-parallel and ddp+no-comm configurations "
-                   "and the synchroniser's telemetry)", fontsize=9, wrap=True)
+    axis.set_title(
+        "step-time breakdown\n(from the compute, compute-parallel and ddp+no-comm configurations "
+        "and the synchroniser's telemetry)",
+        fontsize=9,
+        wrap=True,
+    )
     axis.legend(fontsize=8)
     axis.tick_params(axis="x", labelsize=7)
     figure.tight_layout()
@@ -219,9 +253,13 @@ def breakdown(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     communication, waiting, bookkeeping). A part without its baseline in ``rows`` is 0; no part
     exceeds what is left of the step."""
     ideal = {row["configuration"]: row["median step (s)"] for row in rows if row["configuration"] in IDEALS}
-    parts: dict[str, list[float]] = {"compute (one rank alone)": [], "ranks sharing the machine": [],
-                                     "ranks in step, no communication": [], "encode+decode": [],
-                                     "exposed communication and the rest": []}
+    parts: dict[str, list[float]] = {
+        "compute (one rank alone)": [],
+        "ranks sharing the machine": [],
+        "ranks in step, no communication": [],
+        "encode+decode": [],
+        "exposed communication and the rest": [],
+    }
     for row in rows:
         step, levels = row["median step (s)"], [0.0]
         for name in IDEALS:  # each ideal bounds the step from below, and each includes the one before
@@ -239,13 +277,21 @@ def log_to_wandb(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str 
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(project=cfg.logger.project, mode=cfg.logger.mode, dir=str(out), name="bench",
-                     config=OmegaConf.to_container(cfg, resolve=True), job_type="benchmark")
-    run.log({
-        "bench/results": wandb.Table(columns=COLUMNS, data=[[_cell(row.get(c)) for c in COLUMNS] for row in rows]),
-        "bench/speedup": wandb.Image(str(out / "speedup.png")),
-        "bench/breakdown": wandb.Image(str(out / "breakdown.png")),
-    })
+    run = wandb.init(
+        project=cfg.logger.project,
+        mode=cfg.logger.mode,
+        dir=str(out),
+        name="bench",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        job_type="benchmark",
+    )
+    run.log(
+        {
+            "bench/results": wandb.Table(columns=COLUMNS, data=[[_cell(row.get(c)) for c in COLUMNS] for row in rows]),
+            "bench/speedup": wandb.Image(str(out / "speedup.png")),
+            "bench/breakdown": wandb.Image(str(out / "breakdown.png")),
+        }
+    )
     directory = run.dir
     run.finish()
     return directory
@@ -258,8 +304,11 @@ def benchmark(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
     config_file = out / "bench_config.yaml"
     OmegaConf.save(cfg, config_file, resolve=True)
     runs: dict[str, list[dict]] = {name: [] for name in cfg.configs}
-    network = (emulated_network(cfg.world_size, cfg.net.rate, cfg.net.burst, cfg.net.latency) if cfg.net.rate
-               else loopback(cfg.world_size))
+    network = (
+        emulated_network(cfg.world_size, cfg.net.rate, cfg.net.burst, cfg.net.latency)
+        if cfg.net.rate
+        else loopback(cfg.world_size)
+    )
     port = 29400 + os.getpid() % 500
     with network as links:
         for round_index in range(cfg.rounds):
@@ -269,7 +318,10 @@ def benchmark(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
                 started = time.monotonic()
                 result = run_config(name, cfg, config_file, links, port, out, tag)
                 state = result.get("failed") or f"median {result['step_time_s']:.3f} s"
-                print(f"[round {round_index + 1}/{cfg.rounds}] {name}: {state} ({time.monotonic() - started:.0f} s)", flush=True)
+                print(
+                    f"[round {round_index + 1}/{cfg.rounds}] {name}: {state} ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
                 runs[name].append(result)
     return aggregate(cfg, runs)
 
@@ -286,8 +338,10 @@ def main(cfg: DictConfig) -> None:
     markdown = write_outputs(cfg, rows, out)
     print("\n" + markdown)
     directory = log_to_wandb(cfg, rows, out)
-    print(f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'speedup.png'}, {out / 'breakdown.png'}"
-          + (f"\nW&B run: {Path(directory).parent}" if directory else ""))
+    print(
+        f"results: {out / 'results.md'}, {out / 'results.csv'}, {out / 'speedup.png'}, {out / 'breakdown.png'}"
+        + (f"\nW&B run: {Path(directory).parent}" if directory else "")
+    )
 
 
 if __name__ == "__main__":

@@ -100,8 +100,13 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
         from lightning.pytorch.loggers import WandbLogger
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        return WandbLogger(project=cfg.logger.project, name=run_name, save_dir=str(output_dir), mode=cfg.logger.mode,
-                           config=OmegaConf.to_container(cfg, resolve=True))
+        return WandbLogger(
+            project=cfg.logger.project,
+            name=run_name,
+            save_dir=str(output_dir),
+            mode=cfg.logger.mode,
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
     if kind == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
@@ -122,7 +127,9 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     module, data = build_recipe(cfg, cfg.seed)
     run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"
     checkpoints = output_dir / "checkpoints"
-    monitor = ThroughputMonitor(cfg.data.batch_size, str(output_dir), cfg.speedup.baseline_steps, cfg.speedup.warmup_steps)
+    monitor = ThroughputMonitor(
+        cfg.data.batch_size, str(output_dir), cfg.speedup.baseline_steps, cfg.speedup.warmup_steps
+    )
     trainer = pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -134,8 +141,11 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         log_every_n_steps=t.log_every_n_steps,
         strategy=strategy,
         logger=build_logger(cfg, output_dir, run_name),
-        callbacks=[monitor, *build_lowrank(cfg, module),
-                   ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps)],
+        callbacks=[
+            monitor,
+            *build_lowrank(cfg, module),
+            ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps),
+        ],
     )
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     summary_file = output_dir / "summary.json"
@@ -159,11 +169,15 @@ def main(cfg: DictConfig) -> None:
             verdict = f"{estimate:.2f}x (timeline-model estimate; set speedup.baseline_steps=N to measure it)"
         else:
             verdict = "not measured (set speedup.baseline_steps=N, or fusion=auto for an estimate)"
-        print(f"\nmedian step {summary['step_time_s']:.3f} s, {summary['throughput_samples_per_s']:.1f} samples/s, "
-              f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: {verdict}")
+        print(
+            f"\nmedian step {summary['step_time_s']:.3f} s, {summary['throughput_samples_per_s']:.1f} samples/s, "
+            f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: {verdict}"
+        )
         if "auto_plan_buckets" in summary:
-            print(f"fusion=auto plan: {summary['auto_plan_buckets']} buckets, predicted step "
-                  f"{summary['auto_plan_predicted_step_s']:.3f} s")
+            print(
+                f"fusion=auto plan: {summary['auto_plan_buckets']} buckets, predicted step "
+                f"{summary['auto_plan_predicted_step_s']:.3f} s"
+            )
         if "wandb_dir" in summary:
             print(f"W&B run: {Path(summary['wandb_dir']).parent}")
         print(f"checkpoints: {output_dir / 'checkpoints'}\nsummary: {output_dir / 'summary.json'}")

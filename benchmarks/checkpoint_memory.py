@@ -23,11 +23,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cli import integer_at_least
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
 from gc_strategy.checkpoint import save_rank_states
-from cli import integer_at_least
 
 METHODS = ("per-rank files", "gathered")
 
@@ -49,6 +49,12 @@ def _peak_during(action) -> float:
     return (_status_kb("VmHWM") - before) / 1024
 
 
+def _gather(synchronizer: GradientSynchronizer, world_size: int) -> None:
+    """Every rank's state gathered on every rank, as one checkpoint file holding them all needs."""
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, synchronizer.state_dict())
+
+
 def _rank(rank: int, world_size: int, init_file: str, state_mb: int, folder: str, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -64,12 +70,11 @@ def _rank(rank: int, world_size: int, init_file: str, state_mb: int, folder: str
         for method in METHODS:
             dist.barrier()
             if method == "per-rank files":
-                peak = _peak_during(lambda: save_rank_states(synchronizer, os.path.join(folder, f"w{world_size}")))
+                peaks[method] = _peak_during(
+                    lambda: save_rank_states(synchronizer, os.path.join(folder, f"w{world_size}"))
+                )
             else:
-                gathered: list = [None] * world_size
-                peak = _peak_during(lambda: dist.all_gather_object(gathered, synchronizer.state_dict()))
-                del gathered
-            peaks[method] = peak
+                peaks[method] = _peak_during(lambda: _gather(synchronizer, world_size))
         if rank == 0:
             queue.put((layers * width * width * 4 / 2**20, peaks))
     finally:
@@ -82,8 +87,9 @@ def measure(world_size: int, state_mb: int) -> tuple[float, dict[str, float]]:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank, args=(r, world_size, init_file, state_mb, tmp, queue))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, world_size, init_file, state_mb, tmp, queue)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         result = queue.get(timeout=600)

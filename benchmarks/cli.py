@@ -4,7 +4,7 @@ option, the value and what is allowed, before any work starts (not a traceback a
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

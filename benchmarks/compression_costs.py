@@ -22,18 +22,24 @@ import statistics
 import time
 
 import torch
+from cli import add_device_option, integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
 from gc_strategy.fusion.auto import time_exchange
-from cli import add_device_option, integer_at_least
 
 #: memory and options each compressor is usually run with
 USUAL = {
-    "topk": ("residual", {"density": 0.01}), "randk": ("residual", {"density": 0.01}),
-    "dgc": ("dgc", {"density": 0.01}), "threshold": ("residual", {}), "sidco": ("residual", {"density": 0.01}),
-    "qsgd": ("none", {"levels": 127}), "onebit": ("residual", {}), "efsignsgd": ("residual", {}),
-    "powersgd": ("none", {"rank": 4, "start_iter": 0}), "acpsgd": ("none", {"rank": 4, "start_iter": 0}),
+    "topk": ("residual", {"density": 0.01}),
+    "randk": ("residual", {"density": 0.01}),
+    "dgc": ("dgc", {"density": 0.01}),
+    "threshold": ("residual", {}),
+    "sidco": ("residual", {"density": 0.01}),
+    "qsgd": ("none", {"levels": 127}),
+    "onebit": ("residual", {}),
+    "efsignsgd": ("residual", {}),
+    "powersgd": ("none", {"rank": 4, "start_iter": 0}),
+    "acpsgd": ("none", {"rank": 4, "start_iter": 0}),
 }
 PLANS = ("layerwise", "single", "bucket_mb:25")
 
@@ -123,10 +129,15 @@ def copy_bandwidth(device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(parser)
-    parser.add_argument("--models", nargs="+", default=["resnet50", "resnet101", "bert-base"],
-                        choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "bert-base"])
-    parser.add_argument("--compressors", nargs="+", default=[n for n in COMPRESSORS.names() if n != "none"],
-                        choices=COMPRESSORS.names())
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["resnet50", "resnet101", "bert-base"],
+        choices=["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "bert-base"],
+    )
+    parser.add_argument(
+        "--compressors", nargs="+", default=[n for n in COMPRESSORS.names() if n != "none"], choices=COMPRESSORS.names()
+    )
     parser.add_argument("--batch", type=integer_at_least(1), default=8)
     parser.add_argument("--image-size", type=integer_at_least(1), default=224)
     parser.add_argument("--runs", type=integer_at_least(1), default=5)
@@ -141,7 +152,10 @@ def main() -> None:
         elements = sum(p.numel() for p in model.parameters())
         tensors = sum(1 for _ in model.parameters())
         print(f"### {model_name}: {tensors} tensors, {elements:,} elements\n")
-        print("| compressor | layerwise (ms) | single bucket (ms) | bucket_mb:25 (ms) | auto plan (ms) | auto buckets | floor (ms) |")
+        print(
+            "| compressor | layerwise (ms) | single bucket (ms) | bucket_mb:25 (ms) | auto plan (ms) "
+            "| auto buckets | floor (ms) |"
+        )
         print("|---|---|---|---|---|---|---|")
         profiles = []
         for compressor in args.compressors:
@@ -152,7 +166,9 @@ def main() -> None:
                 cells.append(f"{1000 * seconds:.2f}")
             memory = USUAL.get(compressor, ("none", {}))[0]
             moved = 4 * elements + (8 * elements if memory != "none" else 0) + sent + 4 * elements
-            print(f"| {compressor} | {' | '.join(cells)} | {len(buckets)} | {1000 * moved / bandwidth:.2f} |", flush=True)
+            print(
+                f"| {compressor} | {' | '.join(cells)} | {len(buckets)} | {1000 * moved / bandwidth:.2f} |", flush=True
+            )
             if args.profile:
                 profiles.append((compressor, profile_plan(compressor, *buckets_of(model, loss, compressor, "single"))))
         print()

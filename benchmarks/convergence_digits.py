@@ -22,11 +22,11 @@ import tempfile
 
 import lightning.pytorch as pl
 import torch
+from cli import integer_at_least
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gc_strategy
-from cli import integer_at_least
 
 #: (label, strategy options, learning rate, optimizer momentum)
 METHODS = [
@@ -64,8 +64,15 @@ class DigitsCNN(pl.LightningModule):
     def __init__(self, lr: float, momentum: float, epochs: int, report: str) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), nn.Linear(64, 10),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 16, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
         )
         self.lr, self.momentum, self.epochs, self.report = lr, momentum, epochs, report
 
@@ -103,8 +110,14 @@ def train(options: dict, lr: float, momentum: float, epochs: int, seed: int) -> 
     module = DigitsCNN(lr, momentum, epochs, report)
     strategy = gc_strategy.GCFusedStrategy(start_method="fork", **options)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module)
     with open(report) as f:
@@ -116,8 +129,10 @@ def train(options: dict, lr: float, momentum: float, epochs: int, seed: int) -> 
 def run_all(epochs: int, seed: int = 0, only: list[str] | None = None) -> dict[str, dict]:
     """Train "none" and every method whose label starts with one of ``only`` (all when None)."""
     chosen = [m for m in METHODS if only is None or m[0] == "none" or any(m[0].startswith(o) for o in only)]
-    return {label: dict(train(options, lr, momentum, epochs, seed), lr=lr, momentum=momentum)
-            for label, options, lr, momentum in chosen}
+    return {
+        label: dict(train(options, lr, momentum, epochs, seed), lr=lr, momentum=momentum)
+        for label, options, lr, momentum in chosen
+    }
 
 
 def main() -> None:
@@ -134,8 +149,10 @@ def main() -> None:
     for label, r in results.items():
         delta = 100 * (r["accuracy"] - baseline)
         verdict = (" ✓" if delta >= -2 else " ✗ (> 2 points below none)") if label in ERROR_FEEDBACK else ""
-        print(f"| {label} | {r['lr']}, {r['momentum']} | {100 * r['accuracy']:.1f}% | {delta:+.1f}{verdict} | "
-              f"{r['sent_bytes_per_step']:,.0f} | {r['compression_ratio']:.1f} |")
+        print(
+            f"| {label} | {r['lr']}, {r['momentum']} | {100 * r['accuracy']:.1f}% | {delta:+.1f}{verdict} | "
+            f"{r['sent_bytes_per_step']:,.0f} | {r['compression_ratio']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

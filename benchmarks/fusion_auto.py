@@ -22,11 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cli import integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS, MEMORIES, GradientSynchronizer, build_components
 from gc_strategy.fusion import CostModel, best_plan, simulate
-from cli import integer_at_least
 
 FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
 
@@ -50,7 +50,10 @@ def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None
 
     plans = ["auto", *FIXED]
     generator = torch.Generator().manual_seed(rank)
-    batch = (torch.randn(args.batch_size, 3, 32, 32, generator=generator), torch.randint(0, 10, (args.batch_size,), generator=generator))
+    batch = (
+        torch.randn(args.batch_size, 3, 32, 32, generator=generator),
+        torch.randint(0, 10, (args.batch_size,), generator=generator),
+    )
     runs = {}
     for plan in plans:
         torch.manual_seed(0)
@@ -74,11 +77,19 @@ def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None
     if rank == 0:
         report = auto_engine.plan_report
         model = CostModel.from_dict(report["cost_model"])
-        results.put({
-            "report": report,
-            "rows": {plan: (len(runs[plan][1].groups), statistics.median(times[plan]),
-                            simulate(model, runs[plan][1].groups)) for plan in plans},
-        })
+        results.put(
+            {
+                "report": report,
+                "rows": {
+                    plan: (
+                        len(runs[plan][1].groups),
+                        statistics.median(times[plan]),
+                        simulate(model, runs[plan][1].groups),
+                    )
+                    for plan in plans
+                },
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -120,23 +131,42 @@ def main() -> None:
             p.join()
     rows, report = out["rows"], out["report"]
     best_fixed = min(measured for plan, (_, measured, _) in rows.items() if plan != "auto")
-    print(f"\nResNet-18, 2 CPU ranks, compressor={args.compressor} memory={args.memory}, batch {args.batch_size}/rank, "
-          f"{args.rounds} rounds x {args.steps} steps\n")
-    print("| plan | buckets | measured step (s, median) | predicted (s) | predicted / measured | measured / best fixed |")
+    print(
+        f"\nResNet-18, 2 CPU ranks, compressor={args.compressor} memory={args.memory}, batch {args.batch_size}/rank, "
+        f"{args.rounds} rounds x {args.steps} steps\n"
+    )
+    print(
+        "| plan | buckets | measured step (s, median) | predicted (s) | predicted / measured | measured / best fixed |"
+    )
     print("|---|---|---|---|---|---|")
     for plan, (buckets, measured, predicted) in rows.items():
-        print(f"| {plan} | {buckets} | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} | {measured / best_fixed:.3f} |")
-    print("\nInside the auto run, before the benchmark: the plans it tried and the fitted model's times "
-          f"(compression costs x{report['compression_cost_scale']:.2f}, communication x{report['communication_cost_scale']:.2f})\n")
+        print(
+            f"| {plan} | {buckets} | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} "
+            f"| {measured / best_fixed:.3f} |"
+        )
+    print(
+        "\nInside the auto run, before the benchmark: the plans it tried and the fitted model's times "
+        f"(compression costs x{report['compression_cost_scale']:.2f}, "
+        f"communication x{report['communication_cost_scale']:.2f})\n"
+    )
     print("| plan tried | buckets | measured step (s) | fitted model (s) |")
     print("|---|---|---|---|")
     for trial in report["trials"]:
-        print(f"| {trial['plan']} | {len(trial['groups'])} | {trial['measured_step_s']:.3f} | {trial['predicted_step_s']:.3f} |")
-    print(f"| searched plan | {len(report['searched_groups'])} | {report['searched_measured_step_s']:.3f} | "
-          f"{simulate(CostModel.from_dict(report['cost_model']), report['searched_groups']):.3f} |")
-    print(f"\nauto kept the plan chosen by {report['chosen_by']}: {report['buckets']} buckets of {report['bucket_mb']} MB; "
-          f"profiling and fitting took {report['profile_s']:.1f} s, "
-          f"the search {1000 * report['search_s']:.1f} ms; predicted fp32 allreduce step: {report['predicted_fp32_allreduce_s']:.3f} s")
+        print(
+            f"| {trial['plan']} | {len(trial['groups'])} | {trial['measured_step_s']:.3f} "
+            f"| {trial['predicted_step_s']:.3f} |"
+        )
+    print(
+        f"| searched plan | {len(report['searched_groups'])} | {report['searched_measured_step_s']:.3f} | "
+        f"{simulate(CostModel.from_dict(report['cost_model']), report['searched_groups']):.3f} |"
+    )
+    print(
+        f"\nauto kept the plan chosen by {report['chosen_by']}: "
+        f"{report['buckets']} buckets of {report['bucket_mb']} MB; "
+        f"profiling and fitting took {report['profile_s']:.1f} s, "
+        f"the search {1000 * report['search_s']:.1f} ms; "
+        f"predicted fp32 allreduce step: {report['predicted_fp32_allreduce_s']:.3f} s"
+    )
     count, seconds = resnet101_search_seconds(CostModel.from_dict(report["cost_model"]))
     print(f"exact search over ResNet-101's {count} tensors with these costs: {1000 * seconds:.0f} ms")
 

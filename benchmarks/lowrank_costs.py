@@ -14,10 +14,10 @@ import argparse
 import statistics
 
 import torch
+from cli import integer_at_least
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
-from cli import integer_at_least
 
 
 def resnet(name: str) -> nn.Module:
@@ -45,7 +45,11 @@ def measure(model_name: str, compressor: str, rank: int, steps: int) -> dict:
             times.append(t.encode_s + t.decode_s)
             sent.append(t.sent_bytes)
     raw = engine.telemetry.last.raw_bytes
-    return {"ms": 1000 * statistics.median(times), "sent": statistics.median(sent), "ratio": raw / statistics.median(sent)}
+    return {
+        "ms": 1000 * statistics.median(times),
+        "sent": statistics.median(sent),
+        "ratio": raw / statistics.median(sent),
+    }
 
 
 def main() -> None:
@@ -54,14 +58,20 @@ def main() -> None:
     parser.add_argument("--threads", type=integer_at_least(1), default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print("| model | rank | PowerSGD bytes/step | ratio | ACP-SGD bytes/step (mean of P and Q steps) | ratio | PowerSGD enc+dec (ms) | ACP-SGD enc+dec (ms) |")
+    print(
+        "| model | rank | PowerSGD bytes/step | ratio | ACP-SGD bytes/step (mean of P and Q steps) | ratio "
+        "| PowerSGD enc+dec (ms) | ACP-SGD enc+dec (ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for model_name in ("resnet18", "resnet50"):
         for rank in (1, 2, 4, 8):
             power = measure(model_name, "powersgd", rank, args.steps)
             acp = measure(model_name, "acpsgd", rank, args.steps)
-            print(f"| {model_name} | {rank} | {power['sent']:,.0f} | {power['ratio']:.0f} | {acp['sent']:,.0f} | "
-                  f"{acp['ratio']:.0f} | {power['ms']:.1f} | {acp['ms']:.1f} |", flush=True)
+            print(
+                f"| {model_name} | {rank} | {power['sent']:,.0f} | {power['ratio']:.0f} | {acp['sent']:,.0f} | "
+                f"{acp['ratio']:.0f} | {power['ms']:.1f} | {acp['ms']:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

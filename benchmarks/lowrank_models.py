@@ -15,11 +15,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cli import integer_at_least  # noqa: E402
+
 from gc_strategy.lowrank_models import factorize  # noqa: E402
 from recipes.bert import BertMaskedLM  # noqa: E402
 from recipes.lstm import LSTMLanguageModel  # noqa: E402
 from recipes.resnet import build_resnet  # noqa: E402
-from cli import integer_at_least  # noqa: E402
 
 
 def parameter_counts(ratio: float) -> list[tuple[str, int, int, int]]:
@@ -79,14 +80,18 @@ def main() -> None:
     for name, before, after, layers in parameter_counts(args.ratio):
         print(f"| {name} | {before:,} | {after:,} | {after / before:.1%} | {layers} |")
 
-    print(f"\nResNet-18 training step, batch {args.batch} of 32x32, {args.threads} thread(s), "
-          f"median of {args.rounds}x{args.steps} steps (interleaved rounds)\n")
+    print(
+        f"\nResNet-18 training step, batch {args.batch} of 32x32, {args.threads} thread(s), "
+        f"median of {args.rounds}x{args.steps} steps (interleaved rounds)\n"
+    )
     print("| stem | vanilla s/step | low-rank s/step | low-rank / vanilla |")
     print("|---|---|---|---|")
     for cifar_stem in (True, False):
         times = step_times(args.ratio, cifar_stem, args.batch, args.rounds, args.steps)
         vanilla, low = statistics.median(times["vanilla"]), statistics.median(times["low-rank"])
-        print(f"| {'CIFAR 3x3' if cifar_stem else 'ImageNet 7x7/2'} | {vanilla:.4f} | {low:.4f} | {low / vanilla:.2f} |")
+        print(
+            f"| {'CIFAR 3x3' if cifar_stem else 'ImageNet 7x7/2'} | {vanilla:.4f} | {low:.4f} | {low / vanilla:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,23 +18,27 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from gc_strategy import COMPRESSORS
-from gc_strategy.bucket import Bucket
 from cli import integer_at_least
 from sidco_estimators import resnet18_gradients
 
+from gc_strategy import COMPRESSORS
+from gc_strategy.bucket import Bucket
+
 #: (label, compressor, options)
-QUANTIZERS = [("qsgd s=127", "qsgd", dict(levels=127)), ("qsgd s=7", "qsgd", dict(levels=7)),
-              ("terngrad", "terngrad", dict(clip_sigma=2.5))]
+QUANTIZERS = [
+    ("qsgd s=127", "qsgd", dict(levels=127)),
+    ("qsgd s=7", "qsgd", dict(levels=7)),
+    ("terngrad", "terngrad", dict(clip_sigma=2.5)),
+]
 FUSED_CHUNKS = (0, 512, 128)
 
 
 def relative_squared_error(name: str, options: dict, tensors: list[torch.Tensor], samples: int) -> float:
     """E‖Q(g) − g‖² / ‖g‖² for ``g`` the concatenation of ``tensors``, fused into one bucket."""
     g = torch.cat(tensors)
-    bucket = Bucket(0, [f"t{i}" for i in range(len(tensors))], [t.shape for t in tensors], torch.float32,
-                    torch.device("cpu"))
+    bucket = Bucket(
+        0, [f"t{i}" for i in range(len(tensors))], [t.shape for t in tensors], torch.float32, torch.device("cpu")
+    )
     compressor = COMPRESSORS.build(name, **options)
     error = 0.0
     for step in range(samples):
@@ -49,12 +53,19 @@ def main() -> None:
     args = parser.parse_args()
     gradients = resnet18_gradients()
     total = sum(float(t.square().sum()) for t in gradients)
-    print(f"ResNet-18 gradients: {len(gradients)} tensors, {sum(t.numel() for t in gradients):,} elements; "
-          f"{args.samples} samples each")
+    print(
+        f"ResNet-18 gradients: {len(gradients)} tensors, {sum(t.numel() for t in gradients):,} elements; "
+        f"{args.samples} samples each"
+    )
     print(f"{'quantizer':<12} {'layer-wise':>12} " + " ".join(f"{f'fused chunk={c}':>18}" for c in FUSED_CHUNKS))
     for label, name, options in QUANTIZERS:
-        layerwise = sum(relative_squared_error(name, {**options, "chunk": 0}, [t], args.samples) * float(t.square().sum())
-                        for t in gradients) / total
+        layerwise = (
+            sum(
+                relative_squared_error(name, {**options, "chunk": 0}, [t], args.samples) * float(t.square().sum())
+                for t in gradients
+            )
+            / total
+        )
         fused = [relative_squared_error(name, {**options, "chunk": c}, gradients, args.samples) for c in FUSED_CHUNKS]
         print(f"{label:<12} {layerwise:>12.4g} " + " ".join(f"{v:>18.4g}" for v in fused))
 

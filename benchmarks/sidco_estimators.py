@@ -18,11 +18,11 @@ import statistics
 import time
 
 import torch
+from cli import add_device_option, integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS
 from gc_strategy.bucket import Bucket
-from cli import add_device_option, integer_at_least
 
 DENSITIES = (0.1, 0.01, 0.001)
 #: (label, compressor name, options besides density)
@@ -94,8 +94,10 @@ def main() -> None:
     for density in DENSITIES:
         for label, name, options in METHODS:
             achieved, seconds = measure(name, options, density, g, args.repeats)
-            print(f"| {label} | {density:g} | {achieved:.5f} | {achieved / density:.2f} | {1000 * seconds:.1f} |",
-                  flush=True)
+            print(
+                f"| {label} | {density:g} | {achieved:.5f} | {achieved / density:.2f} | {1000 * seconds:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from cli import add_device_option, integer_at_least
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchvision import models
 
 from gc_strategy import GradientSynchronizer, build_components
-from cli import add_device_option, integer_at_least
 
 #: name -> (compressor, memory, fusion, side stream); None: no synchroniser
 CONFIGS = {
@@ -74,10 +74,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=integer_at_least(1), default=10)
     parser.add_argument("--steps", type=integer_at_least(1), default=20)
     parser.add_argument("--warmup", type=integer_at_least(0), default=10)
-    parser.add_argument("--configs", nargs="*", choices=list(CONFIGS),
-                        help="default: all (on the CPU, which has no side stream, all but the compute-stream rows)")
-    parser.add_argument("--compressors", nargs="*", default=[], metavar="NAME[+MEMORY]",
-                        help="more synchronised configurations, e.g. topk+residual qsgd")
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        choices=list(CONFIGS),
+        help="default: all (on the CPU, which has no side stream, all but the compute-stream rows)",
+    )
+    parser.add_argument(
+        "--compressors",
+        nargs="*",
+        default=[],
+        metavar="NAME[+MEMORY]",
+        help="more synchronised configurations, e.g. topk+residual qsgd",
+    )
     args = parser.parse_args()
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
@@ -115,7 +124,7 @@ def main() -> None:
         synchronize()
         return time.perf_counter() - start
 
-    for name, (model, optimizer, _) in runs.items():
+    for model, optimizer, _ in runs.values():
         for _ in range(args.warmup):
             step(model, optimizer)
     for _ in range(args.rounds):
@@ -123,8 +132,11 @@ def main() -> None:
             times[name] += [step(model, optimizer) for _ in range(args.steps)]
     plain = statistics.median(times["plain"]) if "plain" in times else None
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
-    print(f"\n{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, {device}, torch {torch.__version__}; "
-          f"{args.rounds} rounds x {args.steps} steps\n")
+    print(
+        f"\n{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, {device}, "
+        f"torch {torch.__version__}; "
+        f"{args.rounds} rounds x {args.steps} steps\n"
+    )
     print("| configuration | median step (ms) | / plain | exposed (ms) |")
     print("|---|---|---|---|")
     for name, samples in times.items():

@@ -65,13 +65,26 @@ def main() -> None:
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulation)
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 16, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
     model, optimizer, loader = gc_strategy.accelerate.prepare(
-        accelerator, model, optimizer, loader, compressor=args.compressor, memory=args.memory, fusion=args.fusion,
+        accelerator,
+        model,
+        optimizer,
+        loader,
+        compressor=args.compressor,
+        memory=args.memory,
+        fusion=args.fusion,
         **options,
     )
     if args.resume:
@@ -93,9 +106,11 @@ def main() -> None:
             predictions = model(test.tensors[0].to(accelerator.device)).argmax(1).cpu()
         accuracy = (predictions == test.tensors[1]).float().mean().item()
         telemetry = model.gc_synchronizer.telemetry
-        print(f"test accuracy {100 * accuracy:.1f}%, compression ratio {telemetry.total.compression_ratio:.1f}, "
-              f"{telemetry.total.sent_bytes / max(1, telemetry.steps):,.0f} bytes sent per step "
-              f"(compressor={args.compressor} memory={args.memory} fusion={args.fusion} options={options})")
+        print(
+            f"test accuracy {100 * accuracy:.1f}%, compression ratio {telemetry.total.compression_ratio:.1f}, "
+            f"{telemetry.total.sent_bytes / max(1, telemetry.steps):,.0f} bytes sent per step "
+            f"(compressor={args.compressor} memory={args.memory} fusion={args.fusion} options={options})"
+        )
 
 
 if __name__ == "__main__":

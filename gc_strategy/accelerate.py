@@ -30,12 +30,12 @@ is given, or from the arguments of the same names.
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any
 
 from .algos import Compressor, Memory
+from .checkpoint import load_rank_states, save_rank_states
 from .comm import Communicator
 from .components import build_components
-from .checkpoint import load_rank_states, save_rank_states
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 
@@ -74,10 +74,10 @@ def prepare(
     accelerator: Any,
     model: Any,
     *objects: Any,
-    compressor: Union[str, Compressor] = "none",
-    memory: Union[str, Memory] = "none",
-    comm: Union[str, Communicator] = "auto",
-    fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+    compressor: str | Compressor = "none",
+    memory: str | Memory = "none",
+    comm: str | Communicator = "auto",
+    fusion: str | FusionPlanner = "bucket_mb:25",
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
     **options: Any,
@@ -103,8 +103,13 @@ def prepare(
         broadcast_buffers = getattr(handler, "broadcast_buffers", True)
     model = model.to(accelerator.device)
     synchronizer = GradientSynchronizer(
-        model, components.compressor, components.memory, components.communicator, components.fusion,
-        find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+        model,
+        components.compressor,
+        components.memory,
+        components.communicator,
+        components.fusion,
+        find_unused_parameters=find_unused_parameters,
+        broadcast_buffers=broadcast_buffers,
     )
     model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
     model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())

@@ -8,15 +8,18 @@ survives a change of fusion plan and is saved in checkpoints independently of th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch import Tensor
 
-
-_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-                   torch.bfloat16: torch.int16}
+_SAME_WIDTH_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 @dataclass
@@ -31,7 +34,9 @@ class Bucket:
     offsets: list[int] = field(init=False)
     numels: list[int] = field(init=False)
     numel: int = field(init=False)
-    _device_cache: dict[tuple[str, torch.device], Tensor] = field(init=False, default_factory=dict, repr=False, compare=False)
+    _device_cache: dict[tuple[str, torch.device], Tensor] = field(
+        init=False, default_factory=dict, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.numels = [shape.numel() for shape in self.shapes]
@@ -48,8 +53,11 @@ class Bucket:
 
     def tensor_ids(self, device: torch.device) -> Tensor:
         """``ids[j]`` = which of the bucket's tensors element ``j`` of the flat vector belongs to."""
-        return self._cached("tensor_ids", device,
-                            lambda: torch.repeat_interleave(torch.arange(len(self.numels)), torch.tensor(self.numels)))
+        return self._cached(
+            "tensor_ids",
+            device,
+            lambda: torch.repeat_interleave(torch.arange(len(self.numels)), torch.tensor(self.numels)),
+        )
 
     def sum_per_tensor(self, values: Tensor, magnitudes: bool = False) -> Tensor:
         """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]`` (of
@@ -59,7 +67,9 @@ class Bucket:
         and the magnitudes slice by slice (a tensor-sized temporary each, not a fresh bucket-sized
         one: 3.6 ms instead of ~9 for ResNet-18's 11.2M elements)."""
         if values.device.type == "cuda":
-            return torch.segment_reduce(values.abs() if magnitudes else values, "sum", lengths=self.lengths(values.device))
+            return torch.segment_reduce(
+                values.abs() if magnitudes else values, "sum", lengths=self.lengths(values.device)
+            )
         slices = (values[o : o + n] for o, n in zip(self.offsets, self.numels))
         return torch.stack([(piece.abs() if magnitudes else piece).sum() for piece in slices])
 

@@ -68,7 +68,9 @@ def _read(folder: str, rank: int) -> dict[str, Any]:
     path = _rank_file(folder, rank)
     fs = get_filesystem(path)
     if not fs.exists(path):
-        raise FileNotFoundError(f"the checkpoint's compression state for rank {rank} is missing: {path} (it is "
-                                "written beside the checkpoint; copy the folder along with the checkpoint)")
+        raise FileNotFoundError(
+            f"the checkpoint's compression state for rank {rank} is missing: {path} (it is "
+            "written beside the checkpoint; copy the folder along with the checkpoint)"
+        )
     with fs.open(path, "rb") as f:
         return torch.load(f, weights_only=True)

@@ -19,7 +19,8 @@ of backward), so that the later collective is issued during backward rather than
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, ClassVar, Generator
+from collections.abc import Callable, Generator
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class Round:
 
 Exchange = Generator[Round, Any, Any]
 
-COMMUNICATORS: Registry["Communicator"] = Registry("communicator")
+COMMUNICATORS: Registry[Communicator] = Registry("communicator")
 
 
 class Communicator:

@@ -10,7 +10,7 @@ error-feedback memory on a compressor that keeps its own (PowerSGD, ACP-SGD).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .comm import COMMUNICATORS, Communicator
@@ -25,11 +25,15 @@ class Components:
     communicator: Communicator
     fusion: FusionPlanner
 
-    def renewed(self) -> "Components":
+    def renewed(self) -> Components:
         """The same roles with the same options and fresh state (e.g. for a model whose parameters
         changed); the fusion planner is parsed again from its string form."""
-        return Components(renewed(self.compressor), renewed(self.memory), renewed(self.communicator),
-                          parse_fusion(self.fusion.describe()))
+        return Components(
+            renewed(self.compressor),
+            renewed(self.memory),
+            renewed(self.communicator),
+            parse_fusion(self.fusion.describe()),
+        )
 
     def describe(self) -> str:
         return (
@@ -39,10 +43,10 @@ class Components:
 
 
 def build_components(
-    compressor: Union[str, Compressor] = "none",
-    memory: Union[str, Memory] = "none",
-    comm: Union[str, Communicator] = "auto",
-    fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+    compressor: str | Compressor = "none",
+    memory: str | Memory = "none",
+    comm: str | Communicator = "auto",
+    fusion: str | FusionPlanner = "bucket_mb:25",
     **options: Any,
 ) -> Components:
     """Validate everything and build the roles; raises ``ValueError`` with a readable message."""

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-_HOOKS = ("gc_fused has no DDP communication hooks: choose a compressor instead (fp16_compress_hook -> "
-          "compressor='fp16', bf16_compress_hook -> compressor='bf16', powerSGD_hook -> compressor='powersgd' "
-          "with rank=... and start_iter=...)")
+_HOOKS = (
+    "gc_fused has no DDP communication hooks: choose a compressor instead (fp16_compress_hook -> "
+    "compressor='fp16', bf16_compress_hook -> compressor='bf16', powerSGD_hook -> compressor='powersgd' "
+    "with rank=... and start_iter=...)"
+)
 
 #: DDP arguments gc_fused refuses, and what to use instead
 REFUSED = {
     "static_graph": "it is an optimisation of DDP's reducer for a graph that never changes; gc_fused records the "
-                    "gradient order in the first step by itself, so drop the argument",
+    "gradient order in the first step by itself, so drop the argument",
     "ddp_comm_hook": _HOOKS,
     "ddp_comm_state": _HOOKS,
     "ddp_comm_wrapper": _HOOKS,
     "model_averaging_period": "post-local SGD model averaging is DDP's; gc_fused averages gradients every step",
     "process_group": "gc_fused synchronises over the process group Lightning sets up",
     "mixed_precision": "it is DDP's own mixed precision; use Trainer(precision='bf16-mixed'), or send the gradients "
-                       "in low precision with compressor='bf16' or 'fp16'",
+    "in low precision with compressor='bf16' or 'fp16'",
     "delay_all_reduce_named_params": "gc_fused launches each bucket as soon as its gradients are ready",
     "param_to_hook_all_reduce": "gc_fused launches each bucket as soon as its gradients are ready",
     "skip_all_reduce_unused_params": "use find_unused_parameters=True: parameters no rank used keep their .grad",
@@ -45,8 +47,10 @@ def refuse_ddp_arguments(options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for the first of ``options`` that is a refused DDP argument."""
     for key in options:
         if key in REFUSED:
-            raise ValueError(f"GCFusedStrategy does not take DistributedDataParallel's argument {key}={options[key]!r}: "
-                             f"{REFUSED[key]}")
+            raise ValueError(
+                f"GCFusedStrategy does not take DistributedDataParallel's argument {key}={options[key]!r}: "
+                f"{REFUSED[key]}"
+            )
 
 
 def fusion_for(fusion: Any, bucket_cap_mb: float | None) -> Any:
@@ -54,8 +58,10 @@ def fusion_for(fusion: Any, bucket_cap_mb: float | None) -> Any:
     if bucket_cap_mb is None:
         return "bucket_mb:25" if fusion is None else fusion
     if fusion is not None:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} and fusion={fusion!r} both set the buckets; give one "
-                         "(bucket_cap_mb=X is fusion='bucket_mb:X')")
+        raise ValueError(
+            f"bucket_cap_mb={bucket_cap_mb!r} and fusion={fusion!r} both set the buckets; give one "
+            "(bucket_cap_mb=X is fusion='bucket_mb:X')"
+        )
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb = {bucket_cap_mb!r} is invalid; allowed: a number of megabytes > 0")
     return f"bucket_mb:{bucket_cap_mb:g}"

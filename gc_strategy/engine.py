@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterable, Iterator, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,10 +97,12 @@ class _Usage:
     the collective order on every rank.
     """
 
-    def __init__(self, engine: "GradientSynchronizer") -> None:
+    def __init__(self, engine: GradientSynchronizer) -> None:
         self.engine = engine
-        self.used = [filled or (accumulated and p.grad is not None)
-                     for filled, accumulated, p in zip(engine._filled, engine._accumulated, engine.params)]
+        self.used = [
+            filled or (accumulated and p.grad is not None)
+            for filled, accumulated, p in zip(engine._filled, engine._accumulated, engine.params)
+        ]
         self.global_check = engine.find_unused_parameters or engine.ready_order is None
         self._count: Tensor | None = None
         self._work: Any = None
@@ -196,7 +199,7 @@ class GradientSynchronizer:
         compressor: Compressor,
         memory: Memory,
         communicator: Communicator,
-        fusion: Union[str, FusionPlanner] = "bucket_mb:25",
+        fusion: str | FusionPlanner = "bucket_mb:25",
         process_group: Any = None,
         broadcast_from_rank0: bool = True,
         side_stream: bool = True,
@@ -548,7 +551,9 @@ class GradientSynchronizer:
         if order is not None:
             unknown = sorted(set(order) ^ set(self.names))
             if unknown:
-                raise ValueError(f"the checkpoint's gradient order does not match this model's parameters: {unknown[:5]}")
+                raise ValueError(
+                    f"the checkpoint's gradient order does not match this model's parameters: {unknown[:5]}"
+                )
             same_plan = state.get("plan") == self.planner.describe()
             self.ready_order = list(order)
             self._build(self.ready_order, list(state["groups"]) if same_plan else None)
@@ -589,9 +594,16 @@ def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
     count = 0
     for state in states:
         if not merged:
-            merged = {**state, **{role: {name: {param: value.float().clone() for param, value in tensors.items()}
-                                         for name, tensors in state[role].items()}
-                                  for role in ("memory", "compressor")}}
+            merged = {
+                **state,
+                **{
+                    role: {
+                        name: {param: value.float().clone() for param, value in tensors.items()}
+                        for name, tensors in state[role].items()
+                    }
+                    for role in ("memory", "compressor")
+                },
+            }
         else:
             for role in ("memory", "compressor"):
                 for name, tensors in merged[role].items():

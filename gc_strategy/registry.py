@@ -10,8 +10,9 @@ allowed, before any training work starts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Mapping, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -118,7 +119,9 @@ class Registry(Generic[T]):
         unknown = sorted(set(options) - set(declared))
         if unknown:
             accepted = ", ".join(sorted(declared)) or "none"
-            raise ValueError(f"{self.role} '{name}' does not take option(s) {', '.join(unknown)}; it accepts: {accepted}")
+            raise ValueError(
+                f"{self.role} '{name}' does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
+            )
         owner = f"{self.role} '{name}'"
         values = {key: opt.validate(owner, key, options.get(key, opt.default)) for key, opt in declared.items()}
         return cls(**values)

@@ -10,9 +10,10 @@ keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Optional, Union
+from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -21,10 +22,10 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from .algos import Compressor, Memory
+from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
 from .comm import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 
@@ -52,28 +53,31 @@ class GCFusedStrategy(DDPStrategy):
 
     def __init__(
         self,
-        compressor: Union[str, Compressor] = "none",
-        memory: Union[str, Memory] = "none",
-        comm: Union[str, Communicator] = "auto",
-        fusion: Union[str, FusionPlanner, None] = None,
+        compressor: str | Compressor = "none",
+        memory: str | Memory = "none",
+        comm: str | Communicator = "auto",
+        fusion: str | FusionPlanner | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
-        bucket_cap_mb: Optional[float] = None,
+        bucket_cap_mb: float | None = None,
         accelerator: Any = None,
-        parallel_devices: Optional[list] = None,
+        parallel_devices: list | None = None,
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
-        log_every_n_steps: Optional[int] = None,
+        log_every_n_steps: int | None = None,
         **options: Any,
     ) -> None:
         refuse_ddp_arguments(options)
         for key in NO_OPS:
             options.pop(key, None)
-        for key, value in (("find_unused_parameters", find_unused_parameters), ("broadcast_buffers", broadcast_buffers)):
+        for key, value in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("broadcast_buffers", broadcast_buffers),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(f"{key} = {value!r} is invalid; allowed: True or False")
         self.components = build_components(compressor, memory, comm, fusion_for(fusion, bucket_cap_mb), **options)
@@ -92,9 +96,9 @@ class GCFusedStrategy(DDPStrategy):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps = {log_every_n_steps!r} is invalid; allowed: an integer >= 1 or None")
         self.log_every_n_steps = log_every_n_steps
-        self.synchronizer: Optional[GradientSynchronizer] = None
-        self._pending_state: Optional[tuple[dict[str, Any], str]] = None  # (saved state, its folder)
-        self._announced_plan: Optional[dict[str, Any]] = None
+        self.synchronizer: GradientSynchronizer | None = None
+        self._pending_state: tuple[dict[str, Any], str] | None = None  # (saved state, its folder)
+        self._announced_plan: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- model set-up
     def configure_ddp(self) -> None:
@@ -116,8 +120,14 @@ class GCFusedStrategy(DDPStrategy):
 
     def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> GradientSynchronizer:
         return GradientSynchronizer(
-            self.model, c.compressor, c.memory, c.communicator, c.fusion, broadcast_from_rank0=broadcast_from_rank0,
-            find_unused_parameters=self.find_unused_parameters, broadcast_buffers=self.broadcast_buffers,
+            self.model,
+            c.compressor,
+            c.memory,
+            c.communicator,
+            c.fusion,
+            broadcast_from_rank0=broadcast_from_rank0,
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
         )
 
     # ---------------------------------------------------------------- forward passes
@@ -199,14 +209,17 @@ class GCFusedStrategy(DDPStrategy):
         rank_zero_info(
             f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB) "
             f"by {report['chosen_by']}: predicted step {report['predicted_step_s']:.4f} s, measured "
-            f"{report['measured_step_s']:.4f} s ({len(report['trials'])} plans tried; profiling {report['profile_s']:.2f} s, "
+            f"{report['measured_step_s']:.4f} s ({len(report['trials'])} plans tried; "
+            f"profiling {report['profile_s']:.2f} s, "
             f"search {1000 * report['search_s']:.1f} ms)"
         )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not self.is_global_zero:
             return
-        metrics = {f"gc/plan_{key}": float(report[key]) for key in
-                   ("buckets", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s")}
+        metrics = {
+            f"gc/plan_{key}": float(report[key])
+            for key in ("buckets", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s")
+        }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -223,7 +236,7 @@ class GCFusedStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its synchroniser state beside the checkpoint; rank 0's file holds the manifest."""
         if self.synchronizer is not None:
             manifest = save_rank_states(self.synchronizer, state_folder(filepath))
@@ -237,7 +250,7 @@ class GCFusedStrategy(DDPStrategy):
             remove_rank_states(state_folder(filepath))
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -260,7 +273,7 @@ class GCFusedStrategy(DDPStrategy):
                         name + suffix,
                         cls,
                         description=f"compressed fused gradient synchronisation, start_method '{start_method}'"
-                                    + (", find_unused_parameters=True" if find_unused else ""),
+                        + (", find_unused_parameters=True" if find_unused else ""),
                         start_method=start_method,
                         find_unused_parameters=find_unused,
                     )

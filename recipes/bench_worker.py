@@ -99,8 +99,9 @@ def make_strategy(name: str, warmup: int):
     if name.startswith("ddp+powersgd"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                            start_powerSGD_iter=max(2, warmup // 2))
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=max(2, warmup // 2)
+        )
         one_bucket = {"bucket_cap_mb": ONE_BUCKET_MB} if name.endswith("-1bucket") else {}
         return DDPWithCommHook(powerSGD_hook.powerSGD_hook, state, **one_bucket)
     return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
@@ -130,9 +131,17 @@ def main(config_path: str, name: str, result_path: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         monitor = ThroughputMonitor(cfg.data.batch_size, tmp, baseline_steps=0, warmup_steps=cfg.warmup)
         trainer = pl.Trainer(
-            accelerator="cpu", devices=1, num_nodes=world_size, strategy=make_strategy(name, cfg.warmup),
-            max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+            accelerator="cpu",
+            devices=1,
+            num_nodes=world_size,
+            strategy=make_strategy(name, cfg.warmup),
+            max_steps=steps,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[monitor],
         )
         trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:

@@ -31,8 +31,9 @@ FILES = {"train": "train.txt", "valid": "valid.txt"}
 
 
 class BertMaskedLM(pl.LightningModule):
-    def __init__(self, vocab_size: int, max_length: int, size: str = "tiny", lr: float = 5e-4,
-                 weight_decay: float = 0.01) -> None:
+    def __init__(
+        self, vocab_size: int, max_length: int, size: str = "tiny", lr: float = 5e-4, weight_decay: float = 0.01
+    ) -> None:
         super().__init__()
         if size not in SIZES:
             raise ValueError(f"model.size = {size!r} is invalid; allowed: {', '.join(SIZES)}")
@@ -94,9 +95,19 @@ def word_level_tokenizer(words: int):
 
 
 class MaskedTextDataModule(pl.LightningDataModule):
-    def __init__(self, name: str, data_dir: str = "data/corpus", tokenizer_path: str | None = None,
-                 vocab_size: int = 4000, max_length: int = 64, batch_size: int = 16, mlm_probability: float = 0.15,
-                 train_tokens: int = 200_000, val_tokens: int = 20_000, seed: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        data_dir: str = "data/corpus",
+        tokenizer_path: str | None = None,
+        vocab_size: int = 4000,
+        max_length: int = 64,
+        batch_size: int = 16,
+        mlm_probability: float = 0.15,
+        train_tokens: int = 200_000,
+        val_tokens: int = 20_000,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         if name not in ("corpus", "synthetic"):
             raise ValueError(f"data.name = {name!r} is invalid; allowed: 'corpus', 'synthetic'")
@@ -118,24 +129,37 @@ class MaskedTextDataModule(pl.LightningDataModule):
 
         if self.name == "synthetic":
             core = word_level_tokenizer(self.vocab_size)
-            streams = [markov_corpus(n, self.vocab_size, self.seed, split) + len(SPECIAL)
-                       for split, n in enumerate((self.train_tokens, self.val_tokens))]
+            streams = [
+                markov_corpus(n, self.vocab_size, self.seed, split) + len(SPECIAL)
+                for split, n in enumerate((self.train_tokens, self.val_tokens))
+            ]
         else:
             missing = [self.data_dir / f for f in FILES.values() if not (self.data_dir / f).is_file()]
             if self.tokenizer_path is not None and not self.tokenizer_path.is_file():
                 missing.append(self.tokenizer_path)
             if missing:
-                raise MissingDataset(f"text corpus not found: expected {', '.join(str(m) for m in missing)} "
-                                     f"(data.data_dir={self.data_dir}); or use data=synthetic_tokens")
-            core = (Tokenizer.from_file(str(self.tokenizer_path)) if self.tokenizer_path
-                    else wordpiece_tokenizer(self.data_dir / FILES["train"], self.vocab_size))
+                raise MissingDataset(
+                    f"text corpus not found: expected {', '.join(str(m) for m in missing)} "
+                    f"(data.data_dir={self.data_dir}); or use data=synthetic_tokens"
+                )
+            core = (
+                Tokenizer.from_file(str(self.tokenizer_path))
+                if self.tokenizer_path
+                else wordpiece_tokenizer(self.data_dir / FILES["train"], self.vocab_size)
+            )
             streams = []
             for split in ("train", "valid"):
-                lines = [line for line in (self.data_dir / FILES[split]).read_text(encoding="utf8").splitlines() if line.strip()]
+                lines = [
+                    line
+                    for line in (self.data_dir / FILES[split]).read_text(encoding="utf8").splitlines()
+                    if line.strip()
+                ]
                 ids = [i for encoding in core.encode_batch(lines, add_special_tokens=False) for i in encoding.ids]
                 streams.append(torch.tensor(ids, dtype=torch.int64))
-        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **dict(zip(
-            ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIAL)))
+        self.tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=core,
+            **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIAL)),
+        )
         self.vocab_size = len(self.tokenizer)
         return streams[0], streams[1]
 
@@ -149,12 +173,16 @@ class MaskedTextDataModule(pl.LightningDataModule):
         self.train_set = Blocks(train, self.max_length, cls_id, sep_id)
         self.val_set = Blocks(valid, self.max_length, cls_id, sep_id)
         if len(self.train_set) == 0:
-            raise ValueError(f"the training text holds {train.numel()} tokens, fewer than one block of "
-                             f"data.max_length = {self.max_length}")
+            raise ValueError(
+                f"the training text holds {train.numel()} tokens, fewer than one block of "
+                f"data.max_length = {self.max_length}"
+            )
         self.collate = DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.mlm_probability)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self.collate)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self.collate
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self.collate)

@@ -40,7 +40,12 @@ class CIFARBatches(Dataset):
                 batch = pickle.load(f, encoding="latin1")
             images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
             labels += list(batch["labels"])
-        self.images, self.labels, self.transform, self._to_image = np.concatenate(images), labels, transform, Image.fromarray
+        self.images, self.labels, self.transform, self._to_image = (
+            np.concatenate(images),
+            labels,
+            transform,
+            Image.fromarray,
+        )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -78,7 +83,12 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError(f"data.name = {name!r} is invalid; allowed: 'cifar10', 'imagenet', 'synthetic'")
         self.name, self.data_dir, self.download = name, Path(data_dir), download
         self.batch_size, self.num_workers, self.image_size = batch_size, num_workers, image_size
-        self.num_classes, self.train_samples, self.val_samples, self.seed = num_classes, train_samples, val_samples, seed
+        self.num_classes, self.train_samples, self.val_samples, self.seed = (
+            num_classes,
+            train_samples,
+            val_samples,
+            seed,
+        )
 
     def prepare_data(self) -> None:
         if self.name == "cifar10" and self.download:
@@ -107,7 +117,12 @@ class ImageDataModule(pl.LightningDataModule):
                 )
             normalize = transforms.Normalize(CIFAR_MEAN, CIFAR_STD)
             train_tf = transforms.Compose(
-                [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
+                [
+                    transforms.RandomCrop(32, padding=4),
+                    transforms.RandomHorizontalFlip(),
+                    transforms.ToTensor(),
+                    normalize,
+                ]
             )
             val_tf = transforms.Compose([transforms.ToTensor(), normalize])
             return CIFARBatches(folder, CIFAR_TRAIN, train_tf), CIFARBatches(folder, (CIFAR_TEST,), val_tf)
@@ -121,15 +136,27 @@ class ImageDataModule(pl.LightningDataModule):
             )
         normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
         train_tf = transforms.Compose(
-            [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
+            [
+                transforms.RandomResizedCrop(self.image_size),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                normalize,
+            ]
         )
         val_tf = transforms.Compose(
-            [transforms.Resize(int(self.image_size * 256 / 224)), transforms.CenterCrop(self.image_size), transforms.ToTensor(), normalize]
+            [
+                transforms.Resize(int(self.image_size * 256 / 224)),
+                transforms.CenterCrop(self.image_size),
+                transforms.ToTensor(),
+                normalize,
+            ]
         )
         return ImageFolder(train_dir, train_tf), ImageFolder(val_dir, val_tf)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -32,7 +32,8 @@ class ThroughputMonitor(pl.Callback):
     def __init__(self, batch_size: int, output_dir: str, baseline_steps: int = 0, warmup_steps: int = 5) -> None:
         if baseline_steps < 0 or warmup_steps < 0:
             raise ValueError(
-                f"speedup.baseline_steps = {baseline_steps} and speedup.warmup_steps = {warmup_steps}: both must be >= 0"
+                f"speedup.baseline_steps = {baseline_steps} and speedup.warmup_steps = {warmup_steps}: "
+                "both must be >= 0"
             )
         self.batch_size, self.baseline_steps, self.warmup_steps = batch_size, baseline_steps, warmup_steps
         self.output_dir = Path(output_dir)
@@ -69,7 +70,11 @@ class ThroughputMonitor(pl.Callback):
                 self.telemetry.append(replace(synchronizer.telemetry.last))
         samples = self.batch_size * trainer.world_size
         pl_module.log_dict(
-            {"perf/step_time_s": elapsed, "perf/samples_per_s": samples / elapsed, "perf/baseline_phase": float(phase == "baseline")},
+            {
+                "perf/step_time_s": elapsed,
+                "perf/samples_per_s": samples / elapsed,
+                "perf/baseline_phase": float(phase == "baseline"),
+            },
             rank_zero_only=True,
         )
 
@@ -98,7 +103,13 @@ class ThroughputMonitor(pl.Callback):
                     report["predicted_fp32_allreduce_s"] / report["predicted_step_s"]
                 )
             summary["buckets"] = [
-                {"bucket": b.index, "tensors": len(b.names), "elements": b.numel, "bytes": b.nbytes, "first": b.names[0]}
+                {
+                    "bucket": b.index,
+                    "tensors": len(b.names),
+                    "elements": b.numel,
+                    "bytes": b.nbytes,
+                    "first": b.names[0],
+                }
                 for b in strategy.synchronizer.buckets
             ]
         if self.times["baseline"]:
@@ -120,10 +131,18 @@ class ThroughputMonitor(pl.Callback):
                 run.summary.update({k: v for k, v in summary.items() if k not in ("breakdown", "buckets")})
                 if "buckets" in summary:
                     columns = list(summary["buckets"][0])
-                    run.log({"gc/bucket_plan": wandb.Table(columns=columns, data=[list(b.values()) for b in summary["buckets"]])})
+                    run.log(
+                        {
+                            "gc/bucket_plan": wandb.Table(
+                                columns=columns, data=[list(b.values()) for b in summary["buckets"]]
+                            )
+                        }
+                    )
                 if "breakdown" in summary:
                     table = wandb.Table(columns=["part", "seconds"], data=list(summary["breakdown"].items()))
-                    run.log({"gc/step_breakdown": wandb.plot.bar(table, "part", "seconds", title="step time breakdown")})
+                    run.log(
+                        {"gc/step_breakdown": wandb.plot.bar(table, "part", "seconds", title="step time breakdown")}
+                    )
                 summary["wandb_dir"] = run.dir
             else:
                 scalars = {f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}
@@ -143,4 +162,8 @@ class ThroughputMonitor(pl.Callback):
         """Median seconds per timed step: compression (encode + decode), exposed communication, the rest."""
         compression = statistics.median(t.encode_s + t.decode_s for t in telemetry)
         exposed = statistics.median(t.exposed_wait_s for t in telemetry)
-        return {"compute": max(0.0, step_time - compression - exposed), "encode+decode": compression, "exposed communication": exposed}
+        return {
+            "compute": max(0.0, step_time - compression - exposed),
+            "encode+decode": compression,
+            "exposed communication": exposed,
+        }

@@ -17,10 +17,10 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 PREFIX = "gcb"
 BRIDGE = f"{PREFIX}br"
@@ -43,8 +43,11 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def existing() -> tuple[list[str], list[str]]:
     """Our namespaces and links that exist now (to clean up, or to prove there are none)."""
     namespaces = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.startswith(PREFIX)]
-    links = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()
-             if line.split(":")[1].strip().startswith(PREFIX)]
+    links = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in _ip("-o", "link", "show").stdout.splitlines()
+        if line.split(":")[1].strip().startswith(PREFIX)
+    ]
     return namespaces, links
 
 
@@ -63,12 +66,16 @@ RATE = re.compile(r"\d+(\.\d+)?([kmgt]i?)?(bit|bps)", re.IGNORECASE)
 def check_can_emulate(rate: str) -> None:
     """Refuse clearly, before anything starts, when the emulation cannot run here."""
     if not RATE.fullmatch(str(rate)):
-        raise ValueError(f"net.rate = {rate!r} is invalid; allowed: a number and a unit as tc reads it "
-                         "(bit, kbit, mbit, gbit, tbit, or bps, kbps, mbps, gbps, tbps), e.g. 1gbit or 10gbit; "
-                         "or null for loopback")
+        raise ValueError(
+            f"net.rate = {rate!r} is invalid; allowed: a number and a unit as tc reads it "
+            "(bit, kbit, mbit, gbit, tbit, or bps, kbps, mbps, gbps, tbps), e.g. 1gbit or 10gbit; "
+            "or null for loopback"
+        )
     if os.geteuid() != 0:
-        raise PermissionError(f"net.rate={rate} needs root (network namespaces and tc); run as root, "
-                              "or leave net.rate unset to run on loopback")
+        raise PermissionError(
+            f"net.rate={rate} needs root (network namespaces and tc); run as root, "
+            "or leave net.rate unset to run on loopback"
+        )
     for tool in ("ip", "tc"):
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
             raise FileNotFoundError(f"net.rate={rate} needs the '{tool}' command (iproute2)")
@@ -87,8 +94,12 @@ def _setup(world_size: int, rate: str, burst: str, latency: str) -> list[RankNet
         _ip("link", "set", host, "master", BRIDGE)
         _ip("link", "set", host, "up")
         run_inside = ["ip", "netns", "exec", namespace]
-        for command in (["ip", "addr", "add", f"{address}/24", "dev", inside], ["ip", "link", "set", inside, "up"],
-                        ["ip", "link", "set", "lo", "up"], ["tc", "qdisc", "add", "dev", inside, "root", *shape]):
+        for command in (
+            ["ip", "addr", "add", f"{address}/24", "dev", inside],
+            ["ip", "link", "set", inside, "up"],
+            ["ip", "link", "set", "lo", "up"],
+            ["tc", "qdisc", "add", "dev", inside, "root", *shape],
+        ):
             subprocess.run(run_inside + command, check=True, capture_output=True, text=True)
         subprocess.run(["tc", "qdisc", "add", "dev", host, "root", *shape], check=True, capture_output=True, text=True)
         ranks.append(RankNetwork(run_inside, address, inside))
@@ -96,22 +107,27 @@ def _setup(world_size: int, rate: str, burst: str, latency: str) -> list[RankNet
 
 
 @contextmanager
-def emulated_network(world_size: int, rate: str, burst: str = "512kb", latency: str = "50ms") -> Iterator[list[RankNetwork]]:
+def emulated_network(
+    world_size: int, rate: str, burst: str = "512kb", latency: str = "50ms"
+) -> Iterator[list[RankNetwork]]:
     """Namespaces for ``world_size`` ranks on a bridge, every link shaped to ``rate`` both ways."""
     check_can_emulate(rate)
     with open(LOCK_FILE, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"net.rate={rate}: another run's emulated network is in use (lock {LOCK_FILE} is "
-                               "held); wait for it to end, or leave net.rate unset to run on loopback") from None
+            raise RuntimeError(
+                f"net.rate={rate}: another run's emulated network is in use (lock {LOCK_FILE} is "
+                "held); wait for it to end, or leave net.rate unset to run on loopback"
+            ) from None
         remove_all()  # leftovers of a run that was killed (its lock went with it)
         try:
             try:
                 ranks = _setup(world_size, rate, burst, latency)
             except subprocess.CalledProcessError as error:
-                raise RuntimeError(f"setting up the emulated network failed: {' '.join(error.cmd)}: "
-                                   f"{(error.stderr or '').strip()}") from None
+                raise RuntimeError(
+                    f"setting up the emulated network failed: {' '.join(error.cmd)}: {(error.stderr or '').strip()}"
+                ) from None
             yield ranks
         finally:
             remove_all()

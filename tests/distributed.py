@@ -7,7 +7,8 @@ import pickle
 import queue as queue_module
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,9 @@ def run_ranks(fn: Callable, world_size: int = 2, *args: Any, timeout: float = 12
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}

@@ -13,8 +13,9 @@ import torch
 
 accelerate = pytest.importorskip("accelerate")
 
-import gc_strategy.accelerate as gc_accelerate  # noqa: E402
 from models import SmallCNN  # noqa: E402
+
+import gc_strategy.accelerate as gc_accelerate  # noqa: E402
 
 
 def _batch(rank: int, step: int):
@@ -48,8 +49,17 @@ def _parity_with_accelerate_ddp(out: str, accumulation: int) -> None:
     mine, others = ours.state_dict(), reference.state_dict()
     difference = max((mine[k].double() - others[k].double()).abs().max().item() for k in mine)
     scale = max(p.abs().max().item() for p in reference.parameters())
-    _write(out, accelerator, {"difference": difference, "scale": scale, "synchronised_steps": ours.gc_synchronizer.telemetry.steps,
-                              "wrapped": type(ours).__name__, "ddp": type(theirs).__name__})
+    _write(
+        out,
+        accelerator,
+        {
+            "difference": difference,
+            "scale": scale,
+            "synchronised_steps": ours.gc_synchronizer.telemetry.steps,
+            "wrapped": type(ours).__name__,
+            "ddp": type(theirs).__name__,
+        },
+    )
 
 
 @pytest.mark.slow
@@ -68,7 +78,9 @@ def _resume(out: str) -> None:
     torch.manual_seed(0)
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = gc_accelerate.prepare(accelerator, model, optimizer, compressor="topk", memory="residual", density=0.1)
+    model, optimizer = gc_accelerate.prepare(
+        accelerator, model, optimizer, compressor="topk", memory="residual", density=0.1
+    )
 
     def train(steps):
         for step in steps:
@@ -85,7 +97,11 @@ def _resume(out: str) -> None:
     train(range(3, 6))
     difference = max((a - b).abs().max().item() for a, b in zip(first, model.parameters()))
     residual = model.gc_synchronizer.memory.state_by_parameter(model.gc_synchronizer.buckets)
-    _write(out, accelerator, {"difference": difference, "residual_norm": sum(t.norm().item() for t in residual["residual"].values())})
+    _write(
+        out,
+        accelerator,
+        {"difference": difference, "residual_norm": sum(t.norm().item() for t in residual["residual"].values())},
+    )
 
 
 @pytest.mark.slow
@@ -117,10 +133,35 @@ def test_the_example_runs_under_accelerate_launch(tmp_path):
     root = Path(__file__).resolve().parents[1]
     launcher = Path(sys.executable).with_name("accelerate")
     done = subprocess.run(
-        [str(launcher), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-         "--dynamo_backend", "no", str(root / "examples" / "accelerate_train.py"), "--epochs", "1",
-         "--compressor", "dgc", "--memory", "dgc", "--option", "density=0.05", "--save", str(tmp_path / "state")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            str(launcher),
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(root / "examples" / "accelerate_train.py"),
+            "--epochs",
+            "1",
+            "--compressor",
+            "dgc",
+            "--memory",
+            "dgc",
+            "--option",
+            "density=0.05",
+            "--save",
+            str(tmp_path / "state"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "test accuracy" in done.stdout and "compressor=dgc" in done.stdout

@@ -37,9 +37,19 @@ def _members(group):
 
 def test_defaults():
     cfg = _compose()
-    assert (cfg.compressor.name, cfg.memory.name, cfg.comm.name, fusion_spec(cfg.fusion)) == ("none", "none", "auto", "bucket_mb:25")
+    assert (cfg.compressor.name, cfg.memory.name, cfg.comm.name, fusion_spec(cfg.fusion)) == (
+        "none",
+        "none",
+        "auto",
+        "bucket_mb:25",
+    )
     assert (cfg.model.recipe, cfg.data.name, cfg.trainer.accelerator, cfg.trainer.devices, cfg.logger.mode) == (
-        "resnet", "synthetic", "cpu", 2, "offline")
+        "resnet",
+        "synthetic",
+        "cpu",
+        2,
+        "offline",
+    )
 
 
 @pytest.mark.parametrize("group", ["compressor", "memory", "comm", "fusion", "model", "data", "trainer", "logger"])
@@ -74,7 +84,10 @@ def _write_cifar(folder: Path, per_batch: int = 8):
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8), "labels": list(rng.integers(0, 10, per_batch))}
+        batch = {
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": list(rng.integers(0, 10, per_batch)),
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f)
 
@@ -169,7 +182,9 @@ def test_bert_loader_trains_wordpiece_on_text_files_and_masks_15_percent(tmp_pat
 
 
 def test_bert_synthetic_tokens_and_sizes():
-    data = MaskedTextDataModule("synthetic", vocab_size=50, max_length=8, batch_size=2, train_tokens=600, val_tokens=120)
+    data = MaskedTextDataModule(
+        "synthetic", vocab_size=50, max_length=8, batch_size=2, train_tokens=600, val_tokens=120
+    )
     data.setup("fit")
     assert data.vocab_size == 55 and len(data.train_set) == 100
     assert BertMaskedLM(vocab_size=55, max_length=8).bert.config.hidden_size == 128
@@ -187,20 +202,40 @@ def test_missing_datasets_name_the_path_and_the_synthetic_option(tmp_path):
 
 
 # ---------------------------------------------------------------- the command line
-QUICK = ["trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=2",
-         "data.train_samples=256", "data.val_samples=64", "speedup.warmup_steps=0"]
+QUICK = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.checkpoint_every_n_steps=2",
+    "data.train_samples=256",
+    "data.val_samples=64",
+    "speedup.warmup_steps=0",
+]
 
 
 def _cli(tmp_path, *args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
 def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
-    done = _cli(tmp_path, *QUICK, "trainer.max_steps=12", "compressor=fp16", "fusion=auto", "fusion.profile_steps=1",
-                "speedup.baseline_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    done = _cli(
+        tmp_path,
+        *QUICK,
+        "trainer.max_steps=12",
+        "compressor=fp16",
+        "fusion=auto",
+        "fusion.profile_steps=1",
+        "speedup.baseline_steps=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
@@ -228,8 +263,15 @@ def test_help_lists_the_groups_and_the_config():
 
 @pytest.mark.slow
 def test_cli_powerfish_converts_after_the_warmup_and_checkpoints_the_low_rank_model(tmp_path):
-    done = _cli(tmp_path, *QUICK, "logger=csv", "compressor=powersgd", "lowrank=powerfish", "lowrank.warmup_steps=2",
-                f"hydra.run.dir={tmp_path / 'run'}")
+    done = _cli(
+        tmp_path,
+        *QUICK,
+        "logger=csv",
+        "compressor=powersgd",
+        "lowrank=powerfish",
+        "lowrank.warmup_steps=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2: full-rank warm-up over. Pufferfish: 14 layers factorised, 7 kept full-rank" in done.stderr
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
@@ -241,25 +283,36 @@ def test_cli_powerfish_converts_after_the_warmup_and_checkpoints_the_low_rank_mo
 
 @pytest.mark.slow
 def test_multirun_makes_one_wandb_run_per_job(tmp_path):
-    done = _cli(tmp_path, "-m", *QUICK, "trainer.max_steps=2", "compressor=none,fp16", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    done = _cli(
+        tmp_path, "-m", *QUICK, "trainer.max_steps=2", "compressor=none,fp16", f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = sorted((tmp_path / "sweep").glob("*/wandb/offline-run-*"))
     assert len(runs) == 2 and runs[0].parent.parent != runs[1].parent.parent
 
 
-@pytest.mark.parametrize("args, message", [
-    (["compressor=topkk"], "Could not find 'compressor/topkk'"),
-    (["compressor.densty=0.1"], "Could not override 'compressor.densty'"),
-    (["compressor=topk", "+compressor.densty=0.1"], "option(s) densty are not taken by compressor=topk"),
-    (["compressor=topk", "compressor.density=2"], "option 'density' = 2 is invalid; allowed: a number in (0, 1]"),
-    (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
-    (["model=lstm"], "model 'lstm' needs text data"),
-    (["fusion=file"], "fusion.path"),
-    (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
-    (["lowrank=pufferfish", "lowrank.ratio=1.5"], "ratio = 1.5 is invalid; allowed: a number in (0, 1]"),
-    (["lowrank=pufferfish", "lowrank.warmup_steps=-3"], "lowrank options (lowrank.<name>=...): warmup_steps = -3 is invalid"),
-    (["lowrank=pufferfish", "lowrank.keep_full_rank=[net.layer9.*]"], "pattern 'net.layer9.*' matches no factorisable"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compressor=topkk"], "Could not find 'compressor/topkk'"),
+        (["compressor.densty=0.1"], "Could not override 'compressor.densty'"),
+        (["compressor=topk", "+compressor.densty=0.1"], "option(s) densty are not taken by compressor=topk"),
+        (["compressor=topk", "compressor.density=2"], "option 'density' = 2 is invalid; allowed: a number in (0, 1]"),
+        (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
+        (["model=lstm"], "model 'lstm' needs text data"),
+        (["fusion=file"], "fusion.path"),
+        (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
+        (["lowrank=pufferfish", "lowrank.ratio=1.5"], "ratio = 1.5 is invalid; allowed: a number in (0, 1]"),
+        (
+            ["lowrank=pufferfish", "lowrank.warmup_steps=-3"],
+            "lowrank options (lowrank.<name>=...): warmup_steps = -3 is invalid",
+        ),
+        (
+            ["lowrank=pufferfish", "lowrank.keep_full_rank=[net.layer9.*]"],
+            "pattern 'net.layer9.*' matches no factorisable",
+        ),
+    ],
+)
 def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
     done = _cli(tmp_path, "trainer.max_steps=4", *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert done.returncode != 0
@@ -276,11 +329,18 @@ def test_summary_bytes_and_breakdown_cover_the_timed_steps_only(tmp_path):
 
     monitor = ThroughputMonitor(batch_size=4, output_dir=str(tmp_path), warmup_steps=2)
     synchronizer = SimpleNamespace(telemetry=SimpleNamespace(last=None))
-    trainer = SimpleNamespace(global_step=0, world_size=2, strategy=SimpleNamespace(synchronizer=synchronizer),
-                              is_global_zero=True, loggers=[])
+    trainer = SimpleNamespace(
+        global_step=0,
+        world_size=2,
+        strategy=SimpleNamespace(synchronizer=synchronizer),
+        is_global_zero=True,
+        loggers=[],
+    )
     module = SimpleNamespace(log_dict=lambda *a, **k: None)
     for step, sent in enumerate([1000, 1000, 10, 10, 10]):
-        synchronizer.telemetry.last = StepTelemetry(raw_bytes=1000, sent_bytes=sent, encode_s=0.01 * step, exposed_wait_s=0.001)
+        synchronizer.telemetry.last = StepTelemetry(
+            raw_bytes=1000, sent_bytes=sent, encode_s=0.01 * step, exposed_wait_s=0.001
+        )
         monitor.on_train_batch_start(trainer, module, None, step)
         trainer.global_step = step + 1
         monitor.on_train_batch_end(trainer, module, None, None, step)

@@ -24,14 +24,26 @@ from distributed import run_ranks  # noqa: E402
 
 def _bench(tmp_path, *args, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, str(ROOT / "bench.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
 def test_a_short_run_on_loopback_writes_table_csv_charts_and_wandb(tmp_path):
-    done = _bench(tmp_path, 'configs=[compute-parallel,ddp+no-comm,ddp,"gc_fused:compressor=fp16"]', "rounds=1", "steps=3",
-                  "warmup=1", "data.batch_size=4")
+    done = _bench(
+        tmp_path,
+        'configs=[compute-parallel,ddp+no-comm,ddp,"gc_fused:compressor=fp16"]',
+        "rounds=1",
+        "steps=3",
+        "warmup=1",
+        "data.batch_size=4",
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     run = tmp_path / "run"
     rows = list(csv.DictReader(open(run / "results.csv")))
@@ -52,9 +64,19 @@ def test_a_short_run_on_loopback_writes_table_csv_charts_and_wandb(tmp_path):
 
 
 def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
-    cfg = OmegaConf.create({"world_size": 2, "threads_per_rank": 1, "timeout_s": 60, "data": {"batch_size": 4},
-                            "model": {"recipe": "resnet", "arch": "resnet18"}, "rounds": 1, "steps": 1, "warmup": 0,
-                            "net": {"rate": None}})
+    cfg = OmegaConf.create(
+        {
+            "world_size": 2,
+            "threads_per_rank": 1,
+            "timeout_s": 60,
+            "data": {"batch_size": 4},
+            "model": {"recipe": "resnet", "arch": "resnet18"},
+            "rounds": 1,
+            "steps": 1,
+            "warmup": 0,
+            "net": {"rate": None},
+        }
+    )
     (tmp_path / "runs").mkdir()
     (tmp_path / "logs").mkdir()
     crash = netns.RankNetwork(["sh", "-c", "echo 'RuntimeError: boom' >&2; exit 3", "--"], "127.0.0.1", "lo")
@@ -72,22 +94,51 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
 
 def test_the_breakdown_stacks_compute_sharing_lockstep_codec_and_the_rest_up_to_each_step():
     cfg = OmegaConf.create({"data": {"batch_size": 32}})
+
     def ran(step, ranks=2, codec=None):
-        return [{"step_times_s": [step], "ranks": ranks, "step_time_s": step, "breakdown": codec and {"encode+decode": codec}}]
-    rows = bench.aggregate(cfg, {"compute": ran(0.10, ranks=1), "compute-parallel": ran(0.13), "ddp+no-comm": ran(0.16),
-                                 "ddp": ran(0.40), "gc_fused:compressor=randk": ran(0.20, codec=0.02),
-                                 "gc_fused:compressor=none": ran(0.12)})
+        return [
+            {
+                "step_times_s": [step],
+                "ranks": ranks,
+                "step_time_s": step,
+                "breakdown": codec and {"encode+decode": codec},
+            }
+        ]
+
+    rows = bench.aggregate(
+        cfg,
+        {
+            "compute": ran(0.10, ranks=1),
+            "compute-parallel": ran(0.13),
+            "ddp+no-comm": ran(0.16),
+            "ddp": ran(0.40),
+            "gc_fused:compressor=randk": ran(0.20, codec=0.02),
+            "gc_fused:compressor=none": ran(0.12),
+        },
+    )
     randk = rows[4]
-    assert randk["step / compute"] == pytest.approx(2.0) and randk["step / compute-parallel"] == pytest.approx(0.20 / 0.13)
+    assert randk["step / compute"] == pytest.approx(2.0) and randk["step / compute-parallel"] == pytest.approx(
+        0.20 / 0.13
+    )
     assert randk["step / ddp+no-comm"] == pytest.approx(1.25) and "speedup vs ddp+no-comm" not in randk
     assert randk["speedup vs ddp"] == pytest.approx(2.0) and "speedup vs compute-parallel" not in randk
     assert rows[1]["samples/s"] == pytest.approx(2 * 32 / 0.13)
     parts = bench.breakdown(rows)
-    assert list(parts) == ["compute (one rank alone)", "ranks sharing the machine", "ranks in step, no communication",
-                           "encode+decode", "exposed communication and the rest"]
-    expected = [[0.10, 0.0, 0.0, 0.0, 0.0], [0.10, 0.03, 0.0, 0.0, 0.0], [0.10, 0.03, 0.03, 0.0, 0.0],
-                [0.10, 0.03, 0.03, 0.0, 0.24], [0.10, 0.03, 0.03, 0.02, 0.02],
-                [0.10, 0.02, 0.0, 0.0, 0.0]]  # the last step is shorter than compute-parallel's: no part exceeds it
+    assert list(parts) == [
+        "compute (one rank alone)",
+        "ranks sharing the machine",
+        "ranks in step, no communication",
+        "encode+decode",
+        "exposed communication and the rest",
+    ]
+    expected = [
+        [0.10, 0.0, 0.0, 0.0, 0.0],
+        [0.10, 0.03, 0.0, 0.0, 0.0],
+        [0.10, 0.03, 0.03, 0.0, 0.0],
+        [0.10, 0.03, 0.03, 0.0, 0.24],
+        [0.10, 0.03, 0.03, 0.02, 0.02],
+        [0.10, 0.02, 0.0, 0.0, 0.0],
+    ]  # the last step is shorter than compute-parallel's: no part exceeds it
     assert [[parts[label][i] for label in parts] for i in range(6)] == [pytest.approx(row) for row in expected]
     without_parallel = bench.breakdown([rows[0], rows[4]])  # a missing ideal's part is 0; the next ones still count
     assert [values[1] for values in without_parallel.values()] == pytest.approx([0.10, 0.0, 0.0, 0.02, 0.08])
@@ -127,7 +178,9 @@ def test_a_rank_that_dies_ends_the_run_at_once_and_its_error_is_reported(tmp_pat
     (tmp_path / "logs").mkdir()
     monkeypatch.setattr(bench, "PEER_GRACE_S", 1.0)
     waits = netns.RankNetwork(["sh", "-c", "sleep 300", "--"], "127.0.0.1", "lo")
-    dies = netns.RankNetwork(["sh", "-c", "echo 'ImportError: cannot import name' >&2; exit 1", "--"], "127.0.0.1", "lo")
+    dies = netns.RankNetwork(
+        ["sh", "-c", "echo 'ImportError: cannot import name' >&2; exit 1", "--"], "127.0.0.1", "lo"
+    )
     started = time.monotonic()
     failed = bench.run_config("ddp", cfg, tmp_path / "none.yaml", [waits, dies], 29999, tmp_path, "r0-c0")
     assert failed == {"failed": "rank 1 exited with 1: ImportError: cannot import name"}
@@ -139,13 +192,28 @@ def test_the_emulated_network_is_removed_afterwards_also_on_error():
     with pytest.raises(KeyError):
         with netns.emulated_network(2, "100mbit") as ranks:
             assert sorted(netns.existing()[0]) == ["gcb0", "gcb1"]
-            server = subprocess.Popen(ranks[1].command + [sys.executable, "-c", (
-                "import socket; s = socket.create_server(('%s', 29111)); c, _ = s.accept(); c.sendall(b'hello')"
-                % ranks[1].address)])
-            client = subprocess.run(ranks[0].command + [sys.executable, "-c", (
-                "import socket, time\nfor _ in range(50):\n    try:\n        c = socket.create_connection(('%s', 29111)); break\n"
-                "    except OSError:\n        time.sleep(0.1)\nprint(c.recv(5).decode())" % ranks[1].address)],
-                capture_output=True, text=True, timeout=30)
+            server = subprocess.Popen(
+                ranks[1].command
+                + [
+                    sys.executable,
+                    "-c",
+                    f"import socket; s = socket.create_server(('{ranks[1].address}', 29111)); c, _ = s.accept(); "
+                    "c.sendall(b'hello')",
+                ]
+            )
+            client = subprocess.run(
+                ranks[0].command
+                + [
+                    sys.executable,
+                    "-c",
+                    "import socket, time\nfor _ in range(50):\n    try:\n"
+                    f"        c = socket.create_connection(('{ranks[1].address}', 29111)); break\n"
+                    "    except OSError:\n        time.sleep(0.1)\nprint(c.recv(5).decode())",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             server.wait(timeout=30)
             assert client.stdout.strip() == "hello"  # rank 0's namespace reaches rank 1's address
             raise KeyError("a failure inside the benchmark")

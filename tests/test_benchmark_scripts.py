@@ -31,18 +31,32 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
             parse(text)
 
 
-@pytest.mark.parametrize("script,option", [
-    ("compression_costs.py", "--runs"), ("convergence_digits.py", "--epochs"), ("fusion_auto.py", "--rounds"),
-    ("lowrank_costs.py", "--steps"), ("lowrank_models.py", "--batch"), ("sidco_estimators.py", "--repeats"),
-    ("quantizer_variance.py", "--samples"), ("checkpoint_memory.py", "--world-sizes"),
-    ("step_overhead.py", "--rounds"),
-])
+@pytest.mark.parametrize(
+    "script,option",
+    [
+        ("compression_costs.py", "--runs"),
+        ("convergence_digits.py", "--epochs"),
+        ("fusion_auto.py", "--rounds"),
+        ("lowrank_costs.py", "--steps"),
+        ("lowrank_models.py", "--batch"),
+        ("sidco_estimators.py", "--repeats"),
+        ("quantizer_variance.py", "--samples"),
+        ("checkpoint_memory.py", "--world-sizes"),
+        ("step_overhead.py", "--rounds"),
+    ],
+)
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
-    assert f"argument {option}: 0 is invalid; allowed: an integer >= 1" in _run(script, monkeypatch, capsys, option, "0")
+    assert f"argument {option}: 0 is invalid; allowed: an integer >= 1" in _run(
+        script, monkeypatch, capsys, option, "0"
+    )
 
 
 @pytest.mark.parametrize("script", ["compression_costs.py", "sidco_estimators.py", "step_overhead.py"])
 def test_a_bad_or_missing_device_is_an_argparse_error(script, monkeypatch, capsys):
-    assert "argument --device: 'tpu' is invalid; allowed: cuda, cpu" in _run(script, monkeypatch, capsys, "--device", "tpu")
+    assert "argument --device: 'tpu' is invalid; allowed: cuda, cpu" in _run(
+        script, monkeypatch, capsys, "--device", "tpu"
+    )
     if not torch.cuda.is_available():
-        assert "argument --device: no CUDA device is available here" in _run(script, monkeypatch, capsys, "--device", "cuda")
+        assert "argument --device: no CUDA device is available here" in _run(
+            script, monkeypatch, capsys, "--device", "cuda"
+        )

@@ -1,11 +1,10 @@
 """Communicators on real gloo ranks: sums, uneven gathers, empty payloads."""
 
 import torch
-
-from gc_strategy.comm import AllGather, AllReduce
-
 from compressor_helpers import finish
 from distributed import run_ranks
+
+from gc_strategy.comm import AllGather, AllReduce
 
 
 def _uneven_gather(rank, world_size):

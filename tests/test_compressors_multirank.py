@@ -4,21 +4,23 @@ reference aggregation of the ranks' own decodes, and telemetry counts the payloa
 import pytest
 import torch
 import torch.distributed as dist
-
-from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
-from gc_strategy.bucket import Bucket
-
 from distributed import run_ranks
 from models import SmallCNN
 
-
+from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
+from gc_strategy.bucket import Bucket
 
 MAJORITY = {"signsgd", "signum"}
 LOWRANK = {"powersgd", "acpsgd"}
 # the casts sum on the wire in 16 bits: each addition rounds by up to the unit roundoff
 TOLERANCE = {"fp16": 2.0**-10, "bf16": 2.0**-7}
-OPTIONS = {"topk": dict(density=0.1), "randk": dict(density=0.1), "dgc": dict(density=0.1),
-           "sidco": dict(density=0.1), "threshold": dict(threshold=0.01)}
+OPTIONS = {
+    "topk": dict(density=0.1),
+    "randk": dict(density=0.1),
+    "dgc": dict(density=0.1),
+    "sidco": dict(density=0.1),
+    "threshold": dict(threshold=0.01),
+}
 
 
 def _check_all(rank, world_size, memory):
@@ -59,8 +61,9 @@ def _check_all(rank, world_size, memory):
                     residual[bucket.index] = piece - decoded
                     kept = engine.memory.buffer("residual", bucket)
                     scale = float(piece.abs().max().clamp_min(1e-12))
-                    errors[f"{name} residual"] = max(errors.get(f"{name} residual", 0.0),
-                                                     float((kept - residual[bucket.index]).abs().max()) / scale)
+                    errors[f"{name} residual"] = max(
+                        errors.get(f"{name} residual", 0.0), float((kept - residual[bucket.index]).abs().max()) / scale
+                    )
                 decodes.append(decoded)
                 offset += bucket.numel
             mine = torch.cat(decodes)
@@ -96,7 +99,7 @@ def test_every_compressor_runs_on_16_bit_gradients(dtype):
                 options.update(start_iter=0, use_error_feedback=memory == "none")
             c = build_components(name, memory, "auto", "groups:2", **options)
             engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-            for step in range(2):
+            for _ in range(2):
                 model.zero_grad()
                 model(torch.randn(2, 3, 8, 8).to(dtype)).float().square().mean().backward()
             for p in model.parameters():

@@ -3,11 +3,10 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-
-from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
-
 from compressor_helpers import finish
 from models import ParityModule, SmallCNN
+
+from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,8 +30,13 @@ def test_16_mixed_with_grad_scaler_trains_on_one_gpu():
     pl.seed_everything(0, verbose=False)
     module = ParityModule()
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, precision="16-mixed", max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="gpu",
+        devices=1,
+        precision="16-mixed",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         strategy=GCFusedStrategy(compressor="fp16", memory="residual"),  # one device: runs in this process
     )
     trainer.fit(module)
@@ -46,10 +50,21 @@ from gc_strategy.bucket import Bucket  # noqa: E402
 #: draws on the tensor's device (the CPU and CUDA generators differ): checked by sampling instead
 RANDOM_ON_DEVICE = {"qsgd", "terngrad", "natural", "dgc"}
 UNBIASED = {"qsgd", "terngrad", "natural"}
-MEMORY = {"topk": "residual", "randk": "residual", "onebit": "residual", "efsignsgd": "residual",
-          "threshold": "residual", "sidco": "residual", "dgc": "dgc"}
-OPTIONS = {"powersgd": dict(start_iter=0), "acpsgd": dict(start_iter=0), "threshold": dict(threshold=0.5),
-           "terngrad": dict(clip_sigma=0.0)}  # unbiased without clipping
+MEMORY = {
+    "topk": "residual",
+    "randk": "residual",
+    "onebit": "residual",
+    "efsignsgd": "residual",
+    "threshold": "residual",
+    "sidco": "residual",
+    "dgc": "dgc",
+}
+OPTIONS = {
+    "powersgd": dict(start_iter=0),
+    "acpsgd": dict(start_iter=0),
+    "threshold": dict(threshold=0.5),
+    "terngrad": dict(clip_sigma=0.0),
+}  # unbiased without clipping
 SHAPES = [torch.Size([64, 32]), torch.Size([1001]), torch.Size([16, 3, 3, 3]), torch.Size([7])]
 
 
@@ -83,7 +98,9 @@ def test_deterministic_compressors_on_cuda_equal_the_cpu(name):
     this covers the CUDA branches of the bucket helpers, the Triton bit kernels and the batched
     low-rank path, against the CPU code the rest of the suite checks against the math."""
     gradients = _gradients(3)
-    for (cuda_avg, cuda_state), (cpu_avg, cpu_state) in zip(_exchange(name, "cuda", gradients), _exchange(name, "cpu", gradients)):
+    for (cuda_avg, cuda_state), (cpu_avg, cpu_state) in zip(
+        _exchange(name, "cuda", gradients), _exchange(name, "cpu", gradients)
+    ):
         torch.testing.assert_close(cuda_avg, cpu_avg, rtol=1e-4, atol=1e-5)
         for key in cpu_state:
             torch.testing.assert_close(cuda_state[key], cpu_state[key], rtol=1e-4, atol=1e-5)

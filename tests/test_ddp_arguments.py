@@ -9,8 +9,9 @@ from gc_strategy.ddp_arguments import REFUSED
 
 
 def test_taken_arguments():
-    strategy = GCFusedStrategy(find_unused_parameters=True, broadcast_buffers=False, bucket_cap_mb=5,
-                               gradient_as_bucket_view=True)
+    strategy = GCFusedStrategy(
+        find_unused_parameters=True, broadcast_buffers=False, bucket_cap_mb=5, gradient_as_bucket_view=True
+    )
     assert strategy.find_unused_parameters is True and strategy.broadcast_buffers is False
     assert strategy.components.fusion.describe() == "bucket_mb:5"
     assert GCFusedStrategy().components.fusion.describe() == "bucket_mb:25"
@@ -35,12 +36,15 @@ def test_hooks_point_at_compressors():
         GCFusedStrategy(static_graph=True)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(bucket_cap_mb=5, fusion="single"), "bucket_cap_mb=5 and fusion='single' both set the buckets"),
-    (dict(bucket_cap_mb=0), "bucket_cap_mb = 0 is invalid; allowed: a number of megabytes > 0"),
-    (dict(find_unused_parameters="yes"), "find_unused_parameters = 'yes' is invalid; allowed: True or False"),
-    (dict(broadcast_buffers=1), "broadcast_buffers = 1 is invalid; allowed: True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bucket_cap_mb=5, fusion="single"), "bucket_cap_mb=5 and fusion='single' both set the buckets"),
+        (dict(bucket_cap_mb=0), "bucket_cap_mb = 0 is invalid; allowed: a number of megabytes > 0"),
+        (dict(find_unused_parameters="yes"), "find_unused_parameters = 'yes' is invalid; allowed: True or False"),
+        (dict(broadcast_buffers=1), "broadcast_buffers = 1 is invalid; allowed: True or False"),
+    ],
+)
 def test_bad_values_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         GCFusedStrategy(**kwargs)

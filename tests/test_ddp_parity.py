@@ -14,13 +14,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import fit, synthetic_images
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from gc_strategy import GCFusedStrategy
-
-from models import fit, synthetic_images
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +48,16 @@ class Net(nn.Module):
 
 
 class ParityLM(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd", checkpointing: str | None = None, reentrant: bool = True,
-                 frozen_head: bool = False, branches: bool = False, compiled: bool = False,
-                 manual: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        checkpointing: str | None = None,
+        reentrant: bool = True,
+        frozen_head: bool = False,
+        branches: bool = False,
+        compiled: bool = False,
+        manual: bool = False,
+    ) -> None:
         super().__init__()
         self.net = Net()
         self.optimizer, self.checkpointing, self.reentrant = optimizer, checkpointing, reentrant
@@ -138,8 +144,14 @@ def _run(folder: Path, strategy, module_kwargs=None, ckpt_path=None, callbacks=(
     folder.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     module = ParityLM(**(module_kwargs or {}))
-    fit(module, strategy, ckpt_path=ckpt_path, callbacks=[SaveEveryRank(folder), *callbacks], devices=devices,
-        **trainer_kwargs)
+    fit(
+        module,
+        strategy,
+        ckpt_path=ckpt_path,
+        callbacks=[SaveEveryRank(folder), *callbacks],
+        devices=devices,
+        **trainer_kwargs,
+    )
     return [torch.load(folder / f"rank{r}.pt") for r in range(devices)]
 
 
@@ -153,11 +165,23 @@ def _differences(ours: list[dict], reference: list[dict], buffers: bool = True) 
     return out
 
 
-def _assert_parity(tmp_path, module_kwargs=None, ddp="ddp_fork", ddp_options=None, options=None, tolerance=1e-6,
-                   buffers=True, **trainer_kwargs):
+def _assert_parity(
+    tmp_path,
+    module_kwargs=None,
+    ddp="ddp_fork",
+    ddp_options=None,
+    options=None,
+    tolerance=1e-6,
+    buffers=True,
+    **trainer_kwargs,
+):
     reference = _run(tmp_path / "ddp", _ddp(ddp, ddp_options), module_kwargs, **trainer_kwargs)
-    ours = _run(tmp_path / "gc", GCFusedStrategy(start_method="fork", fusion="groups:3", **(options or {})),
-                module_kwargs, **trainer_kwargs)
+    ours = _run(
+        tmp_path / "gc",
+        GCFusedStrategy(start_method="fork", fusion="groups:3", **(options or {})),
+        module_kwargs,
+        **trainer_kwargs,
+    )
     differences = _differences(ours, reference, buffers)
     assert max(differences) <= tolerance, differences
     return ours, reference
@@ -167,6 +191,7 @@ def _ddp(name, options):
     if not options:
         return name
     from lightning.pytorch.strategies import DDPStrategy
+
     return DDPStrategy(start_method="fork", **options)
 
 
@@ -190,8 +215,13 @@ def test_manual_optimization_with_two_toggled_optimizers(tmp_path):
     # sync off around each step's forward, so DDP broadcasts the buffers before the first step only;
     # the synchroniser broadcasts them before every step (BatchNorm trains on batch statistics, so
     # the parameters do not depend on it).
-    _assert_parity(tmp_path, dict(manual=True), ddp="ddp_fork_find_unused_parameters_true",
-                   options=dict(find_unused_parameters=True), buffers=False)
+    _assert_parity(
+        tmp_path,
+        dict(manual=True),
+        ddp="ddp_fork_find_unused_parameters_true",
+        options=dict(find_unused_parameters=True),
+        buffers=False,
+    )
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -199,8 +229,9 @@ def test_unused_parameters_keep_none_like_ddp(tmp_path, optimizer):
     kwargs = dict(branches=True, optimizer=optimizer)
     pl.seed_everything(0, verbose=False)
     initial = ParityLM(**kwargs).state_dict()
-    ours, _ = _assert_parity(tmp_path, kwargs, ddp="ddp_fork_find_unused_parameters_true",
-                             options=dict(find_unused_parameters=True))
+    ours, _ = _assert_parity(
+        tmp_path, kwargs, ddp="ddp_fork_find_unused_parameters_true", options=dict(find_unused_parameters=True)
+    )
     for rank in range(2):  # no rank used it: weight decay and momentum must not have moved it
         assert torch.equal(ours[rank]["net.never.weight"], initial["net.never.weight"])
         assert not torch.equal(ours[rank]["net.rank0_only.weight"], initial["net.rank0_only.weight"])
@@ -213,15 +244,21 @@ def test_unused_parameters_without_the_option_are_an_error(tmp_path):
 
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
 def test_batchnorm_buffers(tmp_path, broadcast_buffers):
-    ours, _ = _assert_parity(tmp_path, ddp_options=dict(broadcast_buffers=broadcast_buffers),
-                             options=dict(broadcast_buffers=broadcast_buffers))
+    ours, _ = _assert_parity(
+        tmp_path,
+        ddp_options=dict(broadcast_buffers=broadcast_buffers),
+        options=dict(broadcast_buffers=broadcast_buffers),
+    )
     mean = "net.blocks.0.bn.running_mean"
     assert not torch.equal(ours[0][mean], ours[1][mean])  # each rank's last forward updated its copy
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-@pytest.mark.parametrize("checkpointing, frozen_head", [("whole", False), ("layers", False), ("layers", True)],
-                         ids=["whole", "layers", "layers-frozen-head"])
+@pytest.mark.parametrize(
+    "checkpointing, frozen_head",
+    [("whole", False), ("layers", False), ("layers", True)],
+    ids=["whole", "layers", "layers-frozen-head"],
+)
 def test_activation_checkpointing(tmp_path, checkpointing, frozen_head, reentrant):
     kwargs = dict(checkpointing=checkpointing, frozen_head=frozen_head, reentrant=reentrant)
     ours, _ = _assert_parity(tmp_path, kwargs)
@@ -237,10 +274,16 @@ def test_compiled_submodule(tmp_path):
 def test_resume_from_last_checkpoint(tmp_path):
     reference = _run(tmp_path / "ddp", "ddp_fork", max_epochs=2)
     saved = tmp_path / "ckpt"
-    _run(tmp_path / "first", GCFusedStrategy(start_method="fork"), max_epochs=1, enable_checkpointing=True,
-         callbacks=[ModelCheckpoint(dirpath=saved, save_last=True)])
-    resumed = _run(tmp_path / "resumed", GCFusedStrategy(start_method="fork"), max_epochs=2,
-                   ckpt_path=str(saved / "last.ckpt"))
+    _run(
+        tmp_path / "first",
+        GCFusedStrategy(start_method="fork"),
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=saved, save_last=True)],
+    )
+    resumed = _run(
+        tmp_path / "resumed", GCFusedStrategy(start_method="fork"), max_epochs=2, ckpt_path=str(saved / "last.ckpt")
+    )
     assert max(_differences(resumed, reference)) <= 1e-6
 
 
@@ -250,10 +293,17 @@ def test_resume_on_another_world_size(tmp_path, before, after):
     results = {}
     for name, strategy in (("ddp", lambda: "ddp_fork"), ("gc", lambda: GCFusedStrategy(start_method="fork"))):
         saved = tmp_path / name / "ckpt"
-        _run(tmp_path / name / "first", strategy(), devices=before, max_epochs=1, enable_checkpointing=True,
-             callbacks=[ModelCheckpoint(dirpath=saved, save_last=True)])
-        results[name] = _run(tmp_path / name / "resumed", strategy(), devices=after, max_epochs=2,
-                             ckpt_path=str(saved / "last.ckpt"))
+        _run(
+            tmp_path / name / "first",
+            strategy(),
+            devices=before,
+            max_epochs=1,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=saved, save_last=True)],
+        )
+        results[name] = _run(
+            tmp_path / name / "resumed", strategy(), devices=after, max_epochs=2, ckpt_path=str(saved / "last.ckpt")
+        )
     assert max(_differences(results["gc"], results["ddp"])) <= 1e-6
 
 
@@ -261,13 +311,20 @@ def test_resume_on_another_world_size(tmp_path, before, after):
 def test_a_compressed_run_resumes_on_another_world_size(tmp_path, before, after):
     """top-k with residual memory: the resumed run's second-epoch loss stays close to the
     uninterrupted run's (the residuals are resharded by the mean rule, not dropped)."""
+
     def strategy():
         return GCFusedStrategy(start_method="fork", compressor="topk", memory="residual", density=0.05)
 
     straight = _run(tmp_path / "straight", strategy(), devices=before, max_epochs=2)
     saved = tmp_path / "ckpt"
-    _run(tmp_path / "first", strategy(), devices=before, max_epochs=1, enable_checkpointing=True,
-         callbacks=[ModelCheckpoint(dirpath=saved, save_last=True)])
+    _run(
+        tmp_path / "first",
+        strategy(),
+        devices=before,
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=saved, save_last=True)],
+    )
     resumed = _run(tmp_path / "resumed", strategy(), devices=after, max_epochs=2, ckpt_path=str(saved / "last.ckpt"))
 
     def second_epoch_loss(ranks, world_size):

@@ -117,8 +117,16 @@ def test_dgc_memory_momentum_correction_accumulation_and_masking(flag, as_mask):
     bucket = _bucket(4)
     u = torch.zeros(4)
     v = torch.zeros(4)
-    grads = [torch.tensor([1.0, 2.0, -1.0, 0.5]), torch.tensor([0.5, -1.0, 1.5, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])]
-    sent_masks = [torch.tensor([False, True, False, False]), torch.tensor([True, False, True, True]), torch.tensor([False] * 4)]
+    grads = [
+        torch.tensor([1.0, 2.0, -1.0, 0.5]),
+        torch.tensor([0.5, -1.0, 1.5, 1.0]),
+        torch.tensor([1.0, 1.0, 1.0, 1.0]),
+    ]
+    sent_masks = [
+        torch.tensor([False, True, False, False]),
+        torch.tensor([True, False, True, True]),
+        torch.tensor([False] * 4),
+    ]
     for g, sent in zip(grads, sent_masks):
         u = 0.5 * u + g
         v = v + u
@@ -134,6 +142,7 @@ def test_dgc_memory_masks_the_positions_topk_selected_through_the_exchange():
     """The exchange hands DGC's memory the positions from top-k's payload (no dense decode); ``u``
     and ``v`` are zero there and follow the plain recursion elsewhere, over steps."""
     from compressor_helpers import finish
+
     from gc_strategy.algos.base import start_exchange
     from gc_strategy.comm import COMMUNICATORS
 
@@ -169,20 +178,32 @@ def test_dgc_memory_clipping_and_non_finite_guard():
     state = memory.state_by_parameter([bucket])
     poisoned = memory.compensate(torch.tensor([float("inf"), 1.0]), bucket)
     memory.update(poisoned, torch.tensor([0]), bucket, torch.tensor(False))
-    assert torch.equal(memory.buffer("u", bucket), state["u"]["w"]) and torch.equal(memory.buffer("v", bucket), state["v"]["w"])
+    assert torch.equal(memory.buffer("u", bucket), state["u"]["w"]) and torch.equal(
+        memory.buffer("v", bucket), state["v"]["w"]
+    )
     restored = MEMORIES.build("dgc")
     restored.load_state_by_parameter(state, [bucket])
     assert torch.equal(restored.buffer("v", bucket), memory.buffer("v", bucket))
 
 
-@pytest.mark.parametrize("name, memory", [("none", "none"), ("fp16", "none"), ("efsignsgd", "residual"),
-                                          ("qsgd", "residual"), ("signsgd", "none"), ("powersgd", "none"),
-                                          ("acpsgd", "none")])
+@pytest.mark.parametrize(
+    "name, memory",
+    [
+        ("none", "none"),
+        ("fp16", "none"),
+        ("efsignsgd", "residual"),
+        ("qsgd", "residual"),
+        ("signsgd", "none"),
+        ("powersgd", "none"),
+        ("acpsgd", "none"),
+    ],
+)
 def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor(name, memory):
     """The engine's exchange start hands over the bucket's gradient buffer: the average comes back in
     it, equal to what the same exchange returns into a tensor of its own (a twin, one process; under
     TRITON_INTERPRET=1 efsignsgd takes its fused path and the twin the plain one)."""
     from compressor_helpers import finish
+
     from gc_strategy.algos import COMPRESSORS, MEMORIES
     from gc_strategy.algos.base import start_exchange
     from gc_strategy.bucket import Bucket
@@ -206,7 +227,10 @@ def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor
         assert average is buffer
         # equal; to fp32 rounding where Triton's fused sign path (atomic sums) meets the twin's torch path
         torch.testing.assert_close(average, expected.float(), rtol=1e-6, atol=0)
-        for mem, compensated, estimate in ((memories[0], started.compensated, local), (memories[1], twin_compensated, twin_local)):
+        for mem, compensated, estimate in (
+            (memories[0], started.compensated, local),
+            (memories[1], twin_compensated, twin_local),
+        ):
             if compensated is not None:
                 mem.update(compensated, estimate, b, torch.tensor(True))
 

@@ -3,15 +3,14 @@
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from models import SmallCNN
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
-from gc_strategy.engine import resharded
 from gc_strategy.comm import AllReduce
+from gc_strategy.engine import resharded
 from gc_strategy.fusion import FusionPlanner
-
-from distributed import run_ranks
-from models import SmallCNN
 
 
 def _engine(module, compressor="none", memory="none", fusion="layerwise", comm="auto", **options):
@@ -283,14 +282,39 @@ class EventAllReduce(AllReduce):
 # (gradients ready, eager) per collective of a layerwise PowerSGD step on SmallCNN: vectors go dense
 # in one round, each weight sends P (eager) at its launch; its Q follows after the own collective of
 # the next bucket at least EAGER_AFTER_BYTES large, or at the end of backward
-Q_AT_THE_NEXT_LAUNCH = [(1, False), (2, True), (3, True), (3, False), (4, False), (4, False), (5, False), (6, False),
-                        (7, True), (8, False), (8, False)]
-Q_AT_THE_END = [(1, False), (2, True), (3, True), (4, False), (5, False), (6, False), (7, True), (8, False),
-                (8, False), (8, False), (8, False)]
+Q_AT_THE_NEXT_LAUNCH = [
+    (1, False),
+    (2, True),
+    (3, True),
+    (3, False),
+    (4, False),
+    (4, False),
+    (5, False),
+    (6, False),
+    (7, True),
+    (8, False),
+    (8, False),
+]
+Q_AT_THE_END = [
+    (1, False),
+    (2, True),
+    (3, True),
+    (4, False),
+    (5, False),
+    (6, False),
+    (7, True),
+    (8, False),
+    (8, False),
+    (8, False),
+    (8, False),
+]
 
 
-@pytest.mark.parametrize("after_bytes, expected", [(0, Q_AT_THE_NEXT_LAUNCH), (1 << 20, Q_AT_THE_END)],
-                         ids=["every launch", "no bucket large enough"])
+@pytest.mark.parametrize(
+    "after_bytes, expected",
+    [(0, Q_AT_THE_NEXT_LAUNCH), (1 << 20, Q_AT_THE_END)],
+    ids=["every launch", "no bucket large enough"],
+)
 def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expected, monkeypatch):
     """PowerSGD's P round is eager: a bucket's Q collective goes out during backward, right after the
     next large enough bucket's own first collective (SmallCNN's buckets hold at most 4.6 kB), or at
@@ -305,8 +329,16 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
     _backward(model)  # records the order
     comm.events.clear()
     _backward(model, 1)
-    assert engine.order == ["head.bias", "head.weight", "conv2.weight", "conv2.bias", "bn1.weight", "bn1.bias",
-                            "conv1.weight", "conv1.bias"]
+    assert engine.order == [
+        "head.bias",
+        "head.weight",
+        "conv2.weight",
+        "conv2.bias",
+        "bn1.weight",
+        "bn1.bias",
+        "conv1.weight",
+        "conv1.bias",
+    ]
     assert comm.events == expected
 
 
@@ -315,7 +347,10 @@ def test_resharding_takes_the_mean_of_per_rank_state_and_rank_0s_shared_state():
     size: per-element state (residuals; PowerSGD's error) is their mean, PowerSGD's shared factors
     are rank 0's; a fresh engine loads it."""
     states = {}
-    for compressor, memory, options in (("topk", "residual", dict(density=0.1)), ("powersgd", "none", dict(rank=1, start_iter=0))):
+    for compressor, memory, options in (
+        ("topk", "residual", dict(density=0.1)),
+        ("powersgd", "none", dict(rank=1, start_iter=0)),
+    ):
         per_rank = []
         for rank in range(2):
             torch.manual_seed(0)

@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_ranks
+from models import SmallCNN
+
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.fusion import AutoPlan, Cost, CostModel, FilePlan, best_plan, parse_fusion, simulate
-from models import SmallCNN
 
 FREE = Cost.linear(0.0, 0.0)
 
@@ -44,8 +44,11 @@ def test_search_matches_exhaustive_enumeration(seed, flat):
     count = rng.randint(1, 12)
     ready = sorted(rng.uniform(0, 0.1) for _ in range(count))
     model = CostModel(
-        tuple(r - ready[0] for r in ready), tuple(rng.randint(1, 100_000) for _ in range(count)),
-        random_curve(rng, 0.01, flat), random_curve(rng, 0.03, flat), random_curve(rng, 0.01, flat),
+        tuple(r - ready[0] for r in ready),
+        tuple(rng.randint(1, 100_000) for _ in range(count)),
+        random_curve(rng, 0.01, flat),
+        random_curve(rng, 0.03, flat),
+        random_curve(rng, 0.01, flat),
         other=rng.uniform(0, 0.1),
     )
     exhaustive = min(simulate(model, plan) for plan in all_plans(count))
@@ -58,8 +61,9 @@ def test_search_matches_exhaustive_enumeration(seed, flat):
 def test_simulation_of_a_two_bucket_plan_by_hand():
     # tensors ready at 0, 1, 2 s with 10, 20, 30 elements; encode 0.1 + 0.01/elem, comm 1 + 0.1/elem,
     # decode 0.5 flat; plan [2, 1]
-    model = CostModel((0.0, 1.0, 2.0), (10, 20, 30), Cost.linear(0.1, 0.01), Cost.linear(1.0, 0.1),
-                      Cost.linear(0.5, 0.0), other=3.0)
+    model = CostModel(
+        (0.0, 1.0, 2.0), (10, 20, 30), Cost.linear(0.1, 0.01), Cost.linear(1.0, 0.1), Cost.linear(0.5, 0.0), other=3.0
+    )
     # bucket 1 (30 elements): ready at 1, encode 0.4 -> launch 1.4, comm 4 -> ends 5.4
     # bucket 2 (30 elements): ready at 2 + 0.4, encode 0.4 -> launch 2.8, comm starts 5.4 -> ends 9.4
     # end: max(backward 2.8 + decodes 1.0, 9.4 + last decode 0.5) = 9.9, + other 3
@@ -67,8 +71,9 @@ def test_simulation_of_a_two_bucket_plan_by_hand():
 
 
 def test_free_network_gives_one_bucket():
-    model = CostModel(tuple(float(i) for i in range(8)), (1000,) * 8, Cost.linear(0.01, 1e-6), FREE,
-                      Cost.linear(0.01, 1e-6))
+    model = CostModel(
+        tuple(float(i) for i in range(8)), (1000,) * 8, Cost.linear(0.01, 1e-6), FREE, Cost.linear(0.01, 1e-6)
+    )
     assert best_plan(model)[0] == [8]
 
 
@@ -79,8 +84,13 @@ def test_free_compression_and_costly_startup_give_one_bucket():
 
 def test_costly_bytes_and_cheap_startup_give_layerwise():
     # each tensor's collective (0.9 s) ends before the next tensor is ready (1 s later): send at once
-    model = CostModel(tuple(float(i) for i in range(6)), (1000,) * 6, Cost.linear(1e-6, 0.0),
-                      Cost.linear(1e-6, 9e-4), Cost.linear(1e-6, 0.0))
+    model = CostModel(
+        tuple(float(i) for i in range(6)),
+        (1000,) * 6,
+        Cost.linear(1e-6, 0.0),
+        Cost.linear(1e-6, 9e-4),
+        Cost.linear(1e-6, 0.0),
+    )
     assert best_plan(model)[0] == [1] * 6
 
 
@@ -110,7 +120,9 @@ def test_pareto_keeps_exactly_the_undominated_rows(chunk):
     labels = rng.integers(0, 6, size=(400, 3)).astype(float)
     kept = set(_pareto(labels).tolist())
     for i, row in enumerate(labels):
-        dominated = any(np.all(labels[j] <= row) and (np.any(labels[j] < row) or j < i) for j in range(len(labels)) if j != i)
+        dominated = any(
+            np.all(labels[j] <= row) and (np.any(labels[j] < row) or j < i) for j in range(len(labels)) if j != i
+        )
         assert (i not in kept) == dominated, (i, row)
 
 
@@ -119,9 +131,13 @@ def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():
     rng = random.Random(0)
     count = 314
     numels = tuple(rng.randint(64, 2_400_000) for _ in range(count))
-    model = CostModel(tuple(sorted(rng.uniform(0, 0.5) for _ in range(count))), numels,
-                      Cost.measured([1e3, 1e6, 1e7, 4e7], [2e-4, 4e-3, 0.15, 0.9]),
-                      Cost.measured([1e3, 1e7], [5e-4, 0.04]), Cost.measured([1e3, 1e6, 1e7], [1e-4, 5e-3, 0.2]))
+    model = CostModel(
+        tuple(sorted(rng.uniform(0, 0.5) for _ in range(count))),
+        numels,
+        Cost.measured([1e3, 1e6, 1e7, 4e7], [2e-4, 4e-3, 0.15, 0.9]),
+        Cost.measured([1e3, 1e7], [5e-4, 0.04]),
+        Cost.measured([1e3, 1e6, 1e7], [1e-4, 5e-3, 0.2]),
+    )
     groups, predicted = best_plan(model)
     assert predicted == pytest.approx(simulate(model, groups))
     assert predicted <= min(simulate(model, [count]), simulate(model, [1] * count))
@@ -130,11 +146,22 @@ def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():
 def test_fit_recovers_the_scales_of_compression_and_communication():
     from gc_strategy.fusion.auto import fit_scales
 
-    profiled = CostModel(ready=tuple(0.02 * i for i in range(8)), numels=tuple(1000 * (i + 1) for i in range(8)),
-                         encode=Cost.linear(0.001, 3e-6), comm=Cost.linear(0.004, 2e-6),
-                         decode=Cost.linear(0.0005, 2e-6), other=0.05)
-    truth = CostModel(profiled.ready, profiled.numels, Cost.linear(0.002, 6e-6), Cost.linear(0.001, 5e-7),
-                      Cost.linear(0.001, 4e-6), other=0.05)  # compression 2x, communication 1/4
+    profiled = CostModel(
+        ready=tuple(0.02 * i for i in range(8)),
+        numels=tuple(1000 * (i + 1) for i in range(8)),
+        encode=Cost.linear(0.001, 3e-6),
+        comm=Cost.linear(0.004, 2e-6),
+        decode=Cost.linear(0.0005, 2e-6),
+        other=0.05,
+    )
+    truth = CostModel(
+        profiled.ready,
+        profiled.numels,
+        Cost.linear(0.002, 6e-6),
+        Cost.linear(0.001, 5e-7),
+        Cost.linear(0.001, 4e-6),
+        other=0.05,
+    )  # compression 2x, communication 1/4
     trials = [[1] * 8, [2] * 4, [4, 4], [8], [3, 5]]
     measured = {tuple(g): simulate(truth, g) for g in trials}
     (a, b), fitted = fit_scales(profiled, measured)
@@ -233,8 +260,18 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     return {
         "groups": engine.groups,
         "order": engine.order,
-        "report": {k: report[k] for k in ("groups", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s",
-                                          "trials", "searched_groups", "searched_measured_step_s")},
+        "report": {
+            k: report[k]
+            for k in (
+                "groups",
+                "predicted_step_s",
+                "measured_step_s",
+                "predicted_fp32_allreduce_s",
+                "trials",
+                "searched_groups",
+                "searched_measured_step_s",
+            )
+        },
         "planning_steps": planning_steps,
         "restored": (restored.groups, restored.order, restored.tuner.phase, restored.plan_report["groups"]),
         "from_file": (from_file.groups, from_file.order),
@@ -252,7 +289,9 @@ def test_auto_plan_is_the_same_on_every_rank_and_survives_resume_and_files(tmp_p
     assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0 and report["predicted_fp32_allreduce_s"] > 0
     # SmallCNN's 8 tensors: the default plan (1 bucket), layerwise, groups:2, groups:4 (8 and 16 are layerwise)
     assert [len(t["groups"]) for t in report["trials"]] == [1, 8, 2, 4]
-    assert first["planning_steps"] == 2 + 2 + 3 * 2 + 2  # settle (the first records the order), profile, 3 trials, verify
+    assert (
+        first["planning_steps"] == 2 + 2 + 3 * 2 + 2
+    )  # settle (the first records the order), profile, 3 trials, verify
     # the plan kept is the fastest measured one
     candidates = {tuple(t["groups"]): t["measured_step_s"] for t in report["trials"]}
     candidates[tuple(report["searched_groups"])] = report["searched_measured_step_s"]  # verified
@@ -271,8 +310,9 @@ def test_a_plan_file_for_another_model_is_refused(tmp_path):
     model = SmallCNN()
     names = [name for name, _ in reversed(list(model.named_parameters()))]
     numels = [p.numel() for _, p in reversed(list(model.named_parameters()))]
-    path.write_text(json.dumps({"format": 1, "order": names[:-1] + ["other.weight"], "numels": numels,
-                                "groups": [len(names)]}))
+    path.write_text(
+        json.dumps({"format": 1, "order": names[:-1] + ["other.weight"], "numels": numels, "groups": [len(names)]})
+    )
     c = build_components(fusion=f"file:{path}")
     with pytest.raises(ValueError) as error:
         GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)

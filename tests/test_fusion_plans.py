@@ -56,14 +56,20 @@ def test_size_cap_buckets_like_ddp(cap_mb):
     g = torch.Generator().manual_seed(int(cap_mb * 10))
     numels = [int(n) for n in torch.randint(1, 3_000_000, (40,), generator=g)]
     reference, _ = dist._compute_bucket_assignment_by_size(
-        [torch.empty(n) for n in numels], [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * MB)])
+        [torch.empty(n) for n in numels], [dist._DEFAULT_FIRST_BUCKET_BYTES, int(cap_mb * MB)]
+    )
     assert SizeCapPlan(cap_mb).plan([4 * n for n in numels]) == [len(bucket) for bucket in reference]
 
 
 @pytest.mark.parametrize(
     "spec, expected",
-    [("layerwise", "layerwise"), ("single", "single"), ("groups:4", "groups:4"), ("bucket_mb:25", "bucket_mb:25"),
-     ("bucket_mb:0.5", "bucket_mb:0.5")],
+    [
+        ("layerwise", "layerwise"),
+        ("single", "single"),
+        ("groups:4", "groups:4"),
+        ("bucket_mb:25", "bucket_mb:25"),
+        ("bucket_mb:0.5", "bucket_mb:0.5"),
+    ],
 )
 def test_parse(spec, expected):
     assert parse_fusion(spec).describe() == expected

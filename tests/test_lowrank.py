@@ -4,19 +4,23 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from compressor_helpers import build, finish
+from distributed import run_ranks
 from torch import nn
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.algos.lowrank import orthogonalize
-
-from compressor_helpers import build, finish
-from distributed import run_ranks
 from gc_strategy.bucket import Bucket
 
 
 def _matrix_bucket(*shapes, index=0):
-    return Bucket(index, [f"w{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes], torch.float32,
-                  torch.device("cpu"))
+    return Bucket(
+        index,
+        [f"w{i}" for i in range(len(shapes))],
+        [torch.Size(s) for s in shapes],
+        torch.float32,
+        torch.device("cpu"),
+    )
 
 
 def _single_rank_exchange(compressor, flat, bucket):
@@ -82,11 +86,14 @@ def test_rank_clamping_and_the_compression_rule():
     assert layout.dense.numel() == 20 + 100
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(rank=0), "option 'rank' = 0 is invalid; allowed: an integer in [1, inf)"),
-    (dict(start_iter=-1), "option 'start_iter' = -1 is invalid"),
-    (dict(min_compression_rate=0), "option 'min_compression_rate' = 0 is invalid; allowed: a number in (0, inf)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(rank=0), "option 'rank' = 0 is invalid; allowed: an integer in [1, inf)"),
+        (dict(start_iter=-1), "option 'start_iter' = -1 is invalid"),
+        (dict(min_compression_rate=0), "option 'min_compression_rate' = 0 is invalid; allowed: a number in (0, inf)"),
+    ],
+)
 @pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
 def test_bad_options_are_refused(name, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -99,8 +106,13 @@ def test_lowrank_needs_allreduce():
 
 
 def _mlp():
-    return nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 48, bias=False), nn.ReLU(),
-                         nn.Linear(48, 16, bias=False))
+    return nn.Sequential(
+        nn.Linear(32, 64, bias=False),
+        nn.ReLU(),
+        nn.Linear(64, 48, bias=False),
+        nn.ReLU(),
+        nn.Linear(48, 16, bias=False),
+    )
 
 
 def _against_torch_hook(rank, world_size):
@@ -110,8 +122,14 @@ def _against_torch_hook(rank, world_size):
     torch.manual_seed(0)
     theirs, ours = _mlp(), _mlp()
     ours.load_state_dict(theirs.state_dict())
-    state = hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               use_error_feedback=True, warm_start=True, random_seed=0)
+    state = hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=2,
+        start_powerSGD_iter=2,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=0,
+    )
     ddp = DistributedDataParallel(theirs, bucket_cap_mb=100)
     ddp.register_comm_hook(state, hook.powerSGD_hook)
     c = build_components("powersgd", rank=2, start_iter=2, fusion="single")
@@ -134,7 +152,9 @@ def _against_torch_hook(rank, world_size):
             opt.zero_grad()
             model(x).square().mean().backward()
         assert engine.order == bucket_order or step == 0
-        worst = max(float((a.grad - b.grad).norm() / a.grad.norm()) for a, b in zip(theirs.parameters(), ours.parameters()))
+        worst = max(
+            float((a.grad - b.grad).norm() / a.grad.norm()) for a, b in zip(theirs.parameters(), ours.parameters())
+        )
         errors.append(worst)
         opt_theirs.step()
         opt_ours.step()
@@ -173,7 +193,7 @@ def test_many_buckets_on_gloo_and_collectives_per_step(name):
     step for ACP-SGD, two for PowerSGD; bytes per step as the formula says."""
     per_step = run_ranks(_many_buckets, 2, name)[0]
     # 8 layers: weight [24, 24] rank 2 -> P, Q = 48 elements each; bias 24 dense
-    for step, (buckets, collectives, sent, p_step) in enumerate(per_step):
+    for step, (buckets, collectives, sent, _p_step) in enumerate(per_step):
         assert buckets == 16
         if step == 0:  # start_iter = 1: plain allreduce
             assert collectives == 16 and sent == 4 * 8 * (24 * 24 + 24)
@@ -274,8 +294,9 @@ def test_without_warm_start_each_step_draws_a_fresh_q():
 def _fresh_q_on_two_ranks(rank, world_size):
     """Each rank's Q at steps 0 and 1, and its average of a rank-dependent gradient."""
     bucket = _matrix_bucket((20, 12))
-    compressor = build("powersgd", world_size=2, process_rank=rank, rank=2, start_iter=0, use_error_feedback=False,
-                       warm_start=False)
+    compressor = build(
+        "powersgd", world_size=2, process_rank=rank, rank=2, start_iter=0, use_error_feedback=False, warm_start=False
+    )
     from gc_strategy.comm import AllReduce
 
     comm = AllReduce()

@@ -23,13 +23,19 @@ from recipes.resnet import build_resnet
 def _matrices(module):
     """The weight matrices of a full-rank layer, reshaped as in ALGORITHMS.md §7."""
     if isinstance(module, nn.LSTM):
-        return [getattr(module, f"weight_{kind}_l{layer}") for layer in range(module.num_layers) for kind in ("ih", "hh")]
+        return [
+            getattr(module, f"weight_{kind}_l{layer}") for layer in range(module.num_layers) for kind in ("ih", "hh")
+        ]
     return [module.weight.reshape(module.weight.shape[0], -1)]
 
 
 def _products(module):
     """U V of each factor pair of a low-rank layer, in the same order."""
-    pairs = [module] if not isinstance(module, LowRankLSTM) else [p for l in range(module.num_layers) for p in (module.ih[l], module.hh[l])]
+    pairs = (
+        [module]
+        if not isinstance(module, LowRankLSTM)
+        else [p for layer in range(module.num_layers) for p in (module.ih[layer], module.hh[layer])]
+    )
     return [p.u.weight.reshape(p.u.weight.shape[0], -1) @ p.v.weight.reshape(p.v.weight.shape[0], -1) for p in pairs]
 
 
@@ -39,15 +45,22 @@ def test_cifar_resnet18_parameter_count():
     r = c_out / 4 (the matrix is c_out x 9 c_in, and c_out is the smaller side)."""
     model = build_resnet("resnet18", 10, cifar_stem=True)
     report = factorize(model, ratio=0.25)
-    convs = [(64, 64)] * 2                                   # layer1.1
+    convs = [(64, 64)] * 2  # layer1.1
     for c_in, c_out in ((64, 128), (128, 256), (256, 512)):  # layer2..4: first conv of the stage, then 3 c_out->c_out
         convs += [(c_in, c_out)] + [(c_out, c_out)] * 3
     factorised = sum((c_out // 4) * (9 * c_in + c_out) for c_in, c_out in convs)
     full = sum(9 * c_in * c_out for c_in, c_out in convs)
     assert report.params_before == count_parameters(build_resnet("resnet18", 10, cifar_stem=True)) == 11_173_962
     assert report.params_after == report.params_before - full + factorised == 3_336_266
-    assert set(report.kept) == {"conv1", "layer1.0.conv1", "layer1.0.conv2", "fc",
-                                "layer2.0.downsample.0", "layer3.0.downsample.0", "layer4.0.downsample.0"}
+    assert set(report.kept) == {
+        "conv1",
+        "layer1.0.conv1",
+        "layer1.0.conv2",
+        "fc",
+        "layer2.0.downsample.0",
+        "layer3.0.downsample.0",
+        "layer4.0.downsample.0",
+    }
 
 
 @pytest.mark.parametrize("name", ["lstm", "bert"])
@@ -164,5 +177,7 @@ def test_low_rank_layers_match_their_products():
     conv = nn.Conv2d(3, 6, 3, padding=1, stride=2)
     low = LowRankConv2d.from_full(conv, rank=2)
     image = torch.randn(2, 3, 9, 9, generator=g)
-    expected = nn.functional.conv2d(image, _products(low)[0].reshape(conv.weight.shape), low.u.bias, stride=2, padding=1)
+    expected = nn.functional.conv2d(
+        image, _products(low)[0].reshape(conv.weight.shape), low.u.bias, stride=2, padding=1
+    )
     torch.testing.assert_close(low(image), expected, rtol=1e-5, atol=1e-5)

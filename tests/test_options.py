@@ -9,13 +9,22 @@ from gc_strategy import GCFusedStrategy, build_components
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(compressor="topkk"), "unknown compressor 'topkk'; valid names: " + ", ".join(gc_strategy.COMPRESSORS.names())),
+        (
+            dict(compressor="topkk"),
+            "unknown compressor 'topkk'; valid names: " + ", ".join(gc_strategy.COMPRESSORS.names()),
+        ),
         (dict(memory="residul"), "unknown memory 'residul'; valid names: " + ", ".join(gc_strategy.MEMORIES.names())),
         (dict(comm="broadcast"), "unknown communicator 'broadcast'; valid names: allgather, allreduce"),
-        (dict(memory="residual", beta=1.5), "memory 'residual': option 'beta' = 1.5 is invalid; allowed: a number in [0, 1]"),
+        (
+            dict(memory="residual", beta=1.5),
+            "memory 'residual': option 'beta' = 1.5 is invalid; allowed: a number in [0, 1]",
+        ),
         (dict(memory="residual", gamma=0), "option 'gamma' = 0 is invalid; allowed: a number in (0, inf)"),
         (dict(memory="residual", beta="high"), "option 'beta' = 'high' is invalid"),
-        (dict(memory="residual", betta=0.5), "option(s) betta are not taken by compressor=none, memory=residual; accepted options: beta, gamma"),
+        (
+            dict(memory="residual", betta=0.5),
+            "option(s) betta are not taken by compressor=none, memory=residual; accepted options: beta, gamma",
+        ),
         (dict(fusion="groups:0"), "fusion = 'groups:0' is invalid; allowed: 'layerwise', 'single', 'groups:N'"),
         (dict(fusion="groups:x"), "fusion = 'groups:x' is invalid"),
         (dict(fusion="bucket_mb:-1"), "fusion = 'bucket_mb:-1' is invalid"),
@@ -42,12 +51,17 @@ def test_incompatible_communicator_is_refused():
 @pytest.mark.parametrize("compressor", ["powersgd", "acpsgd"])
 @pytest.mark.parametrize("memory", ["residual", "dgc"])
 def test_a_second_error_feedback_loop_is_refused(compressor, memory):
-    with pytest.raises(ValueError, match=f"compressor '{compressor}' keeps its own error feedback .* memory '{memory}' "
-                                         "would stack a second loop on it; use memory='none', or use_error_feedback=False"):
+    with pytest.raises(
+        ValueError,
+        match=f"compressor '{compressor}' keeps its own error feedback .* memory '{memory}' "
+        "would stack a second loop on it; use memory='none', or use_error_feedback=False",
+    ):
         GCFusedStrategy(compressor=compressor, memory=memory)
     # either loop alone is fine
     assert GCFusedStrategy(compressor=compressor).components.memory.name == "none"
-    assert GCFusedStrategy(compressor=compressor, memory=memory, use_error_feedback=False).components.memory.name == memory
+    assert (
+        GCFusedStrategy(compressor=compressor, memory=memory, use_error_feedback=False).components.memory.name == memory
+    )
 
 
 def test_auto_communicator_and_option_routing():

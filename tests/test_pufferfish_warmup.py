@@ -9,11 +9,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import ParityModule, fit, flat_params
 
 from gc_strategy import GCFusedStrategy
 from gc_strategy.lowrank_models import LowRankConv2d, PufferfishWarmup, enable_factorized_loading
-
-from models import ParityModule, fit, flat_params
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +45,18 @@ class Probe(pl.Callback):
         bucketed = sorted(n for b in sync.buckets for n in b.names)
         lr = optimizer.param_groups[0]["lr"]
         cosine = LR * (1 + math.cos(math.pi * trainer.global_step / (STEPS_PER_EPOCH * EPOCHS))) / 2
-        self.rows.append({
-            "step": trainer.global_step,
-            "low_rank": isinstance(pl_module.net.conv2, LowRankConv2d),
-            "optimizer_exact": len(in_optimizer) == len(ids) and set(in_optimizer) == ids,
-            "sync_exact": {id(p) for p in sync.params} == ids and len(sync.params) == len(ids),
-            "buckets_exact": bucketed == sorted(n for n, _ in pl_module.named_parameters()),
-            "one_hook_each": all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in params),
-            "lr_on_schedule": abs(lr - cosine) < 1e-9,
-            "compressor": sync.compressor.name,
-        })
+        self.rows.append(
+            {
+                "step": trainer.global_step,
+                "low_rank": isinstance(pl_module.net.conv2, LowRankConv2d),
+                "optimizer_exact": len(in_optimizer) == len(ids) and set(in_optimizer) == ids,
+                "sync_exact": {id(p) for p in sync.params} == ids and len(sync.params) == len(ids),
+                "buckets_exact": bucketed == sorted(n for n, _ in pl_module.named_parameters()),
+                "one_hook_each": all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in params),
+                "lr_on_schedule": abs(lr - cosine) < 1e-9,
+                "compressor": sync.compressor.name,
+            }
+        )
 
     def on_train_end(self, trainer, pl_module):
         with open(self.out_dir / f"rank{trainer.global_rank}.json", "w") as f:
@@ -96,8 +97,14 @@ def test_checkpoints_before_and_after_the_switch_resume_identically(tmp_path):
         callbacks = [warmup]
         if checkpoints is not None:
             callbacks.append(ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1))
-        fit(module, _strategy(), max_epochs=EPOCHS, callbacks=callbacks, ckpt_path=ckpt_path,
-            enable_checkpointing=checkpoints is not None)
+        fit(
+            module,
+            _strategy(),
+            max_epochs=EPOCHS,
+            callbacks=callbacks,
+            ckpt_path=ckpt_path,
+            enable_checkpointing=checkpoints is not None,
+        )
         return module
 
     checkpoints = tmp_path / "ckpt"
@@ -132,8 +139,13 @@ def test_learning_rate_rewarms_linearly_after_the_conversion():
 
     recorder = Recorder()
     pl.seed_everything(0, verbose=False)
-    fit(PlainSGD(), "auto", devices=1, max_steps=8,
-        callbacks=[PufferfishWarmup(warmup_steps=2, lr_rewarmup_steps=4), recorder])
+    fit(
+        PlainSGD(),
+        "auto",
+        devices=1,
+        max_steps=8,
+        callbacks=[PufferfishWarmup(warmup_steps=2, lr_rewarmup_steps=4), recorder],
+    )
     expected = [LR, LR, LR / 4, LR / 2, 3 * LR / 4, LR, LR, LR]
     assert recorder.effective == pytest.approx(expected, rel=1e-4)
 

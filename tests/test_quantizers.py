@@ -2,14 +2,12 @@
 
 import math
 
-from gc_strategy.bucket import Bucket
-
 import pytest
 import torch
+from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
 
 from gc_strategy.algos.packing import pack_bits, unpack_bits
-
-from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+from gc_strategy.bucket import Bucket
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -60,7 +58,9 @@ def test_qsgd_chunks_send_one_norm_each():
     assert torch.allclose(payload[0][0], g[:128].norm())
 
 
-@pytest.mark.parametrize("name, options", [("qsgd", dict(levels=3)), ("terngrad", dict(clip_sigma=0.0)), ("natural", {})])
+@pytest.mark.parametrize(
+    "name, options", [("qsgd", dict(levels=3)), ("terngrad", dict(clip_sigma=0.0)), ("natural", {})]
+)
 def test_unbiased_quantizers(name, options):
     """The mean of T decodes converges to g: |mean - g| <= 5 standard errors for every element."""
     g = torch.randn(64) * torch.logspace(-2, 1, 64)
@@ -92,8 +92,9 @@ def test_terngrad_is_ternary_in_two_bits():
 
 def _relative_squared_error(name, g, sizes, trials=200, **options):
     """E‖Q(g) − g‖² / ‖g‖² by sampling, ``g`` fused into one bucket of tensors of ``sizes``."""
-    b = Bucket(0, [f"t{i}" for i in range(len(sizes))], [torch.Size([n]) for n in sizes], torch.float32,
-               torch.device("cpu"))
+    b = Bucket(
+        0, [f"t{i}" for i in range(len(sizes))], [torch.Size([n]) for n in sizes], torch.float32, torch.device("cpu")
+    )
     compressor = build(name, **options)
     total = 0.0
     for step in range(trials):

@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
+from compressor_helpers import bucket, build
 
 from gc_strategy.algos.sidco import exponential_threshold, gamma_threshold, gpareto_threshold
-
-from compressor_helpers import bucket, build
 
 N = 1_000_000
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
+
 from gc_strategy.bucket import Bucket
 
 SHAPES = [torch.Size([3, 4]), torch.Size([5]), torch.Size([2, 3, 3]), torch.Size([1])]
@@ -39,7 +39,9 @@ def reference_efsignsgd(g: torch.Tensor) -> torch.Tensor:
 def test_scaled_sign_methods_take_their_scalars_per_tensor_in_a_fused_bucket(name, reference):
     """A fused bucket decodes as if each tensor had been compressed alone (the papers' layer-wise form)."""
     fused = fused_bucket()
-    g = torch.randn(fused.numel) * torch.repeat_interleave(torch.tensor([1.0, 100.0, 0.01, 3.0]), torch.tensor(fused.numels))
+    g = torch.randn(fused.numel) * torch.repeat_interleave(
+        torch.tensor([1.0, 100.0, 0.01, 3.0]), torch.tensor(fused.numels)
+    )
     compressor = build(name)
     out = compressor.decode(compressor.encode(g, fused), fused)
     expected = torch.cat([reference(part.flatten()) for part in fused.views(g)])
@@ -50,7 +52,11 @@ def test_signsgd_decode_and_majority_vote():
     g = torch.tensor([0.5, -0.2, 0.0, -3.0])
     compressor = build("signsgd", world_size=3)
     assert torch.equal(roundtrip(compressor, g), torch.tensor([1.0, -1.0, 1.0, -1.0]))
-    grads = [torch.tensor([1.0, -1.0, 2.0, -1.0]), torch.tensor([1.0, 1.0, -2.0, -1.0]), torch.tensor([-1.0, 1.0, -1.0, 1.0])]
+    grads = [
+        torch.tensor([1.0, -1.0, 2.0, -1.0]),
+        torch.tensor([1.0, 1.0, -2.0, -1.0]),
+        torch.tensor([-1.0, 1.0, -1.0, 1.0]),
+    ]
     payloads = [compressor.encode(x, bucket(4)) for x in grads]
     reference = torch.sign(sum(torch.where(x >= 0, 1.0, -1.0) for x in grads))
     assert torch.equal(compressor.aggregate(payloads, bucket(4)), reference)
@@ -99,7 +105,9 @@ def test_bucket_per_tensor_helpers_equal_their_definitions():
     values = torch.randn(bucket.numel, generator=g)
     sums = torch.stack([v.sum() for v in bucket.views(values)])
     torch.testing.assert_close(bucket.sum_per_tensor(values), sums)
-    assert torch.equal(bucket.sum_per_tensor(values, magnitudes=True), torch.stack([v.abs().sum() for v in bucket.views(values)]))
+    assert torch.equal(
+        bucket.sum_per_tensor(values, magnitudes=True), torch.stack([v.abs().sum() for v in bucket.views(values)])
+    )
     mask = values > 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         yes, no = torch.randn(4, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from compressor_helpers import EDGE_INPUTS, bucket, build, finish, payload_bytes, roundtrip
 
 
@@ -65,11 +64,17 @@ def test_randk_draws_the_same_positions_on_every_rank_and_new_ones_each_step():
     g = torch.randn(1000)
     a = build("randk", density=0.05, process_rank=0, world_size=2)
     b = build("randk", density=0.05, process_rank=1, world_size=2)
-    assert torch.equal(a.decode(a.encode(g, bucket(1000)), bucket(1000)) != 0,
-                       b.decode(b.encode(g, bucket(1000)), bucket(1000)) != 0)
+    assert torch.equal(
+        a.decode(a.encode(g, bucket(1000)), bucket(1000)) != 0, b.decode(b.encode(g, bucket(1000)), bucket(1000)) != 0
+    )
     b.step = 1
     assert not torch.equal(roundtrip(a, g) != 0, roundtrip(b, g) != 0)
     assert a.encode(g, bucket(1000))[0].numel() == 50  # values only on the wire
+
+
+def _bucket_draws(drawn: list[int]) -> list[int]:
+    """The sizes drawn for the buckets, not the sampler's own inner draws."""
+    return [n for n in drawn if n in (1000, 3000)]
 
 
 def test_randk_draws_each_buckets_positions_once_per_step_with_several_buckets_in_flight(monkeypatch):
@@ -85,14 +90,13 @@ def test_randk_draws_each_buckets_positions_once_per_step_with_several_buckets_i
     grads = [torch.randn(1000), torch.randn(3000)]
     payloads = [compressor.encode(g, b) for g, b in zip(grads, buckets)]
     decoded = [compressor.decode(p, b) for p, b in zip(payloads, buckets)]
-    bucket_draws = lambda: [n for n in drawn if n in (1000, 3000)]  # not the sampler's own inner draws
-    assert bucket_draws() == [1000, 3000]
+    assert _bucket_draws(drawn) == [1000, 3000]
     for g, d in zip(grads, decoded):
         assert int((d != 0).sum()) == _k(0.05, g.numel())
         assert torch.equal(d, torch.where(d != 0, g, 0.0))
     compressor.step = 1
     compressor.encode(grads[0], buckets[0])
-    assert bucket_draws() == [1000, 3000, 1000]
+    assert _bucket_draws(drawn) == [1000, 3000, 1000]
 
 
 def test_randk_with_scaling_is_unbiased():

@@ -8,14 +8,12 @@ import textwrap
 import lightning.pytorch as pl
 import pytest
 import torch
+from distributed import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-
-import gc_strategy
-from gc_strategy import GCFusedStrategy
-
-from distributed import run_ranks
 from models import ParityModule, fit, flat_params
+
+from gc_strategy import GCFusedStrategy
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +68,9 @@ def test_gradient_accumulation_syncs_only_on_stepping_micro_batches():
 def test_unused_and_frozen_parameters_match_ddp_and_the_unused_keep_no_gradient():
     kwargs = dict(with_unused=True, frozen_stem=True)
     before = ParityModule(**kwargs)
-    module = _train(GCFusedStrategy(start_method="fork", fusion="layerwise", find_unused_parameters=True),
-                    module_kwargs=kwargs)
+    module = _train(
+        GCFusedStrategy(start_method="fork", fusion="layerwise", find_unused_parameters=True), module_kwargs=kwargs
+    )
     reference = _train("ddp_fork_find_unused_parameters_true", module_kwargs=kwargs)
     assert torch.equal(module.net.conv1.weight, before.net.conv1.weight)  # frozen: untouched, same seed
     assert torch.equal(module.net.unused.weight, before.net.unused.weight)  # unused: momentum never moved it
@@ -91,7 +90,7 @@ def test_a_checkpoint_loaded_for_validation_does_not_leak_into_a_later_fit(tmp_p
     """``validate(ckpt_path=...)`` reads the checkpoint's compression state; the next ``fit`` on the
     same Trainer must start fresh, as a fit on a new Trainer does. One rank, run in-process by the
     Trainer (as under torchrun), inside a forked process that keeps Lightning's environment to itself."""
-    (state_saved, same_as_fresh), = run_ranks(_validate_then_fit, 1, str(tmp_path / "ckpt"))
+    ((state_saved, same_as_fresh),) = run_ranks(_validate_then_fit, 1, str(tmp_path / "ckpt"))
     assert state_saved  # there was error-feedback state that could leak
     assert same_as_fresh
 
@@ -100,14 +99,27 @@ def _validate_then_fit(rank, world_size, checkpoints):
     def strategy():
         return GCFusedStrategy(compressor="topk", memory="residual", density=0.1, fusion="single")
 
-    _train(strategy(), devices=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
+    _train(
+        strategy(),
+        devices=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
+    )
     last = os.path.join(checkpoints, "last.ckpt")
     residual = torch.load(f"{last}.gc_state/rank0.pt")["memory"]["residual"]
     fresh = _train(strategy(), seed=1, devices=1)
     pl.seed_everything(1, verbose=False)
     module = ValidatedModule()
-    trainer = pl.Trainer(strategy=strategy(), accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=strategy(),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.validate(ValidatedModule(), ckpt_path=last, verbose=False)
     trainer.fit(module)
     return any(t.abs().sum() > 0 for t in residual.values()), torch.equal(flat_params(module), flat_params(fresh))
@@ -121,19 +133,27 @@ def test_bf16_mixed_precision_trains():
     assert torch.isfinite(after).all() and not torch.equal(after, before)
 
 
-@pytest.mark.parametrize("options", [
-    dict(compressor="bf16", memory="residual"),
-    dict(compressor="powersgd", rank=1, start_iter=1),
-    dict(compressor="acpsgd", rank=1, start_iter=1),
-], ids=["bf16+residual", "powersgd", "acpsgd"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(compressor="bf16", memory="residual"),
+        dict(compressor="powersgd", rank=1, start_iter=1),
+        dict(compressor="acpsgd", rank=1, start_iter=1),
+    ],
+    ids=["bf16+residual", "powersgd", "acpsgd"],
+)
 def test_checkpoint_resume_continues_identically(tmp_path, options):
     def strategy():
         return GCFusedStrategy(fusion="groups:2", start_method="fork", **options)
 
     straight = _train(strategy(), max_epochs=2)
     checkpoints = tmp_path / "ckpt"
-    _train(strategy(), max_epochs=1, enable_checkpointing=True,
-           callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
+    _train(
+        strategy(),
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
+    )
     last = checkpoints / "last.ckpt"
     assert torch.load(last, weights_only=False)["gc_strategy"] == {"format": "per_rank_files", "world_size": 2}
     ranks = [torch.load(checkpoints / "last.ckpt.gc_state" / f"rank{r}.pt") for r in range(2)]
@@ -168,8 +188,11 @@ def test_checkpoint_resume_continues_identically(tmp_path, options):
 
 def test_removed_checkpoints_take_their_rank_states_along(tmp_path):
     checkpoints = tmp_path / "ckpt"
-    _train(GCFusedStrategy(compressor="topk", memory="residual", density=0.1, start_method="fork"),
-           enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1)])
+    _train(
+        GCFusedStrategy(compressor="topk", memory="residual", density=0.1, start_method="fork"),
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1)],
+    )
     files = sorted(p.name for p in checkpoints.iterdir())
     assert len(files) == 2 and files[1] == files[0] + ".gc_state", files  # the latest step's only
     assert sorted(p.name for p in (checkpoints / files[1]).iterdir()) == ["rank0.pt", "rank1.pt"]
@@ -191,12 +214,21 @@ def test_a_linked_last_checkpoint_resumes_with_its_target_s_rank_states(tmp_path
 
 def test_telemetry_reaches_the_logger(tmp_path):
     logger = CSVLogger(tmp_path, name="run", version=0)
-    _train(GCFusedStrategy(compressor="fp16", fusion="groups:2", start_method="fork", log_every_n_steps=1),
-           logger=logger)
+    _train(
+        GCFusedStrategy(compressor="fp16", fusion="groups:2", start_method="fork", log_every_n_steps=1), logger=logger
+    )
     text = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
     header = text.splitlines()[0].split(",")
-    for key in ["gc/raw_bytes", "gc/sent_bytes", "gc/compression_ratio", "gc/encode_s", "gc/decode_s",
-                "gc/collective_s", "gc/exposed_wait_s", "gc/buckets"]:
+    for key in [
+        "gc/raw_bytes",
+        "gc/sent_bytes",
+        "gc/compression_ratio",
+        "gc/encode_s",
+        "gc/decode_s",
+        "gc/collective_s",
+        "gc/exposed_wait_s",
+        "gc/buckets",
+    ]:
         assert key in header
     rows = [dict(zip(header, line.split(","))) for line in text.splitlines()[1:]]
     assert float(rows[-1]["gc/compression_ratio"]) == 2.0
@@ -230,7 +262,9 @@ def test_popen_launcher_from_a_script(tmp_path):
     script = tmp_path / "train_script.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     checksum = float(done.stdout.split("CHECKSUM")[1].split()[0])
     reference = flat_params(_train("ddp_fork")).double().sum()

@@ -7,10 +7,9 @@ import sys
 
 import pytest
 import torch
+from compressor_helpers import finish
 
 from gc_strategy.algos import packing
-
-from compressor_helpers import finish
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the pure-torch code is used)")
 
@@ -44,9 +43,23 @@ def test_kernels_under_the_interpreter():
         # scalars" at the per-tensor sums' loop over a block's tensors; compiled, they pass there
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run a loop with runtime bounds (3.8's can)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "not under_the_interpreter and not without_the_interpreter"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "not under_the_interpreter and not without_the_interpreter",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
 
@@ -100,11 +113,14 @@ def test_mean_of_signs_equals_the_mean_of_the_decodes(kernels, name, ranks):
     from gc_strategy.algos import COMPRESSORS
     from gc_strategy.bucket import Bucket
 
-    bucket = Bucket(0, ["a", "b", "c"], [torch.Size([7, 3]), torch.Size([5]), torch.Size([40, 33])], torch.float32,
-                    kernels.device)
+    bucket = Bucket(
+        0, ["a", "b", "c"], [torch.Size([7, 3]), torch.Size([5]), torch.Size([40, 33])], torch.float32, kernels.device
+    )
     compressor = COMPRESSORS.build(name)
     g = torch.Generator().manual_seed(ranks)
-    gathered = [compressor.encode(torch.randn(bucket.numel, generator=g).to(kernels.device), bucket) for _ in range(ranks)]
+    gathered = [
+        compressor.encode(torch.randn(bucket.numel, generator=g).to(kernels.device), bucket) for _ in range(ranks)
+    ]
     bits = torch.stack([payload[-1] for payload in gathered])
     pairs = [compressor.level_pair(payload[0]) for payload in gathered]
     positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
@@ -118,7 +134,14 @@ def test_mean_of_signs_equals_the_mean_of_the_decodes(kernels, name, ranks):
 def _sign_bucket(device):
     from gc_strategy.bucket import Bucket
 
-    shapes = [torch.Size([7, 3]), torch.Size([0]), torch.Size([5]), torch.Size([1]), torch.Size([40, 33]), torch.Size([3000])]
+    shapes = [
+        torch.Size([7, 3]),
+        torch.Size([0]),
+        torch.Size([5]),
+        torch.Size([1]),
+        torch.Size([40, 33]),
+        torch.Size([3000]),
+    ]
     return Bucket(0, [f"t{i}" for i in range(len(shapes))], shapes, torch.float32, device)
 
 
@@ -163,8 +186,9 @@ def test_sign_encode_equals_pack_decode_and_residual_update(kernels, name):
         memory.update(x, compressor.decode(payload, bucket), bucket, flag)
         expected_residual, residual_now = residual.clone(), residual
         residual_now.copy_(before)
-        bits = kernels.sign_encode(grad, residual_now, flag, *compressor.level_pair(levels),
-                                   bucket.boundaries(kernels.device))
+        bits = kernels.sign_encode(
+            grad, residual_now, flag, *compressor.level_pair(levels), bucket.boundaries(kernels.device)
+        )
         assert torch.equal(bits.cpu(), payload[1].cpu())
         assert torch.equal(residual_now.cpu(), expected_residual.cpu())
         assert torch.equal(residual_now.cpu(), before.cpu()) is (not finite)
@@ -179,7 +203,9 @@ def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
     from gc_strategy.comm import COMMUNICATORS
 
     bucket = _sign_bucket(kernels.device)
-    gradients = [torch.randn(bucket.numel, generator=torch.Generator().manual_seed(s)).to(kernels.device) for s in range(3)]
+    gradients = [
+        torch.randn(bucket.numel, generator=torch.Generator().manual_seed(s)).to(kernels.device) for s in range(3)
+    ]
     runs = {}
     for fused in (True, False):
         if not fused:
@@ -259,8 +285,10 @@ def test_terngrad_codes_are_ternary_draws_of_the_clipped_gradient(kernels, clip_
     assert float(squared_error / (draws.var(0).sum() / len(draws))) < 1.5
 
 
-@pytest.mark.parametrize("name, options", [("qsgd", dict(levels=127)), ("qsgd", dict(levels=5, chunk=700)),
-                                           ("qsgd", dict(levels=1)), ("terngrad", {})])
+@pytest.mark.parametrize(
+    "name, options",
+    [("qsgd", dict(levels=127)), ("qsgd", dict(levels=5, chunk=700)), ("qsgd", dict(levels=1)), ("terngrad", {})],
+)
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_mean_of_levels_equals_the_mean_of_the_decodes(kernels, name, options, ranks):
     """The one-pass aggregate of QSGD/TernGrad payloads against the torch decodes' mean."""
@@ -277,5 +305,9 @@ def test_mean_of_levels_equals_the_mean_of_the_decodes(kernels, name, options, r
     for payload in gathered[1:]:
         expected += compressor.decode(payload, bucket)
     # compiled, the multiply of a decode may fuse with the addition over ranks (one rounding less)
-    torch.testing.assert_close(compressor.aggregate(gathered, bucket).cpu(), expected.div_(ranks).cpu(),
-                               rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    torch.testing.assert_close(
+        compressor.aggregate(gathered, bucket).cpu(),
+        expected.div_(ranks).cpu(),
+        rtol=1e-6,
+        atol=1e-6 * float(expected.abs().max()),
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -13,13 +13,13 @@ from ..bucket import Bucket, BucketState, all_finite
 from ..comm import Communicator, Exchange, Payload
 from ..registry import Option, Registry
 
-COMPRESSORS: Registry["Compressor"] = Registry("compressor")
-MEMORIES: Registry["Memory"] = Registry("memory")
+COMPRESSORS: Registry[Compressor] = Registry("compressor")
+MEMORIES: Registry[Memory] = Registry("memory")
 
 #: what error feedback needs of a rank's own payload (:attr:`Memory.local_form`): its decode
 #: (``"estimate"``), the positions where that decode may be nonzero (``"positions"``: int64
 #: indices, or a bool mask over the bucket; see :func:`zero_at`), or nothing
-LocalForm = Optional[Literal["estimate", "positions"]]
+LocalForm = Literal["estimate", "positions"] | None
 
 
 class Compressor(BucketState):
@@ -123,14 +123,17 @@ class Compressor(BucketState):
         """``Σ_r decode(payload_r)``, written into ``out`` when given; each rank's decode goes into
         one workspace (:meth:`decode_into`), not a new tensor."""
         scratch = self.workspace("decoded", bucket)
-        first = self.decode_into(gathered[0], bucket, out if out is not None and out.dtype == scratch.dtype else scratch)
+        first = self.decode_into(
+            gathered[0], bucket, out if out is not None and out.dtype == scratch.dtype else scratch
+        )
         total = first.clone() if out is None else written(first, out)
         for payload in gathered[1:]:
             total.add_(self.decode_into(payload, bucket, scratch))
         return total
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm,
-                 out: Tensor | None = None) -> Exchange:
+    def exchange(
+        self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm, out: Tensor | None = None
+    ) -> Exchange:
         """Encode, communicate, combine. Returns ``(average, local)``, ``local`` in the form the
         memory asks for (:meth:`local`); the average is written into ``out`` when given (the
         bucket's gradient buffer: see :meth:`combine`).
@@ -153,8 +156,9 @@ class Compressor(BucketState):
             return self.average(received, bucket, comm.world_size, out=out)
         return self.aggregate(received, bucket, out=out)
 
-    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
-                       comm: Communicator) -> Exchange | None:
+    def fused_exchange(
+        self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm: Communicator
+    ) -> Exchange | None:
         """Residual error feedback fused into the encode: the exchange of ``x = grad + residual`` that
         also sets ``residual ← x − decode(payload)`` (unchanged where the 0-d ``finite`` is False) in
         its own passes, returning ``(average, None)``; or None where this compressor has no such path
@@ -255,7 +259,9 @@ class StartedExchange:
     compensated: Tensor | None
 
 
-def start_exchange(compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket, comm: Communicator) -> StartedExchange:
+def start_exchange(
+    compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket, comm: Communicator
+) -> StartedExchange:
     """``memory.compensate -> compressor.exchange`` for one bucket, or the compressor's fused exchange
     (:meth:`Compressor.fused_exchange`) where the memory is plain residual feedback and the
     compressor has one for these tensors. After the exchange, call ``memory.update(compensated,
@@ -268,5 +274,8 @@ def start_exchange(compressor: Compressor, memory: Memory, flat: Tensor, bucket:
     if fused is not None:
         return StartedExchange(fused, finite, None)
     compensated = memory.compensate(flat, bucket, finite)
-    return StartedExchange(compressor.exchange(compensated, bucket, comm, memory.local_form, out=flat), finite,
-                           compensated if stateful else None)
+    return StartedExchange(
+        compressor.exchange(compensated, bucket, comm, memory.local_form, out=flat),
+        finite,
+        compensated if stateful else None,
+    )

@@ -172,8 +172,10 @@ class _LowRank(Compressor):
             for ms in groups.values():
                 slots.append(slice(start, start + len(ms)))
                 start += len(ms)
-            sizes = {"p": max((m.rows for ms in groups.values() for m in ms), default=0),
-                     "q": max((m.cols for ms in groups.values() for m in ms), default=0)}
+            sizes = {
+                "p": max((m.rows for ms in groups.values() for m in ms), default=0),
+                "q": max((m.cols for ms in groups.values() for m in ms), default=0),
+            }
             layout = _Layout(groups, dense, slots, sizes, {})
             for kind, size in sizes.items():
                 positions = torch.arange(start * size * self.options["rank"]).view(start, size, self.options["rank"])
@@ -303,8 +305,12 @@ class _LowRank(Compressor):
         return summed.div_(comm.world_size), in_form(local, local_form)
 
     def extra_state(self) -> dict[str, Any]:
-        return {"factors": {kind: {**self._restored[kind], **{n: t.clone() for n, t in self.factors_by_parameter(kind).items()}}
-                            for kind in ("p", "q")}}
+        return {
+            "factors": {
+                kind: {**self._restored[kind], **{n: t.clone() for n, t in self.factors_by_parameter(kind).items()}}
+                for kind in ("p", "q")
+            }
+        }
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Factors by parameter name (e.g. a checkpoint's); each bucket's batch takes them up."""
@@ -339,8 +345,9 @@ class PowerSGD(_LowRank):
 
     OPTIONS = {**LOWRANK_OPTIONS, "warm_start": Option(True, bool)}
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm,
-                 out: Tensor | None = None) -> Exchange:
+    def exchange(
+        self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm, out: Tensor | None = None
+    ) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
             return (yield from self._dense_exchange(flat, comm, local_form))
@@ -384,8 +391,9 @@ class ACPSGD(_LowRank):
     def is_p_step(self) -> bool:
         return (self.step - self.options["start_iter"]) % 2 == 0
 
-    def exchange(self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm,
-                 out: Tensor | None = None) -> Exchange:
+    def exchange(
+        self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm, out: Tensor | None = None
+    ) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
             return (yield from self._dense_exchange(flat, comm, local_form))

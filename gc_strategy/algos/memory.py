@@ -10,8 +10,9 @@ from ..registry import Option
 from .base import MEMORIES, Memory, zero_at
 
 
-def compensated_from(error: Tensor, grad: Tensor, finite: Tensor | None, beta: float = 1.0,
-                     gamma: float = 1.0) -> Tensor:
+def compensated_from(
+    error: Tensor, grad: Tensor, finite: Tensor | None, beta: float = 1.0, gamma: float = 1.0
+) -> Tensor:
     """``β e + γ g`` for error-feedback state ``e``: formed in ``e`` itself where the bucket is
     known on the host to be finite (the CPU: no new bucket-sized tensor, whose page faults cost
     about 4x a pass over it there), else in a new tensor. Pass the result to

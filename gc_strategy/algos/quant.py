@@ -13,8 +13,8 @@ from torch import Tensor
 from ..bucket import Bucket
 from ..comm import Payload
 from ..registry import Option
-from .base import COMPRESSORS, Compressor, written
 from . import triton_bits
+from .base import COMPRESSORS, Compressor, written
 from .packing import bits_for, pack_bits, unpack_bits
 from .sparse import SEED
 
@@ -76,7 +76,12 @@ class _LevelQuantizer(_Quantizer):
         s, chunk = self.levels(), self.chunk(flat.numel())
         scales, bound = self.scales(flat.float())
         if triton_bits.usable(flat):
-            return [scales, triton_bits.level_codes(flat, scales, chunk, s, self.bits(), self.seed_for(bucket, shared=False), bound)]
+            return [
+                scales,
+                triton_bits.level_codes(
+                    flat, scales, chunk, s, self.bits(), self.seed_for(bucket, shared=False), bound
+                ),
+            ]
         # in place in workspaces (no new bucket-sized tensors): x = |clip(g)| s / scale, then
         # level = ⌊x⌋ + [u < x − ⌊x⌋], the test as ⌊u − frac⌋ = −1 (a rounded difference keeps its sign)
         x = self.magnitudes(flat, bucket)
@@ -102,8 +107,12 @@ class _LevelQuantizer(_Quantizer):
         if not triton_bits.usable(gathered[0][-1]):
             return super().aggregate(gathered, bucket, out=out)
         scales, codes = (torch.stack([payload[k] for payload in gathered]) for k in (0, 1))
-        return written(triton_bits.mean_of_levels(codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(),
-                                                  bucket.numel, out), out)
+        return written(
+            triton_bits.mean_of_levels(
+                codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(), bucket.numel, out
+            ),
+            out,
+        )
 
 
 def _scale_chunks_(flat: Tensor, factors: Tensor, chunk: int) -> Tensor:
@@ -216,7 +225,9 @@ class Natural(_Quantizer):
         top = torch.frexp(a.max()).exponent  # a.max() < 2^top
         # a = m 2^x with m in [0.5, 1): 2^(x-1) <= a < 2^x, rounded up to 2^x with probability
         # (a - 2^(x-1)) / 2^(x-1) = 2m - 1; offset d = top - exponent = top + 1 - x - [up]
-        mantissa, offset = _frexp(a, self.workspace("mantissa", bucket), self.workspace("exponent", bucket, torch.int32))
+        mantissa, offset = _frexp(
+            a, self.workspace("mantissa", bucket), self.workspace("exponent", bucket, torch.int32)
+        )
         uniform = self._uniform(self.workspace("uniform", bucket), bucket)
         up = torch.lt(uniform, mantissa.mul_(2).sub_(1), out=self.workspace("up", bucket, torch.int32))
         offset.neg_().add_(top + 1).sub_(up)

@@ -18,8 +18,8 @@ from torch import Tensor
 from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
 from ..comm import Exchange, Payload
 from ..registry import Option
-from .base import COMPRESSORS, Compressor, written
 from . import triton_bits
+from .base import COMPRESSORS, Compressor, written
 from .packing import pack_signs, unpack_bits
 
 
@@ -98,8 +98,9 @@ class _ScaledSigns(_SignBits):
         bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
-        return written(triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel,
-                                                 out), out)
+        return written(
+            triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel, out), out
+        )
 
 
 class _MajorityVote(_SignBits):

@@ -55,8 +55,9 @@ class _Positional(Compressor):
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket), out=scratch)
 
-    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket,
-                       comm: Communicator) -> Exchange:
+    def fused_exchange(
+        self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm: Communicator
+    ) -> Exchange:
         """Residual error feedback without a dense decode: ``x = g + e`` is encoded, then ``e ← x``
         except at the sent positions, where ``e ← x − sent`` (0 where the values travel exactly);
         ``e`` is left as it was when the bucket is not finite. No new bucket-sized tensor: the

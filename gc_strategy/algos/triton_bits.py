@@ -80,7 +80,6 @@ if triton is not None:
         code = (byte >> ((index % per_byte) * BITS)) & ((1 << BITS) - 1)
         tl.store(out_ptr + index, code.to(tl.uint8), mask=index < n)
 
-
     @triton.jit
     def _tensor_of(index, offsets_ptr, tensors, STEPS: tl.constexpr):
         """Which tensor element ``index`` belongs to: the largest ``t`` with ``offsets[t] <= index``
@@ -107,8 +106,19 @@ if triton is not None:
         return tensor
 
     @triton.jit
-    def _mean_of_signs_kernel(bits_ptr, positive_ptr, negative_ptr, offsets_ptr, out_ptr, n, nbytes, tensors,
-                              RANKS: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _mean_of_signs_kernel(
+        bits_ptr,
+        positive_ptr,
+        negative_ptr,
+        offsets_ptr,
+        out_ptr,
+        n,
+        nbytes,
+        tensors,
+        RANKS: tl.constexpr,
+        STEPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         index = start + tl.arange(0, BLOCK)
         inside = index < n
@@ -141,8 +151,18 @@ if triton is not None:
             tl.atomic_add(out_ptr + t, tl.sum(tl.where(mine, tl.abs(x), 0.0)))
 
     @triton.jit
-    def _sign_sums_kernel(grad_ptr, residual_ptr, offsets_ptr, out_ptr, n, tensors, HAS_RESIDUAL: tl.constexpr,
-                          SPLIT: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _sign_sums_kernel(
+        grad_ptr,
+        residual_ptr,
+        offsets_ptr,
+        out_ptr,
+        n,
+        tensors,
+        HAS_RESIDUAL: tl.constexpr,
+        SPLIT: tl.constexpr,
+        STEPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         index = start + tl.arange(0, BLOCK)
         inside = index < n
@@ -157,8 +177,20 @@ if triton is not None:
                 _add_sums(out_ptr, t, x, inside & (tensor == t), SPLIT)
 
     @triton.jit
-    def _sign_encode_kernel(grad_ptr, residual_ptr, finite_ptr, positive_ptr, negative_ptr, offsets_ptr, bits_ptr,
-                            n, tensors, HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr, BYTES: tl.constexpr):
+    def _sign_encode_kernel(
+        grad_ptr,
+        residual_ptr,
+        finite_ptr,
+        positive_ptr,
+        negative_ptr,
+        offsets_ptr,
+        bits_ptr,
+        n,
+        tensors,
+        HAS_RESIDUAL: tl.constexpr,
+        STEPS: tl.constexpr,
+        BYTES: tl.constexpr,
+    ):
         first_byte = tl.program_id(0).to(tl.int64) * BYTES
         byte = first_byte + tl.arange(0, BYTES)
         bit = tl.arange(0, 8)
@@ -171,16 +203,30 @@ if triton is not None:
         if HAS_RESIDUAL:  # e <- x - decode(bit), kept as it was when the bucket is not finite
             start = first_byte * 8
             tensor = _tensors_of_block(index, start, tl.minimum(start + 8 * BYTES, n), offsets_ptr, tensors, STEPS)
-            level = tl.where(sign, tl.load(positive_ptr + tensor, mask=inside, other=0.0),
-                             tl.load(negative_ptr + tensor, mask=inside, other=0.0))
+            level = tl.where(
+                sign,
+                tl.load(positive_ptr + tensor, mask=inside, other=0.0),
+                tl.load(negative_ptr + tensor, mask=inside, other=0.0),
+            )
             finite = tl.load(finite_ptr).to(tl.int1)
             old = tl.load(residual_ptr + index, mask=inside, other=0.0)
             tl.store(residual_ptr + index, tl.where(finite, x - level, old), mask=inside)
 
-
     @triton.jit
-    def _level_codes_kernel(x_ptr, scales_ptr, bound_ptr, codes_ptr, n, nbytes, chunk, seed, S: tl.constexpr,
-                            BITS: tl.constexpr, CLIP: tl.constexpr, BYTES: tl.constexpr):
+    def _level_codes_kernel(
+        x_ptr,
+        scales_ptr,
+        bound_ptr,
+        codes_ptr,
+        n,
+        nbytes,
+        chunk,
+        seed,
+        S: tl.constexpr,
+        BITS: tl.constexpr,
+        CLIP: tl.constexpr,
+        BYTES: tl.constexpr,
+    ):
         PER_BYTE: tl.constexpr = 8 // BITS
         byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
         slot = tl.arange(0, PER_BYTE)
@@ -201,8 +247,19 @@ if triton is not None:
         tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
 
     @triton.jit
-    def _mean_of_levels_kernel(codes_ptr, scales_ptr, out_ptr, n, nbytes, chunks, chunk, S: tl.constexpr,
-                               BITS: tl.constexpr, RANKS: tl.constexpr, BLOCK: tl.constexpr):
+    def _mean_of_levels_kernel(
+        codes_ptr,
+        scales_ptr,
+        out_ptr,
+        n,
+        nbytes,
+        chunks,
+        chunk,
+        S: tl.constexpr,
+        BITS: tl.constexpr,
+        RANKS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         PER_BYTE: tl.constexpr = 8 // BITS
         index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = index < n
@@ -252,8 +309,9 @@ def _float_output(n: int, device: torch.device, out: Tensor | None) -> Tensor:
     return out if out is not None and out.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=device)
 
 
-def mean_of_signs(bits: Tensor, positive: Tensor, negative: Tensor, boundaries: Tensor, n: int,
-                  out: Tensor | None = None) -> Tensor:
+def mean_of_signs(
+    bits: Tensor, positive: Tensor, negative: Tensor, boundaries: Tensor, n: int, out: Tensor | None = None
+) -> Tensor:
     """``(1/W) Σ_r (bit_r(i) ? positive[r, t(i)] : negative[r, t(i)])`` for ``bits`` ``[W, ceil(n/8)]``
     (packed sign bits of W ranks) and per-tensor levels ``[W, tensors]``; ``t(i)``: the tensor of
     element ``i``, from the bucket's ``boundaries`` (``[0, end of tensor 0, ...]``, on the device)."""
@@ -261,8 +319,18 @@ def mean_of_signs(bits: Tensor, positive: Tensor, negative: Tensor, boundaries: 
     if n:
         ranks, nbytes = bits.shape
         _mean_of_signs_kernel[(triton.cdiv(n, BLOCK),)](
-            bits.contiguous(), positive.float().contiguous(), negative.float().contiguous(), boundaries,
-            out, n, nbytes, boundaries.numel() - 1, RANKS=ranks, STEPS=_steps(boundaries), BLOCK=BLOCK)
+            bits.contiguous(),
+            positive.float().contiguous(),
+            negative.float().contiguous(),
+            boundaries,
+            out,
+            n,
+            nbytes,
+            boundaries.numel() - 1,
+            RANKS=ranks,
+            STEPS=_steps(boundaries),
+            BLOCK=BLOCK,
+        )
     return out
 
 
@@ -275,13 +343,23 @@ def sign_sums(grad: Tensor, residual: Tensor | None, boundaries: Tensor, split: 
     out = torch.zeros(tensors * (3 if split else 1), dtype=torch.float32, device=grad.device)
     if n:
         _sign_sums_kernel[(triton.cdiv(n, SUM_BLOCK),)](
-            grad, residual if residual is not None else grad, boundaries, out, n, tensors,
-            HAS_RESIDUAL=residual is not None, SPLIT=split, STEPS=_steps(boundaries), BLOCK=SUM_BLOCK)
+            grad,
+            residual if residual is not None else grad,
+            boundaries,
+            out,
+            n,
+            tensors,
+            HAS_RESIDUAL=residual is not None,
+            SPLIT=split,
+            STEPS=_steps(boundaries),
+            BLOCK=SUM_BLOCK,
+        )
     return out.view(tensors, 3).T if split else out
 
 
-def sign_encode(grad: Tensor, residual: Tensor | None, finite: Tensor | None, positive: Tensor, negative: Tensor,
-                boundaries: Tensor) -> Tensor:
+def sign_encode(
+    grad: Tensor, residual: Tensor | None, finite: Tensor | None, positive: Tensor, negative: Tensor, boundaries: Tensor
+) -> Tensor:
     """Packed sign bits of ``x = grad + residual`` (bit ``i`` = ``x_i ≥ 0``) and, with a residual, in
     the same pass ``residual ← x − (bit ? positive[t] : negative[t])`` where ``finite`` (0-d bool)
     is True (else the residual is left as it was): error feedback for the scaled sign methods."""
@@ -289,14 +367,25 @@ def sign_encode(grad: Tensor, residual: Tensor | None, finite: Tensor | None, po
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=grad.device)
     if n:
         _sign_encode_kernel[(triton.cdiv(bits.numel(), ENCODE_BYTES),)](
-            grad, residual if residual is not None else grad, finite if finite is not None else grad,
-            positive.float().contiguous(), negative.float().contiguous(), boundaries, bits, n,
-            boundaries.numel() - 1, HAS_RESIDUAL=residual is not None, STEPS=_steps(boundaries), BYTES=ENCODE_BYTES)
+            grad,
+            residual if residual is not None else grad,
+            finite if finite is not None else grad,
+            positive.float().contiguous(),
+            negative.float().contiguous(),
+            boundaries,
+            bits,
+            n,
+            boundaries.numel() - 1,
+            HAS_RESIDUAL=residual is not None,
+            STEPS=_steps(boundaries),
+            BYTES=ENCODE_BYTES,
+        )
     return bits
 
 
-def level_codes(flat: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, seed: int,
-                bound: Tensor | None = None) -> Tensor:
+def level_codes(
+    flat: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, seed: int, bound: Tensor | None = None
+) -> Tensor:
     """Stochastic rounding to signed levels, quantised and packed in one pass: with ``x = flat``
     (clipped to ``±bound`` when given), ``q = sign(x) · min(⌊s|x|/scale⌋ + Bernoulli(frac), s)`` for
     the scale of each ``chunk`` elements, Philox uniforms from ``seed`` and the element index
@@ -308,13 +397,25 @@ def level_codes(flat: Tensor, scales: Tensor, chunk: int, levels: int, bits: int
     if n:
         scales = scales.float().contiguous()
         _level_codes_kernel[(triton.cdiv(nbytes, LEVEL_BYTES),)](
-            flat.contiguous(), scales, bound if bound is not None else scales, codes, n, nbytes, chunk, seed % 2**31,
-            S=levels, BITS=bits, CLIP=bound is not None, BYTES=LEVEL_BYTES)
+            flat.contiguous(),
+            scales,
+            bound if bound is not None else scales,
+            codes,
+            n,
+            nbytes,
+            chunk,
+            seed % 2**31,
+            S=levels,
+            BITS=bits,
+            CLIP=bound is not None,
+            BYTES=LEVEL_BYTES,
+        )
     return codes
 
 
-def mean_of_levels(codes: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, n: int,
-                   out: Tensor | None = None) -> Tensor:
+def mean_of_levels(
+    codes: Tensor, scales: Tensor, chunk: int, levels: int, bits: int, n: int, out: Tensor | None = None
+) -> Tensor:
     """``(1/W) Σ_r (code_r(i) − s) · scale_r[i // chunk] / s`` for packed codes ``[W, bytes]`` and
     scales ``[W, chunks]`` of W ranks: the average of the decodes of :func:`level_codes`' payloads
     in one pass, without a float vector per rank."""
@@ -322,6 +423,16 @@ def mean_of_levels(codes: Tensor, scales: Tensor, chunk: int, levels: int, bits:
     if n:
         ranks, nbytes = codes.shape
         _mean_of_levels_kernel[(triton.cdiv(n, BLOCK),)](
-            codes.contiguous(), scales.float().contiguous(), out, n, nbytes, scales.shape[1], chunk,
-            S=levels, BITS=bits, RANKS=ranks, BLOCK=BLOCK)
+            codes.contiguous(),
+            scales.float().contiguous(),
+            out,
+            n,
+            nbytes,
+            scales.shape[1],
+            chunk,
+            S=levels,
+            BITS=bits,
+            RANKS=ranks,
+            BLOCK=BLOCK,
+        )
     return out

@@ -63,7 +63,7 @@ SCALE_RANGE = 8.0
 class AutoTuner:
     """Profiles, tries, plans and verifies for one synchroniser (see the module docstring)."""
 
-    def __init__(self, engine: "GradientSynchronizer", planner: AutoPlan) -> None:
+    def __init__(self, engine: GradientSynchronizer, planner: AutoPlan) -> None:
         self.engine = engine
         self.steps = planner.profile_steps
         self.phase = "settle"  # -> "profile" -> "trial" -> "verify" -> "done"
@@ -121,7 +121,9 @@ class AutoTuner:
         if self.phase == "profile" and self._step_marks:
             self._ready.append(self._ready_times())
         self._first_wall, self._step_marks = None, {}
-        if len(self._periods) < self.steps or (self.phase == "profile" and (len(self._ready) < self.steps or not self._other)):
+        if len(self._periods) < self.steps or (
+            self.phase == "profile" and (len(self._ready) < self.steps or not self._other)
+        ):
             self._last_end = end
             return
         self._measured[tuple(self.engine.groups)] = statistics.median(self._periods)
@@ -161,7 +163,9 @@ class AutoTuner:
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
         ready, other = values[: len(numels)], values[len(numels)]
-        encode, comm, decode, fp32 = (Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(4, -1).tolist())
+        encode, comm, decode, fp32 = (
+            Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(4, -1).tolist()
+        )
         self._model = CostModel(tuple(ready), tuple(numels), encode, comm, decode, other=max(other, 0.0))
         self._fp32 = fp32
         nbytes = self._nbytes()
@@ -201,8 +205,15 @@ class AutoTuner:
             "searched_measured_step_s": None,
             "compression_cost_scale": scales[0],
             "communication_cost_scale": scales[1],
-            "trials": [{"plan": self._names[g], "groups": list(g), "measured_step_s": t,
-                        "predicted_step_s": simulate(model, list(g))} for g, t in measured.items()],
+            "trials": [
+                {
+                    "plan": self._names[g],
+                    "groups": list(g),
+                    "measured_step_s": t,
+                    "predicted_step_s": simulate(model, list(g)),
+                }
+                for g, t in measured.items()
+            ],
             "predicted_other_plans_s": {p.describe(): simulate(model, p.plan(nbytes)) for p in REFERENCE_PLANS},
             "predicted_fp32_allreduce_s": simulate(baseline, SizeCapPlan(25).plan(nbytes)),
             "profile_s": self._profile_s + time.perf_counter() - start,
@@ -230,13 +241,15 @@ class AutoTuner:
 
     def _describe_plan(self, groups: list[int], measured_s: float | None) -> None:
         nbytes = self._nbytes()
-        self.report.update({
-            "groups": groups,
-            "buckets": len(groups),
-            "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(groups)],
-            "predicted_step_s": simulate(self._fitted, groups),
-            "measured_step_s": measured_s,
-        })
+        self.report.update(
+            {
+                "groups": groups,
+                "buckets": len(groups),
+                "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(groups)],
+                "predicted_step_s": simulate(self._fitted, groups),
+                "measured_step_s": measured_s,
+            }
+        )
 
     def restore(self, report: dict[str, Any]) -> None:
         """A plan restored from a checkpoint: nothing left to profile."""
@@ -260,21 +273,23 @@ def fit_scales(model: CostModel, measured: dict[tuple[int, ...], float]) -> tupl
     centre, half_width = (0.0, 0.0), limit
     for points in (13, 7, 7, 7):  # log2 grid: 0.5 steps, then 3 refinements around the best
         axis = np.linspace(-half_width, half_width, points)
-        grid = [(np.clip(centre[0] + x, -limit, limit), np.clip(centre[1] + y, -limit, limit)) for x in axis for y in axis]
+        grid = [
+            (np.clip(centre[0] + x, -limit, limit), np.clip(centre[1] + y, -limit, limit)) for x in axis for y in axis
+        ]
         centre = min(grid, key=lambda p: (error(2 ** p[0], 2 ** p[1]), abs(p[0]) + abs(p[1])))
         half_width = 2 * half_width / (points - 1)
     a, b = 2 ** centre[0], 2 ** centre[1]
     return (float(a), float(b)), model.scaled(a, b)
 
 
-def _max_across_ranks(engine: "GradientSynchronizer", values: list[float]) -> list[float]:
+def _max_across_ranks(engine: GradientSynchronizer, values: list[float]) -> list[float]:
     measured = torch.tensor(values, dtype=torch.float64)
     if engine.world_size > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.group)
     return measured.tolist()
 
 
-def _broadcast_plan(engine: "GradientSynchronizer", groups: list[int]) -> list[int]:
+def _broadcast_plan(engine: GradientSynchronizer, groups: list[int]) -> list[int]:
     """Identical inputs give identical plans; rank 0's is authoritative."""
     if engine.world_size == 1:
         return groups
@@ -284,7 +299,7 @@ def _broadcast_plan(engine: "GradientSynchronizer", groups: list[int]) -> list[i
     return [g for g in padded.tolist() if g > 0]
 
 
-def _rank0(engine: "GradientSynchronizer") -> int:
+def _rank0(engine: GradientSynchronizer) -> int:
     return dist.get_global_rank(engine.group, 0) if engine.group is not None else 0
 
 
@@ -311,8 +326,9 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
     return sorted(picks, key=lambda r: (sum(numels[r[0] : r[1]]), r))
 
 
-def measure_costs(engine: "GradientSynchronizer", numels: list[int], gradients: dict[int, Tensor]
-                  ) -> tuple[list[int], torch.Tensor]:
+def measure_costs(
+    engine: GradientSynchronizer, numels: list[int], gradients: dict[int, Tensor]
+) -> tuple[list[int], torch.Tensor]:
     """Bucket sizes (elements) and, on this rank, ``[4, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) of this synchroniser's
     roles, and an fp32 allreduce of the same bucket (the uncompressed baseline), on samples cut from
@@ -328,8 +344,12 @@ def measure_costs(engine: "GradientSynchronizer", numels: list[int], gradients: 
     allreduce = COMMUNICATORS.build("allreduce")
     allreduce.bind(engine.group)
     indices = [engine._index[name] for name in engine.order]
-    gradient = torch.cat([gradients[i] if i in gradients else torch.zeros(engine.params[i].numel(), device=engine.device)
-                          for i in indices])
+    gradient = torch.cat(
+        [
+            gradients[i] if i in gradients else torch.zeros(engine.params[i].numel(), device=engine.device)
+            for i in indices
+        ]
+    )
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import json
 from itertools import accumulate
-from typing import Union
 
 FUSION_FORMS = (
     "'layerwise', 'single', 'groups:N' (N >= 1 integer), 'bucket_mb:X' (X > 0 megabytes), "
@@ -117,9 +116,9 @@ class SizeCapPlan(FusionPlanner):
 
 class AutoPlan(FusionPlanner):
     """Chosen by measurement (the Cupcake idea, solved exactly): the synchroniser runs the ``default``
-    plan for ``profile_steps`` steps to settle and ``profile_steps`` steps of profiling, then searches the plan with the smallest
-    simulated step time (:mod:`gc_strategy.fusion.timeline`) and rebuilds its buckets on every rank
-    at the same step. Until then this planner answers with ``default``."""
+    plan for ``profile_steps`` steps to settle and ``profile_steps`` steps of profiling, then searches
+    the plan with the smallest simulated step time (:mod:`gc_strategy.fusion.timeline`) and rebuilds
+    its buckets on every rank at the same step. Until then this planner answers with ``default``."""
 
     def __init__(self, profile_steps: int = 5, default: FusionPlanner | None = None) -> None:
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
@@ -150,8 +149,14 @@ class FilePlan(FusionPlanner):
             self.groups = [int(g) for g in data["groups"]]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"fusion = 'file:{path}': not a readable plan file ({error})") from None
-        if len(self.numels) != len(self.order) or sum(self.groups) != len(self.order) or min(self.groups, default=1) < 1:
-            raise ValueError(f"fusion = 'file:{path}': its groups {self.groups} do not cut its {len(self.order)} tensors")
+        if (
+            len(self.numels) != len(self.order)
+            or sum(self.groups) != len(self.order)
+            or min(self.groups, default=1) < 1
+        ):
+            raise ValueError(
+                f"fusion = 'file:{path}': its groups {self.groups} do not cut its {len(self.order)} tensors"
+            )
 
     def check(self, numels: dict[str, int]) -> None:
         """Refuse a plan that does not describe the model whose parameter sizes are ``numels``."""
@@ -173,7 +178,7 @@ class FilePlan(FusionPlanner):
         return f"file:{self.path}"
 
 
-def parse_fusion(spec: Union[str, FusionPlanner]) -> FusionPlanner:
+def parse_fusion(spec: str | FusionPlanner) -> FusionPlanner:
     """Build a planner from its string form (or pass a planner object through)."""
     if isinstance(spec, FusionPlanner):
         return spec

@@ -57,12 +57,12 @@ class Cost:
             raise ValueError(f"cost points need increasing sizes with one time each; got {self.sizes}, {self.seconds}")
 
     @classmethod
-    def linear(cls, fixed: float, per_element: float) -> "Cost":
+    def linear(cls, fixed: float, per_element: float) -> Cost:
         """``fixed + per_element · n``."""
         return cls((0.0, 1.0), (fixed, fixed + per_element))
 
     @classmethod
-    def measured(cls, sizes, seconds) -> "Cost":
+    def measured(cls, sizes, seconds) -> Cost:
         """From measurements: a repeated size takes the median of its times, and times that fall
         as the size grows are pooled into their weighted mean (isotonic regression, scipy's pool
         adjacent violators; weights: the measurements per size). A larger bucket does not cost
@@ -89,7 +89,7 @@ class Cost:
         out = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), np.interp(n, sizes, seconds))
         return out if out.ndim else float(out)
 
-    def scaled(self, factor: float) -> "Cost":
+    def scaled(self, factor: float) -> Cost:
         return Cost(self.sizes, tuple(factor * t for t in self.seconds))
 
 
@@ -106,20 +106,30 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if len(self.ready) != len(self.numels) or not self.numels:
-            raise ValueError(f"cost model needs one ready time per tensor; got {len(self.ready)} and {len(self.numels)}")
+            raise ValueError(
+                f"cost model needs one ready time per tensor; got {len(self.ready)} and {len(self.numels)}"
+            )
 
-    def scaled(self, compression: float, communication: float) -> "CostModel":
+    def scaled(self, compression: float, communication: float) -> CostModel:
         """The same model with encode and decode times times ``compression`` and communication
         times times ``communication``."""
-        return CostModel(self.ready, self.numels, self.encode.scaled(compression), self.comm.scaled(communication),
-                         self.decode.scaled(compression), self.other)
+        return CostModel(
+            self.ready,
+            self.numels,
+            self.encode.scaled(compression),
+            self.comm.scaled(communication),
+            self.decode.scaled(compression),
+            self.other,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
-        costs = {key: Cost(tuple(data[key]["sizes"]), tuple(data[key]["seconds"])) for key in ("encode", "comm", "decode")}
+    def from_dict(cls, data: dict) -> CostModel:
+        costs = {
+            key: Cost(tuple(data[key]["sizes"]), tuple(data[key]["seconds"])) for key in ("encode", "comm", "decode")
+        }
         return cls(tuple(data["ready"]), tuple(data["numels"]), other=data.get("other", 0.0), **costs)
 
 
@@ -172,7 +182,9 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
     rest_device, rest_network = np.zeros(count + 1), np.zeros(count + 1)
     for j in range(count - 1, -1, -1):
         rest_device[j] = np.min(enc[j, j:] + dec[j, j:] + rest_device[j + 1 :])
-        rest_network[j] = min(np.min(comm[j, j:-1] + rest_network[j + 1 : -1], initial=np.inf), comm[j, -1] + dec[j, -1])
+        rest_network[j] = min(
+            np.min(comm[j, j:-1] + rest_network[j + 1 : -1], initial=np.inf), comm[j, -1] + dec[j, -1]
+        )
 
     def extended(prefixes: np.ndarray, start: int | np.ndarray, stop: int) -> np.ndarray:
         """The labels of prefixes (rows of ``prefixes``) ending at ``start`` (one per row, or one for

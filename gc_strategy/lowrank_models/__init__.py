@@ -4,7 +4,14 @@ callback that trains the vanilla model first, converts it on every rank at the s
 the optimizer, the learning-rate schedule and the gradient synchroniser consistent."""
 
 from .layers import LowRankConv2d, LowRankLinear, LowRankLSTM, svd_factors
-from .transform import Factorization, count_parameters, enable_factorized_loading, factorize, factorize_like, select_layers
+from .transform import (
+    Factorization,
+    count_parameters,
+    enable_factorized_loading,
+    factorize,
+    factorize_like,
+    select_layers,
+)
 from .warmup import PufferfishWarmup
 
 __all__ = [

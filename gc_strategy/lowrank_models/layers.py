@@ -11,8 +11,6 @@ and spectral norm (Eckart–Young); at ``r = min(m, n)`` the product is ``W`` it
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -33,7 +31,7 @@ def _load_factors(u: nn.Module, v: nn.Module, matrix: Tensor, rank: int) -> None
         v.weight.copy_(right.reshape(v.weight.shape))
 
 
-def _copy_bias(target: nn.Module, bias: Optional[Tensor]) -> None:
+def _copy_bias(target: nn.Module, bias: Tensor | None) -> None:
     if bias is not None:
         with torch.no_grad():
             target.bias.copy_(bias)
@@ -42,8 +40,15 @@ def _copy_bias(target: nn.Module, bias: Optional[Tensor]) -> None:
 class LowRankLinear(nn.Module):
     """``y = U (V x) + b``: a ``d_in → r`` linear without bias, then ``r → d_out`` with the bias."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        bias: bool = True,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.rank = rank
         self.v = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
@@ -53,9 +58,15 @@ class LowRankLinear(nn.Module):
         return self.u(self.v(x))
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, rank: int, copy_weights: bool = True) -> "LowRankLinear":
-        layer = cls(linear.in_features, linear.out_features, rank, linear.bias is not None,
-                    linear.weight.device, linear.weight.dtype)
+    def from_full(cls, linear: nn.Linear, rank: int, copy_weights: bool = True) -> LowRankLinear:
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            rank,
+            linear.bias is not None,
+            linear.weight.device,
+            linear.weight.dtype,
+        )
         if copy_weights:
             _load_factors(layer.u, layer.v, linear.weight, rank)
             _copy_bias(layer.u, linear.bias)
@@ -73,15 +84,25 @@ class LowRankConv2d(nn.Module):
             raise ValueError(f"a grouped convolution (groups={conv.groups}) is not one matrix; keep it full-rank")
         self.rank = rank
         w = conv.weight
-        self.v = nn.Conv2d(conv.in_channels, rank, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-                           bias=False, padding_mode=conv.padding_mode, device=w.device, dtype=w.dtype)
+        self.v = nn.Conv2d(
+            conv.in_channels,
+            rank,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            bias=False,
+            padding_mode=conv.padding_mode,
+            device=w.device,
+            dtype=w.dtype,
+        )
         self.u = nn.Conv2d(rank, conv.out_channels, 1, bias=conv.bias is not None, device=w.device, dtype=w.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.u(self.v(x))
 
     @classmethod
-    def from_full(cls, conv: nn.Conv2d, rank: int, copy_weights: bool = True) -> "LowRankConv2d":
+    def from_full(cls, conv: nn.Conv2d, rank: int, copy_weights: bool = True) -> LowRankConv2d:
         layer = cls(conv, rank)
         if copy_weights:
             _load_factors(layer.u, layer.v, conv.weight.reshape(conv.out_channels, -1), rank)
@@ -100,9 +121,18 @@ class LowRankLSTM(nn.Module):
     ``ranks[l] = (r_ih, r_hh)`` per layer.
     """
 
-    def __init__(self, input_size: int, hidden_size: int, num_layers: int, ranks: list[tuple[int, int]],
-                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int,
+        ranks: list[tuple[int, int]],
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if len(ranks) != num_layers:
             raise ValueError(f"LowRankLSTM needs one (r_ih, r_hh) pair per layer: {num_layers} layers, got {ranks}")
@@ -115,7 +145,7 @@ class LowRankLSTM(nn.Module):
         )
         self.hh = nn.ModuleList(LowRankLinear(hidden_size, gates, r_hh, bias, device, dtype) for _, r_hh in ranks)
 
-    def forward(self, x: Tensor, hx: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def forward(self, x: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         if x.dim() != 3:
             raise ValueError(f"LowRankLSTM expects a batched 3-D input, got shape {tuple(x.shape)}")
         if not self.batch_first:
@@ -142,12 +172,21 @@ class LowRankLSTM(nn.Module):
         return output, (torch.stack(last_h), torch.stack(last_c))
 
     @classmethod
-    def from_full(cls, lstm: nn.LSTM, ranks: list[tuple[int, int]], copy_weights: bool = True) -> "LowRankLSTM":
+    def from_full(cls, lstm: nn.LSTM, ranks: list[tuple[int, int]], copy_weights: bool = True) -> LowRankLSTM:
         if lstm.bidirectional or lstm.proj_size:
             raise ValueError("only unidirectional LSTMs without projections can be factorised; keep this one full-rank")
         w = lstm.weight_ih_l0
-        layer = cls(lstm.input_size, lstm.hidden_size, lstm.num_layers, ranks, lstm.bias, lstm.batch_first,
-                    lstm.dropout, w.device, w.dtype)
+        layer = cls(
+            lstm.input_size,
+            lstm.hidden_size,
+            lstm.num_layers,
+            ranks,
+            lstm.bias,
+            lstm.batch_first,
+            lstm.dropout,
+            w.device,
+            w.dtype,
+        )
         for index, (r_ih, r_hh) in enumerate(ranks if copy_weights else []):
             for pair, kind, rank in ((layer.ih[index], "ih", r_ih), (layer.hh[index], "hh", r_hh)):
                 _load_factors(pair.u, pair.v, getattr(lstm, f"weight_{kind}_l{index}"), rank)

@@ -22,9 +22,10 @@ weight as ``c_out × c_in·k·k``, an LSTM's gate matrices ``4H × d_in`` and ``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -43,8 +44,11 @@ class _Kind:
 
 def _lstm_matrices(lstm: nn.LSTM) -> list[tuple[int, int]]:
     gates = 4 * lstm.hidden_size
-    return [shape for layer in range(lstm.num_layers)
-            for shape in ((gates, lstm.input_size if layer == 0 else lstm.hidden_size), (gates, lstm.hidden_size))]
+    return [
+        shape
+        for layer in range(lstm.num_layers)
+        for shape in ((gates, lstm.input_size if layer == 0 else lstm.hidden_size), (gates, lstm.hidden_size))
+    ]
 
 
 KINDS: dict[type, _Kind] = {
@@ -70,10 +74,16 @@ class Backbone:
 
 
 BACKBONES = (
-    Backbone("ResNet", lambda m: all(hasattr(m, a) for a in ("conv1", "layer1", "layer2", "fc")),
-             keep=("conv1", "layer1.0.*", "*.downsample.*", "fc")),
-    Backbone("BERT encoder", lambda m: hasattr(m, "embeddings") and hasattr(getattr(m, "encoder", None), "layer"),
-             keep=("embeddings.*", "encoder.layer.0.*", "pooler.*")),
+    Backbone(
+        "ResNet",
+        lambda m: all(hasattr(m, a) for a in ("conv1", "layer1", "layer2", "fc")),
+        keep=("conv1", "layer1.0.*", "*.downsample.*", "fc"),
+    ),
+    Backbone(
+        "BERT encoder",
+        lambda m: hasattr(m, "embeddings") and hasattr(getattr(m, "encoder", None), "layer"),
+        keep=("embeddings.*", "encoder.layer.0.*", "pooler.*"),
+    ),
 )
 
 
@@ -88,9 +98,11 @@ class Factorization:
     params_after: int
 
     def summary(self) -> str:
-        lines = [f"Pufferfish: {len(self.ranks)} layers factorised, {len(self.kept)} kept full-rank; "
-                 f"parameters {self.params_before:,} -> {self.params_after:,} "
-                 f"({self.params_after / self.params_before:.1%})"]
+        lines = [
+            f"Pufferfish: {len(self.ranks)} layers factorised, {len(self.kept)} kept full-rank; "
+            f"parameters {self.params_before:,} -> {self.params_after:,} "
+            f"({self.params_after / self.params_before:.1%})"
+        ]
         lines += [f"  kept {name}: {reason}" for name, reason in self.kept.items()]
         return "\n".join(lines)
 
@@ -107,8 +119,11 @@ def rank_for(m: int, n: int, ratio: float) -> int:
 def _candidates(model: nn.Module) -> dict[str, nn.Module]:
     """Factorisable layers by name, not counting the insides of layers already low-rank."""
     inside_low_rank = {name for name, m in model.named_modules() if isinstance(m, LOW_RANK_LAYERS)}
-    return {name: m for name, m in model.named_modules()
-            if type(m) in KINDS and not any(name.startswith(f"{owner}.") for owner in inside_low_rank)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if type(m) in KINDS and not any(name.startswith(f"{owner}.") for owner in inside_low_rank)
+    }
 
 
 def select_layers(model: nn.Module, keep_full_rank: Iterable[str] = ()) -> tuple[list[str], dict[str, str]]:
@@ -124,7 +139,7 @@ def select_layers(model: nn.Module, keep_full_rank: Iterable[str] = ()) -> tuple
                 kept[layer] = "outside the recognised backbone (task heads stay full-rank)"
                 continue
             prefix, backbone = owner
-            relative = layer[len(prefix) + 1:] if prefix else layer
+            relative = layer[len(prefix) + 1 :] if prefix else layer
             rule = next((p for p in backbone.keep if fnmatch(relative, p)), None)
             if rule is not None:
                 kept[layer] = f"{backbone.name} role '{rule}'"
@@ -143,8 +158,10 @@ def select_layers(model: nn.Module, keep_full_rank: Iterable[str] = ()) -> tuple
     for pattern in keep_full_rank:
         matched = [name for name in candidates if fnmatch(name, pattern)]
         if not matched:
-            raise ValueError(f"keep_full_rank pattern {pattern!r} matches no factorisable layer; "
-                             f"layer names look like: {', '.join(list(candidates)[:6])}")
+            raise ValueError(
+                f"keep_full_rank pattern {pattern!r} matches no factorisable layer; "
+                f"layer names look like: {', '.join(list(candidates)[:6])}"
+            )
         for name in matched:
             kept.setdefault(name, f"keep_full_rank pattern '{pattern}'")
     return [name for name in candidates if name not in kept], kept

@@ -21,7 +21,8 @@ resuming from them converts the freshly built model before loading.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -34,7 +35,7 @@ from ..strategy import GCFusedStrategy
 from .transform import check_ratio, enable_factorized_loading, factorize, select_layers
 
 
-def _check_count(name: str, value: Any) -> Optional[int]:
+def _check_count(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -60,25 +61,27 @@ class PufferfishWarmup(pl.Callback):
     def __init__(
         self,
         ratio: float = 0.25,
-        warmup_epochs: Optional[int] = None,
-        warmup_steps: Optional[int] = None,
+        warmup_epochs: int | None = None,
+        warmup_steps: int | None = None,
         keep_full_rank: Iterable[str] = (),
-        after_warmup: Optional[dict[str, Any]] = None,
+        after_warmup: dict[str, Any] | None = None,
         lr_rewarmup_steps: int = 0,
     ) -> None:
         self.ratio = check_ratio(ratio)
         self.warmup_epochs = _check_count("warmup_epochs", warmup_epochs)
         self.warmup_steps = _check_count("warmup_steps", warmup_steps)
         if (self.warmup_epochs is None) == (self.warmup_steps is None):
-            raise ValueError(f"give exactly one of warmup_epochs and warmup_steps (got warmup_epochs={warmup_epochs!r}, "
-                             f"warmup_steps={warmup_steps!r})")
+            raise ValueError(
+                f"give exactly one of warmup_epochs and warmup_steps (got warmup_epochs={warmup_epochs!r}, "
+                f"warmup_steps={warmup_steps!r})"
+            )
         self.keep_full_rank = list(keep_full_rank)
         self.after_warmup = dict(after_warmup) if after_warmup is not None else None
         if self.after_warmup is not None:
             build_components(**self.after_warmup)  # refuse bad names or options now
         self.lr_rewarmup_steps = _check_count("lr_rewarmup_steps", lr_rewarmup_steps)
-        self.converted_at_step: Optional[int] = None
-        self._trainer: Optional[pl.Trainer] = None
+        self.converted_at_step: int | None = None
+        self._trainer: pl.Trainer | None = None
         self._rewarmup_hooks: list[Any] = []
 
     # ------------------------------------------------------------------ set-up and resume
@@ -91,12 +94,16 @@ class PufferfishWarmup(pl.Callback):
                 "allreduce) or a single device."
             )
         if isinstance(strategy, GCFusedStrategy) and isinstance(strategy.components.fusion, FilePlan):
-            raise ValueError(f"fusion={strategy.components.fusion.describe()!r} fixes the tensors of the full-rank "
-                             "model, which the conversion replaces; use 'auto' or a size-based plan")
+            raise ValueError(
+                f"fusion={strategy.components.fusion.describe()!r} fixes the tensors of the full-rank "
+                "model, which the conversion replaces; use 'auto' or a size-based plan"
+            )
         if self.after_warmup is not None and not isinstance(strategy, GCFusedStrategy):
             raise ValueError("after_warmup chooses the gradient synchroniser's roles, which needs strategy='gc_fused'")
         select_layers(pl_module, self.keep_full_rank)  # a pattern matching nothing fails before training
-        if isinstance(strategy.launcher, _MultiProcessingLauncher) and not getattr(pl_module, "_gc_factorized_loading", False):
+        if isinstance(strategy.launcher, _MultiProcessingLauncher) and not getattr(
+            pl_module, "_gc_factorized_loading", False
+        ):
             rank_zero_warn(
                 "With the fork/spawn launcher the launching process's module gets the trained weights back with "
                 "strict=False; call gc_strategy.lowrank_models.enable_factorized_loading(module) before trainer.fit "
@@ -120,20 +127,31 @@ class PufferfishWarmup(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install_rewarmup(trainer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._rewarmup_hooks and trainer.global_step - self.converted_at_step >= self.lr_rewarmup_steps:
             self._install_rewarmup(trainer)  # the window is over: this only removes the hooks
 
     # ------------------------------------------------------------------ the conversion
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.warmup_epochs is not None and self.converted_at_step is None and trainer.current_epoch >= self.warmup_epochs:
+        if (
+            self.warmup_epochs is not None
+            and self.converted_at_step is None
+            and trainer.current_epoch >= self.warmup_epochs
+        ):
             self._convert(trainer, pl_module)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         starts_a_step = batch_idx % trainer.accumulate_grad_batches == 0
-        if (self.warmup_steps is not None and self.converted_at_step is None and starts_a_step
-                and trainer.global_step >= self.warmup_steps):
+        if (
+            self.warmup_steps is not None
+            and self.converted_at_step is None
+            and starts_a_step
+            and trainer.global_step >= self.warmup_steps
+        ):
             self._convert(trainer, pl_module)
 
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,8 +165,10 @@ class PufferfishWarmup(pl.Callback):
         self._install_rewarmup(trainer)
         if trainer.loggers and trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics({"lowrank/params_before": report.params_before,
-                                    "lowrank/params_after": report.params_after}, step=trainer.global_step)
+                logger.log_metrics(
+                    {"lowrank/params_before": report.params_before, "lowrank/params_after": report.params_after},
+                    step=trainer.global_step,
+                )
 
     def _low_rank_components(self, strategy: GCFusedStrategy) -> Components:
         if self.after_warmup is None:
@@ -163,12 +183,16 @@ class PufferfishWarmup(pl.Callback):
         old_optimizers, old_schedulers = strategy.optimizers, strategy.lr_scheduler_configs
         strategy.setup_optimizers(trainer)
         if len(strategy.optimizers) != len(old_optimizers) or len(strategy.lr_scheduler_configs) != len(old_schedulers):
-            raise RuntimeError("configure_optimizers returned a different number of optimizers or schedulers "
-                               "for the low-rank model; PufferfishWarmup cannot carry the training state over")
+            raise RuntimeError(
+                "configure_optimizers returned a different number of optimizers or schedulers "
+                "for the low-rank model; PufferfishWarmup cannot carry the training state over"
+            )
         for old, new in zip(old_optimizers, strategy.optimizers):
             if len(old.param_groups) != len(new.param_groups):
-                raise RuntimeError("configure_optimizers returned a different number of parameter groups "
-                                   "for the low-rank model; PufferfishWarmup cannot carry the learning rates over")
+                raise RuntimeError(
+                    "configure_optimizers returned a different number of parameter groups "
+                    "for the low-rank model; PufferfishWarmup cannot carry the learning rates over"
+                )
             for old_group, new_group in zip(old.param_groups, new.param_groups):
                 for key in ("lr", "initial_lr"):
                     if key in old_group:
@@ -203,4 +227,7 @@ class PufferfishWarmup(pl.Callback):
                 for group, lr in zip(opt.param_groups, saved):
                     group["lr"] = lr
 
-            self._rewarmup_hooks += [optimizer.register_step_pre_hook(scale), optimizer.register_step_post_hook(restore)]
+            self._rewarmup_hooks += [
+                optimizer.register_step_pre_hook(scale),
+                optimizer.register_step_post_hook(restore),
+            ]
