@@ -415,3 +415,37 @@ def test_checkpointed_layers_finish_once_with_plain_gradients_at_world_size_1(re
                 assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
                 assert b.grad.abs().sum() > 0
         assert engine.step == step + 1
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.use_branch = True
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.branch(h) if self.use_branch else h
+
+
+def test_a_parameter_no_rank_used_keeps_its_error_feedback_state():
+    """find_unused_parameters=True, fp16 with residual memory: a step in which the branch is unused
+    leaves its residual exactly as the step before left it (without the restore the step would send
+    part of it and keep the rounding of the rest), and its .grad None."""
+    torch.manual_seed(0)
+    model = Branchy()
+    c = build_components("fp16", "residual", "auto", "single")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    before = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    assert before["branch.weight"].abs().sum() > 0  # fp16's rounding left something behind
+    model.zero_grad(set_to_none=True)
+    model.use_branch = False
+    model(x).square().mean().backward()
+    after = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    assert torch.equal(after["branch.weight"], before["branch.weight"])
+    assert torch.equal(after["branch.bias"], before["branch.bias"])
+    assert not torch.equal(after["trunk.weight"], before["trunk.weight"])
+    assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
