@@ -1,4 +1,4 @@
-"""Communicators: asynchronous collectives over one process group (ALGORITHMS.md §1).
+"""Communicators: asynchronous collectives over one process group (docs/algorithms.md §1).
 
 A communicator's :meth:`Communicator.exchange` is a generator: it issues one collective, ``yield``s a
 :class:`Round` (the in-flight collective) and receives the round's result back when the engine has

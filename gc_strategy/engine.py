@@ -1,7 +1,7 @@
 """The gradient synchroniser: hooks, fused buckets and an ordered asynchronous pipeline.
 
 It replaces ``DistributedDataParallel`` for any ``nn.Module`` and process group (no Lightning here).
-One synchronised backward (DESIGN.md §One training step):
+One synchronised backward (docs/design.md, "How a step runs"):
 
 1. Each trainable parameter's post-accumulate-grad hook copies its gradient into its bucket's flat
    buffer. The first hook of a backward queues the end-of-backward callback on autograd's current

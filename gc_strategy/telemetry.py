@@ -1,4 +1,4 @@
-"""Per-step measurements of the gradient synchroniser (DESIGN.md §Telemetry).
+"""Per-step measurements of the gradient synchroniser (docs/design.md, "Telemetry").
 
 Times are wall-clock seconds from ``time.perf_counter`` on the host. On CUDA, encode/decode times
 count the host time to issue the work (the side stream runs it asynchronously).

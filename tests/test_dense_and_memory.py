@@ -1,4 +1,4 @@
-"""Dense casts and the residual memory against plain math (ALGORITHMS.md §2, §6)."""
+"""Dense casts and the residual memory against plain math (docs/algorithms.md §2, §6)."""
 
 import pytest
 import torch

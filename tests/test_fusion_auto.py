@@ -1,4 +1,4 @@
-"""fusion=auto: the timeline model, the exact search, the profiler and plan files (ALGORITHMS.md §8)."""
+"""fusion=auto: the timeline model, the exact search, the profiler and plan files (docs/algorithms.md §8)."""
 
 import itertools
 import json

@@ -1,4 +1,4 @@
-"""PowerSGD and ACP-SGD (ALGORITHMS.md §5): exactness, error feedback, torch's hook, collectives."""
+"""PowerSGD and ACP-SGD (docs/algorithms.md §5): exactness, error feedback, torch's hook, collectives."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Pufferfish factorisation (ALGORITHMS.md §7): parameter counts, full-rank equivalence, best
+"""Pufferfish factorisation (docs/algorithms.md §7): parameter counts, full-rank equivalence, best
 rank-r approximation against torch.linalg.svd, role rules, bad options, loading low-rank weights."""
 
 import pytest
@@ -21,7 +21,7 @@ from recipes.resnet import build_resnet
 
 
 def _matrices(module):
-    """The weight matrices of a full-rank layer, reshaped as in ALGORITHMS.md §7."""
+    """The weight matrices of a full-rank layer, reshaped as in docs/algorithms.md §7."""
     if isinstance(module, nn.LSTM):
         return [
             getattr(module, f"weight_{kind}_l{layer}") for layer in range(module.num_layers) for kind in ("ih", "hh")

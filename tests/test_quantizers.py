@@ -1,4 +1,4 @@
-"""Quantizers against plain reference math; unbiasedness by sampling (ALGORITHMS.md §4)."""
+"""Quantizers against plain reference math; unbiasedness by sampling (docs/algorithms.md §4)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""SIDCo's estimators reach the target density on data of known distribution (ALGORITHMS.md §3)."""
+"""SIDCo's estimators reach the target density on data of known distribution (docs/algorithms.md §3)."""
 
 import math
 

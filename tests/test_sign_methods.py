@@ -1,4 +1,4 @@
-"""Sign methods against plain reference math (ALGORITHMS.md §4)."""
+"""Sign methods against plain reference math (docs/algorithms.md §4)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Sparsifiers against plain reference math (ALGORITHMS.md §3)."""
+"""Sparsifiers against plain reference math (docs/algorithms.md §3)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The Compressor and Memory roles (ALGORITHMS.md §1) and their name registries."""
+"""The Compressor and Memory roles (docs/algorithms.md §1) and their name registries."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def written(result: Tensor, out: Tensor | None) -> Tensor:
 
 
 class Memory(BucketState):
-    """Error feedback (ALGORITHMS.md §6): ``compensate`` before encoding, ``update`` after.
+    """Error feedback (docs/algorithms.md §6): ``compensate`` before encoding, ``update`` after.
 
     ``update`` receives this rank's own payload in the form ``local_form`` names (its decode, or
     the positions where that may be nonzero), and ``finite``, a 0-d bool tensor that is False when

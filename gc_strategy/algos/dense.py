@@ -1,4 +1,4 @@
-"""Dense casts (ALGORITHMS.md §2): ``none`` (fp32 reference), ``fp16`` and ``bf16``."""
+"""Dense casts (docs/algorithms.md §2): ``none`` (fp32 reference), ``fp16`` and ``bf16``."""
 
 from __future__ import annotations
 

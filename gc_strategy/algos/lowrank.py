@@ -1,4 +1,4 @@
-"""Low-rank gradient compression (ALGORITHMS.md §5): ``powersgd`` and ``acpsgd``.
+"""Low-rank gradient compression (docs/algorithms.md §5): ``powersgd`` and ``acpsgd``.
 
 Each parameter of a bucket whose gradient has ≥ 2 dims is viewed as a matrix ``M`` of shape
 ``[out, rest]`` (a conv weight ``[o, i, kh, kw]`` as ``[o, i·kh·kw]``) with rank ``r' = min(r, out,

@@ -1,4 +1,4 @@
-"""Error-feedback memories (ALGORITHMS.md §6): ``none``, ``residual`` and DGC's ``dgc``."""
+"""Error-feedback memories (docs/algorithms.md §6): ``none``, ``residual`` and DGC's ``dgc``."""
 
 from __future__ import annotations
 

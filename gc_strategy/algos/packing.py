@@ -1,4 +1,4 @@
-"""Bit packing of small unsigned codes into bytes (real wire formats, ALGORITHMS.md §4).
+"""Bit packing of small unsigned codes into bytes (real wire formats, docs/algorithms.md §4).
 
 ``pack_bits(codes, bits)`` stores ``8 // bits`` codes per byte (``bits`` in 1, 2, 4, 8), the first
 code in the lowest bits, so ``n`` codes take ``ceil(n * bits / 8)`` bytes. On CUDA with Triton the

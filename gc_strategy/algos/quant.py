@@ -1,4 +1,4 @@
-"""Stochastic quantizers (ALGORITHMS.md §4): ``qsgd``, ``terngrad``, ``natural``.
+"""Stochastic quantizers (docs/algorithms.md §4): ``qsgd``, ``terngrad``, ``natural``.
 
 Each rank quantizes with its own scale and independent randomness, so payloads are gathered and
 the decodes averaged. Codes are bit-packed (:mod:`.packing`): the wire carries what the method claims.

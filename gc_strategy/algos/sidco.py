@@ -1,6 +1,6 @@
 """SIDCo (Abdelmoniem et al., MLSys 2021, "An Efficient Statistical-based Gradient Compression
 Technique for Distributed Training Systems"): the top-δ threshold of ``a = |g|`` from a fitted
-distribution instead of a sort (ALGORITHMS.md §3).
+distribution instead of a sort (docs/algorithms.md §3).
 
 Estimators of the threshold ``η`` for a tail probability ``q`` on exceedances ``y`` (``y = a`` in the
 first stage, ``y = a - t`` above the previous stage's threshold ``t`` later):

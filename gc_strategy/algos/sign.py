@@ -1,4 +1,4 @@
-"""Sign methods (ALGORITHMS.md §4): ``onebit``, ``signsgd``, ``signum``, ``efsignsgd``.
+"""Sign methods (docs/algorithms.md §4): ``onebit``, ``signsgd``, ``signum``, ``efsignsgd``.
 
 All send one bit per element, packed (``ceil(n/8)`` bytes): bit = ``g_i ≥ 0``, plus the method's
 scalars. ``signsgd`` and ``signum`` aggregate by majority vote, ``sign(Σ_r sign_r)`` (0 on a tie);

@@ -1,4 +1,4 @@
-"""Sparsifiers (ALGORITHMS.md §3): ``topk``, ``randk``, ``dgc``, ``threshold``.
+"""Sparsifiers (docs/algorithms.md §3): ``topk``, ``randk``, ``dgc``, ``threshold``.
 
 Index-based sparsifiers send ``[values, int32 indices]`` and are aggregated by scatter-add: the
 sum over ranks of each rank's sparse vector (overlapping indices add up), divided by ``W``.

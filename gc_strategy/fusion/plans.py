@@ -1,4 +1,4 @@
-"""Fixed fusion plans (ALGORITHMS.md §8).
+"""Fixed fusion plans (docs/algorithms.md §8).
 
 A planner receives the byte sizes of the gradient tensors in gradient-ready order and returns the
 sizes of the contiguous groups it cuts them into (each group becomes one bucket). In Python a plan is

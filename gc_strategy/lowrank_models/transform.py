@@ -1,6 +1,6 @@
 """Turn a model into its Pufferfish low-rank ("hybrid") form, choosing the layers by role.
 
-Which layers are factorised (ALGORITHMS.md §7; Pufferfish, MLSys 2021, §3):
+Which layers are factorised (docs/algorithms.md §7; Pufferfish, MLSys 2021, §3):
 
 * Inside a recognised backbone, every convolution / linear / LSTM except the roles kept full-rank:
   - ResNet (torchvision layout: ``conv1``, ``layer1..4``, ``fc``): the stem ``conv1``, the first
