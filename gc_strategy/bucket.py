@@ -62,10 +62,9 @@ class Bucket:
     def sum_per_tensor(self, values: Tensor, magnitudes: bool = False) -> Tensor:
         """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]`` (of
         ``|values[j]|`` with ``magnitudes``). One segmented reduction on a GPU (``index_add`` there
-        serialises on the atomics of each tensor's one slot: 38 ms for ResNet-50's 25.6M elements on
-        an H100); on the CPU one sum per tensor's slice, ~20x faster than the scattered adds there,
-        and the magnitudes slice by slice (a tensor-sized temporary each, not a fresh bucket-sized
-        one: 3.6 ms instead of ~9 for ResNet-18's 11.2M elements)."""
+        serialises on the atomics of each tensor's one slot); on the CPU one sum per tensor's slice,
+        far faster than the scattered adds (docs/benchmarks/cpu_paths_cpu.md), and the magnitudes slice by slice (a
+        tensor-sized temporary each, not a fresh bucket-sized one)."""
         if values.device.type == "cuda":
             return torch.segment_reduce(
                 values.abs() if magnitudes else values, "sum", lengths=self.lengths(values.device)
@@ -95,9 +94,9 @@ class Bucket:
     def select_per_tensor(self, mask: Tensor, if_true: Tensor, if_false: Tensor, out: Tensor | None = None) -> Tensor:
         """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
         the tensor of element ``j``; ``mask`` bool or 0/1 integers), written into ``out`` when
-        given (of the values' dtype): two gathers on a GPU. On the CPU ``where`` runs a scalar loop
-        (23 ms for 6.6M elements here); instead, per tensor's slice, the result's bit pattern is
-        ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the two values; 2.3 ms)."""
+        given (of the values' dtype): two gathers on a GPU. On the CPU ``where`` over per-element
+        gathers is slow (docs/benchmarks/cpu_paths_cpu.md); instead, per tensor's slice, the result's bit pattern is
+        ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the two values)."""
         if mask.device.type == "cuda":
             return torch.where(mask.bool(), self.per_element(if_true), self.per_element(if_false), out=out)
         dtype = torch.promote_types(if_true.dtype, if_false.dtype)
@@ -115,8 +114,8 @@ class Bucket:
 
 def all_finite(flat: Tensor) -> Tensor:
     """0-d bool tensor: no inf or NaN in ``flat``. One reduction pass (``aminmax`` propagates NaN and
-    shows ±inf at an end) without the bool temporary of ``isfinite(flat).all()``, ~30x faster on
-    the CPU; stays on the device (no host synchronisation)."""
+    shows ±inf at an end) without the bool temporary of ``isfinite(flat).all()`` (docs/benchmarks/cpu_paths_cpu.md);
+    stays on the device (no host synchronisation)."""
     if flat.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=flat.device)
     low, high = torch.aminmax(flat)
@@ -132,8 +131,8 @@ def finite_on_host(finite: Tensor) -> bool:
 def assign_if_finite(target: Tensor, value: Tensor, finite: Tensor) -> None:
     """``target ← value`` where the 0-d bool ``finite`` (from :func:`all_finite`) is True; else
     ``target`` stays as it was (how error-feedback state skips a bucket holding inf/NaN). On the CPU
-    a branch on the flag (a copy is ~2.5x faster than ``where`` broadcasting a 0-d condition); on
-    an accelerator ``where``, so the host never waits."""
+    a branch on the flag (a copy is cheaper than ``where`` broadcasting a 0-d condition); on an
+    accelerator ``where``, so the host never waits."""
     if finite.device.type != "cpu":
         torch.where(finite, value, target, out=target)
     elif finite:
@@ -179,8 +178,8 @@ class BucketState:
         """A bucket-sized scratch vector kept from step to step but never saved, its contents left
         from the last use: for temporaries written in full before they are read (``torch.abs(g,
         out=...)``). On the CPU a fresh bucket-sized tensor costs its page faults at every step
-        (above 32 MB, where glibc maps every allocation anew, ~1.2 ms per MB here: 3x the pass
-        that fills it). Not for what leaves the step (an average that becomes ``.grad``)."""
+        (above glibc's mmap threshold every allocation is mapped anew), more than the pass that
+        fills it. Not for what leaves the step (an average that becomes ``.grad``)."""
         key = (name, bucket.index)
         scratch = self._workspaces.get(key)
         if scratch is None or scratch.numel() != bucket.numel or scratch.dtype != dtype:

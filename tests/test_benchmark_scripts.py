@@ -42,6 +42,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("sidco_estimators.py", "--repeats"),
         ("quantizer_variance.py", "--samples"),
         ("checkpoint_memory.py", "--world-sizes"),
+        ("cpu_paths.py", "--repeats"),
         ("step_overhead.py", "--rounds"),
     ],
 )

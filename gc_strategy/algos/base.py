@@ -182,8 +182,8 @@ def apart_from(tensor: Tensor, others: Payload) -> Tensor:
 
 def nonzero_positions(dense: Tensor) -> Tensor:
     """The nonzero (or NaN) elements of a 1-d tensor: on the CPU their int64 positions, through
-    numpy (3 ms per 6.6M fp32 elements here, where torch's ``!=`` alone takes 4.5 and numpy's
-    ``flatnonzero`` of the floats 16); elsewhere a bool mask, since counting the positions would
+    numpy's comparison and ``flatnonzero`` of its bool result, faster there than ``torch.nonzero``
+    (docs/benchmarks/cpu_paths_cpu.md); elsewhere a bool mask, since counting the positions would
     make the host wait for the device."""
     if dense.device.type != "cpu":
         return dense != 0

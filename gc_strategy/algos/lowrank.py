@@ -44,7 +44,7 @@ def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
     columns finite); with ``ε = 0`` an exactly zero column stays zero (zero-padded batches too).
 
     All of it is batched: ``2r`` small ``bmm`` and ``r`` norms for the whole batch, however many
-    matrices, where a QR per batch runs one solver call per matrix (on a GPU, ~0.2 ms each).
+    matrices, where a QR per batch runs one solver call per matrix.
     """
     tiny = torch.finfo(matrices.dtype).tiny
     for i in range(matrices.shape[2]):
@@ -65,10 +65,9 @@ _FACTOR_FIRST: dict[tuple[str, tuple[int, ...], int], bool] = {}
 def product(kind: str, m: Tensor, factor: Tensor, factor_first: bool | None = None) -> Tensor:
     """``P = M Q`` (``kind`` "p", ``factor`` = Q) or ``Q = Mᵀ P`` ("q") for batches ``[b, rows,
     cols]``, directly or as ``(Qᵀ Mᵀ)ᵀ`` / ``(Pᵀ M)ᵀ`` (``factor_first``; the same product, other
-    rounding). Which BLAS call is faster depends on the CPU: for ResNet-18's 512 x 4608 matrix at
-    r = 4 one machine here took 2.9 ms for ``M Q`` and 0.5 for ``(Qᵀ Mᵀ)ᵀ``, another 0.6 and 2.5.
-    So on the CPU each shape's form is timed once (best of 3 each) and kept for the process; on a
-    GPU the direct form."""
+    rounding). Which BLAS call is faster for a skinny product depends on the CPU, by several times
+    either way; so on the CPU each shape's form is timed once (best of 3 each) and kept for the
+    process; on a GPU the direct form."""
     if factor_first is None:
         key = (kind, tuple(m.shape), factor.shape[-1])
         if m.device.type != "cpu":

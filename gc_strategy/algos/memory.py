@@ -15,7 +15,7 @@ def compensated_from(
 ) -> Tensor:
     """``β e + γ g`` for error-feedback state ``e``: formed in ``e`` itself where the bucket is
     known on the host to be finite (the CPU: no new bucket-sized tensor, whose page faults cost
-    about 4x a pass over it there), else in a new tensor. Pass the result to
+    more than a pass over it), else in a new tensor. Pass the result to
     :func:`keep_difference`."""
     if finite is not None and finite_on_host(finite):
         return (error if beta == 1 else error.mul_(beta)).add_(grad, alpha=gamma)
@@ -110,7 +110,7 @@ class DGCMemory(Memory):
             g = g * (self.clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
         if finite is not None and finite_on_host(finite):
-            torch.add(g, u, alpha=self.momentum, out=u)  # g + m·u in one pass (1.7 against 2.9 ms per 6.6M)
+            torch.add(g, u, alpha=self.momentum, out=u)  # g + m·u in one pass
             return v.add_(u)
         u = torch.add(g, u, alpha=self.momentum)
         self._pending_u[bucket.index] = u

@@ -3,8 +3,8 @@
 ``pack_bits(codes, bits)`` stores ``8 // bits`` codes per byte (``bits`` in 1, 2, 4, 8), the first
 code in the lowest bits, so ``n`` codes take ``ceil(n * bits / 8)`` bytes. On CUDA with Triton the
 one-pass kernels of :mod:`~gc_strategy.algos.triton_bits` do the work; 1-bit codes on the CPU go
-through numpy's ``packbits``/``unpackbits`` (``bitorder="little"`` is this layout; 3x and 12x faster
-than the torch code here); this torch code everywhere else.
+through numpy's ``packbits``/``unpackbits`` (``bitorder="little"`` is this layout; faster than the
+torch code there, docs/benchmarks/cpu_paths_cpu.md); this torch code everywhere else.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     pad = (-codes.numel()) % per_byte
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    groups = codes.view(-1, per_byte)  # code j of each byte: a strided column (2-4x faster than shift-and-sum rows)
+    groups = codes.view(-1, per_byte)  # code j of each byte: a strided column, not a shift-and-sum per row
     packed = groups[:, 0].clone()
     for j in range(1, per_byte):
         packed.bitwise_or_(groups[:, j] << (j * bits))

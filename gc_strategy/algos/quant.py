@@ -21,7 +21,7 @@ from .sparse import SEED
 
 def _frexp(a: Tensor, mantissa: Tensor, exponent: Tensor) -> tuple[Tensor, Tensor]:
     """``torch.frexp(a)`` written into ``mantissa`` (fp32) and ``exponent`` (int32); on the CPU by
-    numpy's (3.6 against torch's 13.9 ms per 6.6M elements here)."""
+    numpy's, which is faster there (docs/benchmarks/cpu_paths_cpu.md)."""
     if a.device.type == "cpu":
         np.frexp(a.numpy(), mantissa.numpy(), exponent.numpy())
         return mantissa, exponent
@@ -29,8 +29,8 @@ def _frexp(a: Tensor, mantissa: Tensor, exponent: Tensor) -> tuple[Tensor, Tenso
 
 
 def _fill_where_zero(target: Tensor, a: Tensor, value: int) -> None:
-    """``target[a == 0] = value``; on the CPU by numpy's ``putmask`` (5 against torch's 13 ms per
-    6.6M elements here)."""
+    """``target[a == 0] = value``; on the CPU by numpy's ``putmask``, which is faster there
+    (docs/benchmarks/cpu_paths_cpu.md)."""
     if a.device.type == "cpu":
         np.putmask(target.numpy(), a.numpy() == 0, value)
     else:
@@ -42,8 +42,8 @@ class _Quantizer(Compressor):
 
     def _uniform(self, out: Tensor, bucket: Bucket) -> Tensor:
         """``out`` (fp32) filled with U[0, 1) draws, independent across ranks, reproducible from
-        (seed, step, bucket, rank). On the CPU from numpy's PCG64 (12 ms per 6.6M draws here,
-        torch's generator 19), elsewhere from the device's torch generator."""
+        (seed, step, bucket, rank). On the CPU from numpy's PCG64, which draws faster than torch's
+        generator there (docs/benchmarks/cpu_paths_cpu.md), elsewhere from the device's torch generator."""
         if out.device.type == "cpu":
             np.random.default_rng(self.seed_for(bucket, shared=False)).random(out=out.numpy(), dtype=np.float32)
             return out
@@ -247,7 +247,7 @@ class Natural(_Quantizer):
 
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         """A gather from the 256 values a code byte can stand for, ``±2^(top − d)`` and ±0 for
-        ``d = 127`` (5x faster on the CPU than ``ldexp`` and ``where`` per element)."""
+        ``d = 127``: one indexed read per element instead of ``ldexp`` and ``where``."""
         top, codes = payload
         byte = torch.arange(256, device=codes.device)
         values = torch.ldexp(torch.ones(256, device=codes.device), top - (byte & 127))

@@ -1,11 +1,11 @@
 """Positions of a flat vector chosen by magnitude: above a threshold, or the ``k`` largest.
 
-On a GPU torch's own ``nonzero`` and ``topk``. On the CPU, measured on ResNet-18's 6.6M-element
-bucket (one thread): ``torch.topk`` for 1% takes ~100 ms and ``torch.nonzero`` ~7 ms, while numpy's
-``flatnonzero`` takes ~2 ms; so the exact top-k there is a threshold from a strided sample that
-leaves a little over ``k`` candidates, then an exact ``argpartition`` among the candidates (~6 ms
-in all), with a quickselect of the k-th largest as the fallback when the sample's threshold keeps
-too few.
+On a GPU torch's own ``nonzero`` and ``topk``. On the CPU ``torch.topk`` of 1% of a large bucket
+is many times slower than a selection among few candidates (docs/benchmarks/cpu_paths_cpu.md),
+so the exact top-k there is a threshold from a strided sample that leaves a little over ``k``
+candidates, then an exact ``argpartition`` among the candidates, with a quickselect of the k-th
+largest as the fallback when the sample's threshold keeps too few; positions are compacted with
+numpy's ``flatnonzero``.
 
 NaN counts as larger than every threshold, as ``torch.topk`` orders it: a gradient holding NaN
 keeps it visible in the average (for a loss scaler to see) instead of silently dropping it.

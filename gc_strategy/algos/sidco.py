@@ -37,8 +37,7 @@ from .sparse import DENSITY, Sparsifier
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
     """``a − t`` for the elements ``a > t`` (NaN is not above), as a new tensor (for the number
     ``t = 0``, the positive elements, without a pass subtracting it). On the CPU through numpy,
-    whose boolean indexing is ~4x faster than torch's there (6 against 25 ms for 11.2M elements
-    and a 1% tail)."""
+    whose boolean indexing is faster than torch's there."""
     if magnitudes.device.type == "cpu":
         values = magnitudes.numpy()
         tail = torch.from_numpy(values[values > float(threshold)])

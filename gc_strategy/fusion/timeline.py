@@ -67,10 +67,8 @@ class Cost:
         as the size grows are pooled into their weighted mean (isotonic regression, scipy's pool
         adjacent violators; weights: the measurements per size). A larger bucket does not cost
         less; such dips are noise (page faults, a timer tick), and they let the plan search keep
-        far more partial plans. Example: ResNet-101's 314 tensors with a top-k profile measured on
-        a CPU (on sparse averaged gradients, before the profile took raw ones), whose encode curve
-        fell from 16 to 5 ms between 5.5M and 9.9M elements: the search took 3.2 s on the raw
-        curves, 0.4 s on the pooled ones."""
+        far more partial plans, so that the search slows by an order of magnitude on a noisy
+        profile."""
         by_size: dict[float, list[float]] = {}
         for size, value in zip(sizes, seconds):
             by_size.setdefault(float(size), []).append(max(float(value), 0.0))
