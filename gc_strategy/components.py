@@ -15,7 +15,7 @@ from typing import Any
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .comm import COMMUNICATORS, Communicator
 from .fusion import FusionPlanner, parse_fusion
-from .registry import renewed
+from .registry import fresh_copy
 
 
 @dataclass
@@ -25,13 +25,13 @@ class Components:
     communicator: Communicator
     fusion: FusionPlanner
 
-    def renewed(self) -> Components:
+    def fresh(self) -> Components:
         """The same roles with the same options and fresh state (e.g. for a model whose parameters
         changed); the fusion planner is parsed again from its string form."""
         return Components(
-            renewed(self.compressor),
-            renewed(self.memory),
-            renewed(self.communicator),
+            fresh_copy(self.compressor),
+            fresh_copy(self.memory),
+            fresh_copy(self.communicator),
             parse_fusion(self.fusion.describe()),
         )
 

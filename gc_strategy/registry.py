@@ -79,7 +79,7 @@ class Option:
         return value
 
 
-def renewed(role: T) -> T:
+def fresh_copy(role: T) -> T:
     """A new instance of a built role with the same validated options and fresh state."""
     return type(role)(**getattr(role, "options", {}))
 

@@ -238,12 +238,12 @@ def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor
 def test_the_local_estimate_is_copied_only_where_it_shares_memory_with_the_payload():
     """The collective may sum the payload in place: a local estimate that is (a view of) the payload
     must be a copy; any other decode is kept as it is (no bucket-sized copy per step)."""
-    from gc_strategy.algos.base import apart_from
+    from gc_strategy.algos.base import copy_if_shared
 
     payload = [torch.randn(6), torch.randn(2)]
     for aliased in (payload[0], payload[0][2:], payload[1].view(1, 2)):
-        copy = apart_from(aliased, payload)
+        copy = copy_if_shared(aliased, payload)
         assert copy.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in payload}
         assert torch.equal(copy, aliased)
     separate = payload[0].float() * 2
-    assert apart_from(separate, payload) is separate
+    assert copy_if_shared(separate, payload) is separate

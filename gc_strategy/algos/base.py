@@ -106,7 +106,7 @@ class Compressor(BucketState):
         for, taken before the collective (which may sum the payload in place)."""
         if form == "positions":
             return self.sent_positions(payload, bucket)
-        return apart_from(self.local_estimate(payload, bucket), payload) if form == "estimate" else None
+        return copy_if_shared(self.local_estimate(payload, bucket), payload) if form == "estimate" else None
 
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         """Average from the element-wise sum of all ranks' payloads (summable compressors), written
@@ -126,7 +126,7 @@ class Compressor(BucketState):
         first = self.decode_into(
             gathered[0], bucket, out if out is not None and out.dtype == scratch.dtype else scratch
         )
-        total = first.clone() if out is None else written(first, out)
+        total = first.clone() if out is None else stored_in(first, out)
         for payload in gathered[1:]:
             total.add_(self.decode_into(payload, bucket, scratch))
         return total
@@ -142,7 +142,7 @@ class Compressor(BucketState):
         """
         payload = self.encode(flat, bucket)
         if flat is not out:  # not the exchange's buffer (e.g. memory state): the collective must not overwrite it
-            payload = [apart_from(tensor, [flat]) for tensor in payload]
+            payload = [copy_if_shared(tensor, [flat]) for tensor in payload]
         local = self.local(payload, bucket, local_form)
         received = yield from comm.exchange(payload, self.variable_size)
         return self.combine(received, bucket, comm, out=out), local
@@ -173,7 +173,7 @@ class Compressor(BucketState):
         pass
 
 
-def apart_from(tensor: Tensor, others: Payload) -> Tensor:
+def copy_if_shared(tensor: Tensor, others: Payload) -> Tensor:
     """``tensor``, or a copy of it where it shares memory with any of ``others``: what the collective
     may overwrite in place (e.g. ``none``'s payload is its input, and its decode the payload)."""
     shared = {other.untyped_storage().data_ptr() for other in others}
@@ -199,7 +199,7 @@ def zero_at(tensor: Tensor, positions: Tensor) -> Tensor:
     return tensor.index_fill_(0, positions, 0)
 
 
-def in_form(estimate: Tensor, form: LocalForm) -> Tensor | None:
+def local_in_form(estimate: Tensor, form: LocalForm) -> Tensor | None:
     """A dense local estimate (of an exchange that forms one anyway) in the ``form`` the memory
     asks for (:meth:`Compressor.local`)."""
     if form == "positions":
@@ -207,7 +207,7 @@ def in_form(estimate: Tensor, form: LocalForm) -> Tensor | None:
     return estimate if form == "estimate" else None
 
 
-def written(result: Tensor, out: Tensor | None) -> Tensor:
+def stored_in(result: Tensor, out: Tensor | None) -> Tensor:
     """``result``, or ``out`` holding it (for averages computed into a tensor of their own)."""
     return result if out is None or result is out else out.copy_(result)
 

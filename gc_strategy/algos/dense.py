@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..bucket import Bucket
 from ..comm import Payload
-from .base import COMPRESSORS, Compressor, written
+from .base import COMPRESSORS, Compressor, stored_in
 
 
 @COMPRESSORS.register("none")
@@ -45,7 +45,7 @@ class _Cast(Compressor):
         return scratch.copy_(payload[0]).mul_(self.world_size)
 
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
-        return written(summed[0], out)
+        return stored_in(summed[0], out)
 
 
 @COMPRESSORS.register("fp16")

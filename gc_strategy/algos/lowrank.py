@@ -22,7 +22,7 @@ from torch import Tensor
 from ..bucket import Bucket, all_finite, assign_if_finite
 from ..comm import Communicator, Exchange
 from ..registry import Option
-from .base import COMPRESSORS, Compressor, LocalForm, in_form
+from .base import COMPRESSORS, Compressor, LocalForm, local_in_form
 from .memory import compensated_from, keep_difference
 
 LOWRANK_OPTIONS = {
@@ -301,7 +301,7 @@ class _LowRank(Compressor):
         """Plain allreduce of the whole bucket (before ``start_iter``, or nothing to compress)."""
         local = flat.float()
         (summed,) = yield from comm.exchange([local.clone()], False)
-        return summed.div_(comm.world_size), in_form(local, local_form)
+        return summed.div_(comm.world_size), local_in_form(local, local_form)
 
     def extra_state(self) -> dict[str, Any]:
         return {
@@ -366,7 +366,7 @@ class PowerSGD(_LowRank):
         self._write_products(result, layout, p, q)
         self.keep_factors("q", bucket, q, finite)
         self._keep_error(m_flat, result, bucket, finite)
-        return result, in_form(result, local_form)
+        return result, local_in_form(result, local_form)
 
 
 @COMPRESSORS.register("acpsgd")
@@ -416,7 +416,7 @@ class ACPSGD(_LowRank):
         self._write_products(result, layout, *self._ordered(sent, averaged, fixed_batch))
         self.keep_factors(sent, bucket, averaged, finite)
         self.keep_factors(fixed, bucket, fixed_batch, finite)
-        return result, in_form(local, local_form)
+        return result, local_in_form(local, local_form)
 
     @staticmethod
     def _ordered(sent: str, sent_batch: Tensor, fixed_batch: Tensor) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,7 @@ from ..bucket import Bucket
 from ..comm import Payload
 from ..registry import Option
 from . import triton_bits
-from .base import COMPRESSORS, Compressor, written
+from .base import COMPRESSORS, Compressor, stored_in
 from .packing import bits_for, pack_bits, unpack_bits
 from .sparse import SEED
 
@@ -107,7 +107,7 @@ class _LevelQuantizer(_Quantizer):
         if not triton_bits.usable(gathered[0][-1]):
             return super().aggregate(gathered, bucket, out=out)
         scales, codes = (torch.stack([payload[k] for payload in gathered]) for k in (0, 1))
-        return written(
+        return stored_in(
             triton_bits.mean_of_levels(
                 codes, scales, self.chunk(bucket.numel), self.levels(), self.bits(), bucket.numel, out
             ),

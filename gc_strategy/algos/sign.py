@@ -19,7 +19,7 @@ from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
 from ..comm import Exchange, Payload
 from ..registry import Option
 from . import triton_bits
-from .base import COMPRESSORS, Compressor, written
+from .base import COMPRESSORS, Compressor, stored_in
 from .packing import pack_signs, unpack_bits
 
 
@@ -98,7 +98,7 @@ class _ScaledSigns(_SignBits):
         bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
-        return written(
+        return stored_in(
             triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel, out), out
         )
 

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..algos.base import MEMORIES, start_exchange
 from ..bucket import Bucket
-from ..registry import renewed
+from ..registry import fresh_copy
 from .plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .timeline import Cost, CostModel, best_plan, simulate
 
@@ -336,7 +336,7 @@ def measure_costs(
     from ..algos import COMPRESSORS
     from ..comm import COMMUNICATORS
 
-    compressor, memory = renewed(engine.compressor), renewed(engine.memory)
+    compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
     compressor.world_size, compressor.rank = engine.world_size, engine.comm.rank
     compressor.step = 1 << 30  # steady state: past start_iter / density warm-up
     plain = COMPRESSORS.build("none")
