@@ -164,7 +164,10 @@ class _Usage:
         for (index, b, slot), saved in self._saved.items():
             if index in unused:
                 for key, view in self._state_slices(b, slot).items():
-                    view.copy_(saved[key]) if key in saved else view.zero_()
+                    if key in saved:
+                        view.copy_(saved[key])
+                    else:
+                        view.zero_()
 
     def check(self, unused: set[int]) -> None:
         """With ``find_unused_parameters=False``, refuse a step in which a parameter got no gradient."""

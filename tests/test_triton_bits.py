@@ -99,7 +99,7 @@ def test_the_torch_code_is_used_on_the_cpu_without_the_interpreter():
     from gc_strategy.algos import triton_bits
 
     if triton_bits.INTERPRETED:
-        pytest.skip("this session runs Triton's interpreter")
+        pytest.skip("Triton's interpreter is on (TRITON_INTERPRET=1)")
     assert not triton_bits.usable(torch.zeros(3))
     codes = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)
     assert packing.pack_bits(codes, 1).tolist() == [0b10001101, 0b1]
