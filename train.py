@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import GCFusedStrategy
 from gc_strategy.lowrank_models import PufferfishWarmup, enable_factorized_loading, select_layers
+from gc_strategy.monitor import ThroughputMonitor
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
-from recipes.monitor import ThroughputMonitor
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 

@@ -11,6 +11,7 @@ from .comm import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner, parse_fusion
+from .monitor import ThroughputMonitor
 from .strategy import GCFusedStrategy
 from .telemetry import StepTelemetry
 
@@ -30,6 +31,7 @@ __all__ = [
     "GradientSynchronizer",
     "Memory",
     "StepTelemetry",
+    "ThroughputMonitor",
     "build_components",
     "parse_fusion",
 ]

@@ -325,7 +325,7 @@ def test_summary_bytes_and_breakdown_cover_the_timed_steps_only(tmp_path):
     from types import SimpleNamespace
 
     from gc_strategy import StepTelemetry
-    from recipes.monitor import ThroughputMonitor
+    from gc_strategy.monitor import ThroughputMonitor
 
     monitor = ThroughputMonitor(batch_size=4, output_dir=str(tmp_path), warmup_steps=2)
     synchronizer = SimpleNamespace(telemetry=SimpleNamespace(last=None))

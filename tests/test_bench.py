@@ -12,11 +12,11 @@ import torch
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench  # noqa: E402
-from recipes import netns  # noqa: E402
-from recipes.bench_worker import keep_local_gradients, parse_config  # noqa: E402
+import netns  # noqa: E402
+from bench_worker import keep_local_gradients, parse_config  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 from distributed import run_ranks  # noqa: E402
@@ -25,7 +25,7 @@ from distributed import run_ranks  # noqa: E402
 def _bench(tmp_path, *args, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     return subprocess.run(
-        [sys.executable, str(ROOT / "bench.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

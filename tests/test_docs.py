@@ -11,7 +11,7 @@ SOURCES = [p for folder in ("gc_strategy", "recipes", "benchmarks", "tests") for
 def test_docstring_references_resolve():
     sections = set(re.findall(r"^## (§\d+)", (ROOT / "docs" / "algorithms.md").read_text(), flags=re.M))
     missing = []
-    for source in SOURCES + [ROOT / "train.py", ROOT / "bench.py"]:
+    for source in SOURCES + [ROOT / "train.py"]:
         text = source.read_text()
         for path in set(re.findall(r"\b((?:docs|benchmarks|tests)/[\w/.-]+\.(?:md|py))", text)):
             if not (ROOT / path).is_file():

@@ -1,12 +1,12 @@
 """Benchmark harness: measured step times of gc_fused configurations against DDP and its compression
 hooks, on loopback or an emulated network, as a table, CSV, charts and a W&B run.
 
-    python bench.py                                   # the default configurations on loopback
-    python bench.py net.rate=1gbit                    # ranks in network namespaces on a 1 Gbit/s link (root)
-    python bench.py 'configs=[ddp,gc_fused:compressor=topk,memory=residual,density=0.01]' rounds=5
+    python benchmarks/bench.py                     # the default configurations on loopback
+    python benchmarks/bench.py net.rate=1gbit      # ranks in network namespaces on a 1 Gbit/s link (root)
+    python benchmarks/bench.py 'configs=[ddp,gc_fused:compressor=topk,memory=residual,density=0.01]' rounds=5
 
 Every configuration runs ``steps`` measured steps after ``warmup`` steps, in fresh processes (one
-per rank; see ``recipes/bench_worker.py``), and the configurations are interleaved round by round
+per rank; see ``benchmarks/bench_worker.py``), and the configurations are interleaved round by round
 (A B C ... A B C ...) so that machine noise hits all alike; medians pool all rounds. A configuration
 that fails or hangs is reported as such and the others go on. Outputs, in the Hydra run directory:
 ``results.md`` (also printed), ``results.csv``, ``speedup.png`` (speedup vs ``ddp``),
@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from bench_worker import ALONE, BASELINES, IDEALS, parse_config, ranks
 from hydra.core.hydra_config import HydraConfig
+from netns import check_can_emulate, emulated_network, loopback
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import GCFusedStrategy
-from recipes.bench_worker import ALONE, BASELINES, IDEALS, parse_config, ranks
-from recipes.netns import check_can_emulate, emulated_network, loopback
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
 COLUMNS = [
     "configuration",
@@ -91,8 +91,7 @@ def run_config(
             )
         command = network[r].command + [
             sys.executable,
-            "-m",
-            "recipes.bench_worker",
+            str(ROOT / "benchmarks" / "bench_worker.py"),
             str(config_file),
             name,
             str(results[r]),
@@ -326,7 +325,7 @@ def benchmark(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
     return aggregate(cfg, runs)
 
 
-@hydra.main(config_path="conf", config_name="bench", version_base="1.3")
+@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the network is torn down on kill
     out = Path(HydraConfig.get().runtime.output_dir)

@@ -21,7 +21,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
-from gc_strategy import GCFusedStrategy, StepTelemetry, build_components
+from .components import build_components
+from .strategy import GCFusedStrategy
+from .telemetry import StepTelemetry
 
 
 class ThroughputMonitor(pl.Callback):

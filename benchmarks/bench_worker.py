@@ -1,6 +1,6 @@
-"""One rank of one benchmark configuration (started by ``bench.py``, one process per rank).
+"""One rank of one benchmark configuration (started by ``benchmarks/bench.py``, one process per rank).
 
-    python -m recipes.bench_worker CONFIG.yaml NAME RESULT.json
+    python benchmarks/bench_worker.py CONFIG.yaml NAME RESULT.json
 
 The rank, world size and rendezvous come from the environment (``NODE_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), so each rank can run in its own network
@@ -117,7 +117,7 @@ def main(config_path: str, name: str, result_path: str) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from recipes.monitor import ThroughputMonitor
+    from gc_strategy.monitor import ThroughputMonitor
     from train import build_recipe
 
     cfg = OmegaConf.load(config_path)
