@@ -1,6 +1,6 @@
 """Train a recipe with compressed gradient synchronisation: ``python train.py compressor=dgc fusion=auto``.
 
-A Hydra app over ``conf/``: groups compressor/ memory/ comm/ fusion/ model/ data/ trainer/ logger/.
+A Hydra app over ``conf/``: groups compressor/ memory/ communicator/ fusion/ model/ data/ trainer/ logger/.
 Every option of a compressor or memory is a key of its group (``compressor.density=0.001``) and is
 validated before any work starts. Outputs (W&B offline run, checkpoints, ``summary.json``) go to
 Hydra's run directory, a new one per run.
@@ -15,13 +15,14 @@ from pathlib import Path
 import hydra
 import lightning.pytorch as pl
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from gc_strategy import GCFusedStrategy
-from gc_strategy.lowrank_models import PufferfishWarmup, enable_factorized_loading, select_layers
+from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFusedStrategy
 from gc_strategy.monitor import ThroughputMonitor
+from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
@@ -29,6 +30,22 @@ from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
 RECIPES = {"resnet": "images", "lstm": "text", "bert": "mlm"}
+#: the Hydra groups made from the registries: one member per registered name
+ROLE_GROUPS = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
+
+
+def store_role_configs(store: ConfigStore) -> None:
+    """The groups ``compressor``, ``memory`` and ``communicator``: one member per registered role,
+    holding its name and its declared options at their defaults. The registries' ``Option``s are the
+    one source of truth; :func:`build_strategy` validates what the command line sets."""
+    for group, registry in ROLE_GROUPS.items():
+        for name in registry.names():
+            defaults = {key: option.default for key, option in registry.options(name).items()}
+            store.store(group=group, name=name, node={"name": name, **defaults})
+    store.store(group="communicator", name="auto", node={"name": "auto"})
+
+
+store_role_configs(ConfigStore.instance())
 
 
 def _options(group: DictConfig) -> dict:
@@ -47,11 +64,11 @@ def fusion_spec(fusion: DictConfig) -> str:
 
 
 def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
-    options = {**_options(cfg.compressor), **_options(cfg.memory), **_options(cfg.comm)}
+    options = {**_options(cfg.compressor), **_options(cfg.memory), **_options(cfg.communicator)}
     return GCFusedStrategy(
         compressor=cfg.compressor.name,
         memory=cfg.memory.name,
-        comm=cfg.comm.name,
+        communicator=cfg.communicator.name,
         fusion=fusion_spec(cfg.fusion),
         start_method=cfg.trainer.start_method,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
@@ -80,15 +97,15 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
     return LSTMLanguageModel(vocab_size=data.vocab_size, **model_options), data
 
 
-def build_lowrank(cfg: DictConfig, module: pl.LightningModule) -> list[pl.Callback]:
-    """``lowrank=pufferfish`` / ``lowrank=powerfish``: the full-rank warm-up callback, checked now."""
-    options = OmegaConf.to_container(cfg.lowrank, resolve=True)
+def build_lowrank_model(cfg: DictConfig, module: pl.LightningModule) -> list[pl.Callback]:
+    """``lowrank_model=pufferfish`` / ``lowrank_model=powerfish``: the full-rank warm-up callback, checked now."""
+    options = OmegaConf.to_container(cfg.lowrank_model, resolve=True)
     if not options.pop("enabled"):
         return []
     try:
         warmup = PufferfishWarmup(**options)
-    except ValueError as error:  # name the group the user sets them in (lowrank.warmup_epochs=...)
-        raise ValueError(f"lowrank options (lowrank.<name>=...): {error}") from error
+    except ValueError as error:  # name the group the user sets them in (lowrank_model.warmup_epochs=...)
+        raise ValueError(f"lowrank_model options (lowrank_model.<name>=...): {error}") from error
     select_layers(module, warmup.keep_full_rank)  # a keep_full_rank pattern matching nothing fails here
     enable_factorized_loading(module)  # resuming from a checkpoint saved after the conversion
     return [warmup]
@@ -143,7 +160,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         logger=build_logger(cfg, output_dir, run_name),
         callbacks=[
             monitor,
-            *build_lowrank(cfg, module),
+            *build_lowrank_model(cfg, module),
             ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps),
         ],
     )

@@ -26,7 +26,7 @@ from cli import add_device_option, integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
-from gc_strategy.fusion.auto import time_exchange
+from gc_strategy.autotune import time_exchange
 
 #: memory and options each compressor is usually run with
 USUAL = {
@@ -85,7 +85,7 @@ def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[f
     memory, options = USUAL.get(compressor, ("none", {}))
     c = build_components(compressor, memory, **options)
     c.communicator.bind(None)
-    c.compressor.world_size, c.compressor.step = 1, 1 << 30  # steady state
+    c.compressor.begin_step(1 << 30)  # steady state
     totals, sent = [], 0
     for run in range(runs + 1):  # the first run warms up
         total, sent = 0.0, 0

@@ -82,9 +82,9 @@ def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None
                 "report": report,
                 "rows": {
                     plan: (
-                        len(runs[plan][1].groups),
+                        len(runs[plan][1].tensors_per_bucket),
                         statistics.median(times[plan]),
-                        simulate(model, runs[plan][1].groups),
+                        simulate(model, runs[plan][1].tensors_per_bucket),
                     )
                     for plan in plans
                 },

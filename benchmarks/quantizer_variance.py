@@ -42,7 +42,7 @@ def relative_squared_error(name: str, options: dict, tensors: list[torch.Tensor]
     compressor = COMPRESSORS.build(name, **options)
     error = 0.0
     for step in range(samples):
-        compressor.step = step
+        compressor.begin_step(step)
         error += float((compressor.decode(compressor.encode(g, bucket), bucket) - g).square().sum())
     return error / samples / float(g.square().sum())
 

@@ -14,15 +14,27 @@ ratio to ``plain``, and the exposed time (median minus plain's).
     python benchmarks/step_overhead.py --rounds 10 --steps 20                     # ResNet-50 on the GPU
     python benchmarks/step_overhead.py --device cpu --model resnet18 --image-size 32 --batch 32 \
         --configs plain "gc none" --compressors topk+residual qsgd powersgd        # one CPU thread
+
+``--against REV`` also runs every synchronised configuration with the package as it was at git
+revision ``REV`` (extracted with ``git archive`` and imported beside this one), interleaved with
+the rest in the same process: whether a change of the code changed its step times.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
+import io
 import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +43,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchvision import models
 
-from gc_strategy import GradientSynchronizer, build_components
+import gc_strategy
+from gc_strategy import build_components
 
 #: name -> (compressor, memory, fusion, side stream); None: no synchroniser
 CONFIGS = {
@@ -45,7 +58,29 @@ CONFIGS = {
 }
 
 
-def build(name: str, roles: tuple | None, reference: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+def package_at(revision: str) -> types.ModuleType:
+    """The ``gc_strategy`` package as it was at git ``revision``, imported as ``gc_strategy_at_rev``
+    from a temporary copy (its ``__init__`` is not run, so nothing registers twice with Lightning)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        archive = subprocess.run(
+            ["git", "archive", revision, "gc_strategy"], cwd=root, capture_output=True, check=True
+        ).stdout
+    except subprocess.CalledProcessError as error:
+        raise SystemExit(f"--against {revision}: git archive failed: {error.stderr.decode().strip()}") from None
+    folder = Path(tempfile.mkdtemp(prefix="gc_strategy_at_rev"))
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(folder)
+    package = types.ModuleType("gc_strategy_at_rev")
+    package.__path__ = [str(folder / "gc_strategy")]
+    sys.modules[package.__name__] = package
+    for module in ("components", "engine"):
+        setattr(package, module, importlib.import_module(f"{package.__name__}.{module}"))
+    return package
+
+
+def build(
+    name: str, roles: tuple | None, reference: nn.Module, package: types.ModuleType = gc_strategy
+) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     model = copy.deepcopy(reference)
     keep = None
     if name == "ddp":
@@ -53,8 +88,10 @@ def build(name: str, roles: tuple | None, reference: nn.Module) -> tuple[nn.Modu
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
     elif roles is not None:
         compressor, memory, fusion, side = roles
-        c = build_components(compressor, memory, fusion=fusion)
-        keep = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side)
+        c = package.components.build_components(compressor, memory, fusion=fusion)
+        keep = package.engine.GradientSynchronizer(
+            model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side
+        )
     return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), keep
 
 
@@ -87,6 +124,7 @@ def main() -> None:
         metavar="NAME[+MEMORY]",
         help="more synchronised configurations, e.g. topk+residual qsgd",
     )
+    parser.add_argument("--against", metavar="REV", help="also run the synchronised configurations at git REV")
     args = parser.parse_args()
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
@@ -112,6 +150,12 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=args.device)
     y = torch.randint(0, 1000, (args.batch,), device=args.device)
     runs = {name: build(name, roles, reference) for name, roles in configs.items()}
+    if args.against:
+        at_rev = package_at(args.against)
+        for name, roles in list(configs.items()):
+            if roles is not None:
+                configs[f"{args.against}: {name}"] = roles
+                runs[f"{args.against}: {name}"] = build(name, roles, reference, at_rev)
     times: dict[str, list[float]] = {name: [] for name in configs}
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
 

@@ -7,7 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
-from .comm import COMMUNICATORS, Communicator
+from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner, parse_fusion

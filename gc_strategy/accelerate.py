@@ -34,7 +34,7 @@ from typing import Any
 
 from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states
-from .comm import Communicator
+from .communicators import Communicator
 from .components import build_components
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
@@ -76,7 +76,7 @@ def prepare(
     *objects: Any,
     compressor: str | Compressor = "none",
     memory: str | Memory = "none",
-    comm: str | Communicator = "auto",
+    communicator: str | Communicator = "auto",
     fusion: str | FusionPlanner = "bucket_mb:25",
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
@@ -95,7 +95,7 @@ def prepare(
         )
     if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
         raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
-    components = build_components(compressor, memory, comm, fusion, **options)
+    components = build_components(compressor, memory, communicator, fusion, **options)
     handler = getattr(accelerator, "ddp_handler", None)
     if find_unused_parameters is None:
         find_unused_parameters = getattr(handler, "find_unused_parameters", False)

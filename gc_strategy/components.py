@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
-from .comm import COMMUNICATORS, Communicator
+from .communicators import COMMUNICATORS, Communicator
 from .fusion import FusionPlanner, parse_fusion
 from .registry import fresh_copy
 
@@ -38,21 +38,21 @@ class Components:
     def describe(self) -> str:
         return (
             f"compressor={self.compressor.name} memory={self.memory.name} "
-            f"comm={self.communicator.name} fusion={self.fusion.describe()}"
+            f"communicator={self.communicator.name} fusion={self.fusion.describe()}"
         )
 
 
 def build_components(
     compressor: str | Compressor = "none",
     memory: str | Memory = "none",
-    comm: str | Communicator = "auto",
+    communicator: str | Communicator = "auto",
     fusion: str | FusionPlanner = "bucket_mb:25",
     **options: Any,
 ) -> Components:
     """Validate everything and build the roles; raises ``ValueError`` with a readable message."""
     registries = [(COMPRESSORS, compressor), (MEMORIES, memory)]
-    if comm != "auto":
-        registries.append((COMMUNICATORS, comm))
+    if communicator != "auto":
+        registries.append((COMMUNICATORS, communicator))
     declared: dict[str, list[Any]] = {}
     for registry, choice in registries:
         if isinstance(choice, str):
@@ -72,28 +72,30 @@ def build_components(
 
     built_compressor = build(COMPRESSORS, compressor, Compressor)
     built_memory = build(MEMORIES, memory, Memory)
-    if comm == "auto":
-        comm = "allreduce" if built_compressor.summable else "allgather"
-    built_comm = build(COMMUNICATORS, comm, Communicator)
-    if built_comm.sums and not built_compressor.summable:
+    if communicator == "auto":
+        communicator = "allreduce" if built_compressor.summable else "allgather"
+    built_communicator = build(COMMUNICATORS, communicator, Communicator)
+    if built_communicator.sums and not built_compressor.summable:
         raise ValueError(
-            f"comm '{built_comm.name}' sums payloads element-wise, but compressor '{built_compressor.name}' "
-            "sends payloads that cannot be summed; use comm='allgather' or comm='auto'"
+            f"communicator '{built_communicator.name}' sums payloads element-wise, but compressor "
+            f"'{built_compressor.name}' sends payloads that cannot be summed; use communicator='allgather' or "
+            "communicator='auto'"
         )
-    if getattr(built_compressor, "allreduce_only", False) and not built_comm.sums:
+    if built_compressor.allreduce_only and not built_communicator.sums:
         raise ValueError(
-            f"compressor '{built_compressor.name}' runs its own allreduce rounds and needs comm='allreduce' "
-            f"(or 'auto'), not '{built_comm.name}'"
+            f"compressor '{built_compressor.name}' runs its own allreduce rounds and needs communicator='allreduce' "
+            f"(or 'auto'), not '{built_communicator.name}'"
         )
-    if built_compressor.keeps_error_feedback() and built_memory.local_form is not None:
+    if built_compressor.keeps_error_feedback and built_memory.local_form is not None:
         raise ValueError(
             f"compressor '{built_compressor.name}' keeps its own error feedback (use_error_feedback=True), and "
             f"memory '{built_memory.name}' would stack a second loop on it; use memory='none', or "
             "use_error_feedback=False to let the memory's feedback act instead"
         )
-    if built_comm.sums and built_compressor.variable_size:
+    if built_communicator.sums and built_compressor.variable_size:
         raise ValueError(
-            f"comm '{built_comm.name}' needs equal payload sizes on every rank, but compressor "
-            f"'{built_compressor.name}' sends variable-size payloads; use comm='allgather' or comm='auto'"
+            f"communicator '{built_communicator.name}' needs equal payload sizes on every rank, but compressor "
+            f"'{built_compressor.name}' sends variable-size payloads; use communicator='allgather' or "
+            "communicator='auto'"
         )
-    return Components(built_compressor, built_memory, built_comm, parse_fusion(fusion))
+    return Components(built_compressor, built_memory, built_communicator, parse_fusion(fusion))

@@ -49,8 +49,6 @@ Semantics, those of ``DistributedDataParallel``:
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -59,12 +57,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .algos.base import Compressor, Memory, StartedExchange, start_exchange
+from .algos.base import Compressor, Memory
+from .autotune import AutoTuner
 from .bucket import Bucket
-from .comm import Communicator, Round
+from .communicators import Communicator, RunningExchange
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
-from .fusion.auto import AutoTuner
-from .fusion.plans import PLAN_FILE_FORMAT
+from .fusion.plans import write_plan_file
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
@@ -75,15 +73,12 @@ EAGER_AFTER_BYTES = 1 << 20
 
 
 class _Job:
-    """One bucket's exchange in flight: a generator of rounds and its current round."""
+    """One bucket's exchange in flight (the memory's :meth:`~gc_strategy.algos.base.Memory.exchange`,
+    which returns ``(average, finite)``)."""
 
-    def __init__(self, bucket: Bucket, started: StartedExchange) -> None:
+    def __init__(self, bucket: Bucket, running: RunningExchange) -> None:
         self.bucket = bucket
-        self.exchange = started.exchange
-        self.compensated = started.compensated
-        self.finite = started.finite
-        self.round: Round | None = None
-        self.result: tuple[Tensor, Tensor | None] | None = None
+        self.running = running
 
 
 class _Usage:
@@ -146,7 +141,7 @@ class _Usage:
         if not self.global_check or self.engine.world_size == 1:
             return
         self._count = torch.tensor(self.used, dtype=torch.int32, device=self.engine.device)
-        self._work = dist.all_reduce(self._count, group=self.engine.group, async_op=True)
+        self._work = dist.all_reduce(self._count, group=self.engine.process_group, async_op=True)
 
     def unused_by_all(self) -> set[int]:
         """Parameters no rank used (where that is known: with the allreduce, or at world size 1),
@@ -178,7 +173,7 @@ class _Usage:
         if not missing:
             return
         names = ", ".join(repr(engine.names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        where = "on some rank" if unused else f"on rank {engine.comm.rank}"
+        where = "on some rank" if unused else f"on rank {engine.rank}"
         raise RuntimeError(
             f"find_unused_parameters=False (the default, as for DDP), but {len(missing)} parameter(s) got no "
             f"gradient {where} in synchronised step {engine.step - 1}: {names}. Pass "
@@ -212,14 +207,14 @@ class GradientSynchronizer:
         self.module = module
         self.compressor = compressor
         self.memory = memory
-        self.comm = communicator
+        self.communicator = communicator
         self.planner = parse_fusion(fusion)
-        self.group = process_group
+        self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self._buffers_due = True  # broadcast the buffers before the next forward (DDP's rule)
         communicator.bind(process_group)
-        compressor.world_size, compressor.rank = communicator.world_size, communicator.rank
+        compressor.bind(communicator.world_size, communicator.rank)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
@@ -248,7 +243,12 @@ class GradientSynchronizer:
     # ------------------------------------------------------------------ set-up
     @property
     def world_size(self) -> int:
-        return self.comm.world_size
+        return self.communicator.world_size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group."""
+        return self.communicator.rank
 
     def _broadcast_module_states(self) -> None:
         self._broadcast([*self.module.parameters(), *self.module.buffers()])
@@ -258,33 +258,39 @@ class GradientSynchronizer:
         tensors flattened into one buffer (like DDP's coalesced broadcast)."""
         if self.world_size == 1 or not tensors:
             return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
         for tensor in tensors:
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
         with torch.no_grad():
             for same in groups.values():
                 flat = torch.cat([t.reshape(-1) for t in same])
-                dist.broadcast(flat, src, group=self.group)
+                dist.broadcast(flat, src, group=self.process_group)
                 start = 0
                 for t in same:
                     t.copy_(flat[start : start + t.numel()].view_as(t))
                     start += t.numel()
 
-    def _build(self, order: list[str], groups: list[int] | None = None) -> None:
-        """Cut ``order`` (parameter names in gradient-ready order) into buckets."""
-        if groups is None:
-            groups = self.planner.plan([self._param(n).numel() * self._param(n).element_size() for n in order])
-        if sum(groups) != len(order) or any(g < 1 for g in groups):
-            raise ValueError(f"fusion plan {self.planner.describe()} returned groups {groups} for {len(order)} tensors")
+    def _build(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
+        """Cut ``order`` (parameter names in gradient-ready order) into buckets of
+        ``tensors_per_bucket`` tensors each (by default as the planner cuts them)."""
+        if tensors_per_bucket is None:
+            tensors_per_bucket = self.planner.plan(self.tensor_nbytes(order))
+        if sum(tensors_per_bucket) != len(order) or any(count < 1 for count in tensors_per_bucket):
+            raise ValueError(
+                f"fusion plan {self.planner.describe()} returned buckets of {tensors_per_bucket} tensors "
+                f"for {len(order)} tensors"
+            )
+        #: the parameters' names in bucket order (after the first step, the gradient-ready order)
         self.order = order
-        self.groups = groups
+        #: how many consecutive tensors of ``order`` each bucket holds
+        self.tensors_per_bucket = tensors_per_bucket
         self.buckets: list[Bucket] = []
         self._slot: dict[int, tuple[int, int]] = {}
         start = 0
-        for b, count in enumerate(groups):
+        for b, count in enumerate(tensors_per_bucket):
             names = order[start : start + count]
-            params = [self._param(n) for n in names]
+            params = [self.parameter(n) for n in names]
             dtype = params[0].dtype
             for p in params[1:]:
                 dtype = torch.promote_types(dtype, p.dtype)
@@ -295,14 +301,24 @@ class GradientSynchronizer:
         self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
         self.views = [b.views(buf) for b, buf in zip(self.buckets, self.buffers)]
 
-    def _param(self, name: str) -> nn.Parameter:
+    def parameter(self, name: str) -> nn.Parameter:
+        """The synchronised parameter called ``name``."""
         return self.params[self._index[name]]
 
-    def _rebuild(self, order: list[str], groups: list[int] | None = None) -> None:
+    def tensor_nbytes(self, names: list[str]) -> list[int]:
+        """The gradient sizes in bytes of the parameters ``names``."""
+        return [self.parameter(n).numel() * self.parameter(n).element_size() for n in names]
+
+    def rebucket(self, tensors_per_bucket: list[int]) -> None:
+        """Cut the current order into new buckets (every rank must do the same at the same step);
+        per-element compression state carries over by parameter name."""
+        self._rebuild(self.order, tensors_per_bucket)
+
+    def _rebuild(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
         """New buckets, carrying per-element compression state across by parameter name."""
         memory_state = self.memory.state_by_parameter(self.buckets)
         compressor_state = self.compressor.state_by_parameter(self.buckets)
-        self._build(order, groups)
+        self._build(order, tensors_per_bucket)
         self.memory.load_state_by_parameter(memory_state, self.buckets)
         self.compressor.load_state_by_parameter(compressor_state, self.buckets)
 
@@ -312,8 +328,8 @@ class GradientSynchronizer:
         order = self._recorded + [n for n in reversed(self.names) if n not in seen]
         if self.world_size > 1:
             indices = torch.tensor([self._index[n] for n in order], dtype=torch.int64, device=self.device)
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast(indices, src, group=self.group)
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            dist.broadcast(indices, src, group=self.process_group)
             order = [self.names[i] for i in indices.tolist()]
         self.ready_order = order
         self._rebuild(order)
@@ -328,7 +344,7 @@ class GradientSynchronizer:
         self._recorded: list[str] = []
         self._usage: _Usage | None = None
         self._step_telemetry = StepTelemetry()
-        self.compressor.step = self.step
+        self.compressor.begin_step(self.step)
 
     def _hook_for(self, index: int):
         def hook(param: Tensor) -> None:
@@ -341,8 +357,8 @@ class GradientSynchronizer:
 
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         if self.tuner is not None and self.tuner.recording:
-            tel = self._step_telemetry  # so far only the hooks' own work has been timed this step
-            self.tuner.on_ready(index, tel.encode_s + tel.decode_s + tel.exposed_wait_s, param.grad)
+            hooks_s = sum(job.running.host_s for job in self._jobs)  # the synchroniser's own work so far
+            self.tuner.on_ready(self.names[index], hooks_s, param.grad)
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
@@ -366,40 +382,17 @@ class GradientSynchronizer:
 
     def _launch(self, b: int) -> None:
         bucket, flat = self.buckets[b], self.buffers[b]
-        tel = self._step_telemetry
         with self._side_stream():
-            start = time.perf_counter()
-            job = _Job(bucket, start_exchange(self.compressor, self.memory, flat, bucket, self.comm))
-            job.round = next(job.exchange)
-            tel.encode_s += time.perf_counter() - start
+            running = RunningExchange(self.memory.exchange(self.compressor, flat, bucket, self.communicator))
             if bucket.nbytes >= EAGER_AFTER_BYTES:
                 self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in
-            self._jobs.append(job)
-        tel.buckets += 1
-        tel.raw_bytes += bucket.nbytes
-
-    def _advance(self, job: _Job) -> None:
-        """Wait for the job's current round and run its generator to the next round (or the end)."""
-        tel, current = self._step_telemetry, job.round
-        start = time.perf_counter()
-        value = current.wait()
-        resumed = time.perf_counter()
-        tel.exposed_wait_s += resumed - start
-        tel.collective_s += current.duration
-        tel.sent_bytes += current.nbytes
-        tel.collectives += len(current.works)
-        try:
-            job.round = job.exchange.send(value)
-            tel.encode_s += time.perf_counter() - resumed
-        except StopIteration as stop:
-            job.round, job.result = None, stop.value
-            tel.decode_s += time.perf_counter() - resumed
+            self._jobs.append(_Job(bucket, running))
 
     def _advance_eager(self) -> None:
         """Advance, in bucket order, every job waiting on an eager round (``Round.eager``)."""
         for job in self._jobs:
-            if job.round is not None and job.round.eager:
-                self._advance(job)
+            if not job.running.done and job.running.round.eager:
+                job.running.advance()
 
     def _end_of_graph_task(self) -> None:
         """Autograd's final callback of the graph task the step's first gradient arrived in. Inside a
@@ -428,8 +421,7 @@ class GradientSynchronizer:
             with self._side_stream():
                 self._advance_eager()  # the last bucket's next round travels while the others finish
                 for job in self._jobs:
-                    while job.round is not None:
-                        self._advance(job)
+                    job.running.finish()
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
             unused = self._usage.unused_by_all()
@@ -437,7 +429,7 @@ class GradientSynchronizer:
             self._usage.restore_state(unused)
             self._accumulated = [False] * len(self.params)
             self.step += 1
-            self._step_telemetry.extra = self.compressor.pop_metrics()
+            self._record_telemetry()
             self.telemetry.record(self._step_telemetry)
             if self.ready_order is None:
                 self._adopt_recorded_order()
@@ -447,20 +439,32 @@ class GradientSynchronizer:
         finally:
             self._reset_step()
 
+    def _record_telemetry(self) -> None:
+        tel = self._step_telemetry
+        for job in self._jobs:
+            running = job.running
+            tel.buckets += 1
+            tel.raw_bytes += job.bucket.nbytes
+            tel.encode_s += running.encode_s + running.between_s
+            tel.exposed_wait_s += running.wait_s
+            tel.decode_s += running.decode_s
+            tel.collective_s += running.collective_s
+            tel.sent_bytes += running.sent_bytes
+            tel.collectives += running.collectives
+        tel.extra = self.compressor.pop_metrics()
+
     def _apply_results(self, unused: set[int]) -> None:
         nonfinite = []
         for job in self._jobs:
-            average, local = job.result
+            average, finite = job.running.result
             if self.stream is not None:
                 average.record_stream(torch.cuda.current_stream(self.device))
-            if job.compensated is not None:
-                self.memory.update(job.compensated, local, job.bucket, job.finite)
-            if job.finite is not None:
-                nonfinite.append(~job.finite)
+            if finite is not None:
+                nonfinite.append(~finite)
             for name, value in zip(job.bucket.names, job.bucket.views(average)):
                 if self._index[name] in unused:
                     continue  # no rank used it: .grad stays as it was, as with DDP
-                param = self._param(name)
+                param = self.parameter(name)
                 if value.dtype == param.dtype:  # the gradient becomes a view of the average: no copy
                     param.grad = value.detach()
                 elif param.grad is None:
@@ -515,16 +519,8 @@ class GradientSynchronizer:
         ``fusion="file:PATH"``."""
         if self.ready_order is None:
             raise RuntimeError("the gradient-ready order is recorded in the first synchronised step; export after it")
-        plan = {
-            "format": PLAN_FILE_FORMAT,
-            "order": self.order,
-            "numels": [self._param(name).numel() for name in self.order],
-            "groups": self.groups,
-            "chosen_by": self.planner.describe(),
-            "report": self.plan_report,
-        }
-        with open(path, "w") as f:
-            json.dump(plan, f, indent=1)
+        numels = [self.parameter(name).numel() for name in self.order]
+        write_plan_file(path, self.order, numels, self.tensors_per_bucket, self.planner.describe(), self.plan_report)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronisation state, on the CPU, keyed by parameter name."""
@@ -534,7 +530,7 @@ class GradientSynchronizer:
                 "world_size": self.world_size,
                 "step": self.step,
                 "ready_order": self.ready_order,
-                "groups": self.groups,
+                "groups": self.tensors_per_bucket,
                 "plan": self.planner.describe(),
                 "memory": self.memory.state_by_parameter(self.buckets),
                 "compressor": self.compressor.state_by_parameter(self.buckets),
@@ -574,7 +570,7 @@ def load_rank_state(synchronizer: GradientSynchronizer, states: dict[str, Any]) 
     [state of rank 0, ...]}`` (the format of earlier checkpoints), or, where they were saved with
     another world size, the :func:`resharded` state of all of them."""
     if states["world_size"] == synchronizer.world_size:
-        synchronizer.load_state_dict(states["ranks"][synchronizer.comm.rank])
+        synchronizer.load_state_dict(states["ranks"][synchronizer.rank])
     else:
         synchronizer.load_state_dict(resharded(states["ranks"]))
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
-from .comm import Communicator
+from .communicators import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .engine import GradientSynchronizer
@@ -36,8 +36,8 @@ class GCFusedStrategy(DDPStrategy):
     """Data-parallel training with compressed, fused gradient synchronisation.
 
     Args:
-        compressor, memory, comm, fusion: a registered name (with keyword ``options``) or an object;
-            ``comm="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
+        compressor, memory, communicator, fusion: a registered name (with keyword ``options``) or an object;
+            ``communicator="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
             is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"`` (``"auto:S"``),
             ``"file:PATH"`` or a planner (default ``"bucket_mb:25"``).
         find_unused_parameters, broadcast_buffers, bucket_cap_mb: as for ``DDPStrategy``
@@ -55,7 +55,7 @@ class GCFusedStrategy(DDPStrategy):
         self,
         compressor: str | Compressor = "none",
         memory: str | Memory = "none",
-        comm: str | Communicator = "auto",
+        communicator: str | Communicator = "auto",
         fusion: str | FusionPlanner | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
@@ -80,7 +80,9 @@ class GCFusedStrategy(DDPStrategy):
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{key} = {value!r} is invalid; allowed: True or False")
-        self.components = build_components(compressor, memory, comm, fusion_for(fusion, bucket_cap_mb), **options)
+        self.components = build_components(
+            compressor, memory, communicator, fusion_for(fusion, bucket_cap_mb), **options
+        )
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         super().__init__(

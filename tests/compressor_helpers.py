@@ -4,6 +4,7 @@ import torch
 
 from gc_strategy import COMPRESSORS
 from gc_strategy.bucket import Bucket
+from gc_strategy.communicators import RunningExchange
 
 
 def bucket(n: int, index: int = 0, dtype=torch.float32) -> Bucket:
@@ -12,7 +13,8 @@ def bucket(n: int, index: int = 0, dtype=torch.float32) -> Bucket:
 
 def build(name: str, world_size: int = 1, process_rank: int = 0, step: int = 0, **options):
     compressor = COMPRESSORS.build(name, **options)
-    compressor.world_size, compressor.rank, compressor.step = world_size, process_rank, step
+    compressor.bind(world_size, process_rank)
+    compressor.begin_step(step)
     return compressor
 
 
@@ -22,14 +24,9 @@ def roundtrip(compressor, g: torch.Tensor, b: Bucket | None = None) -> torch.Ten
 
 
 def finish(exchange):
-    """Drive an exchange generator (a compressor's or a communicator's) through its rounds, waiting for
-    each in turn: its return value."""
-    try:
-        current = next(exchange)
-        while True:
-            current = exchange.send(current.wait())
-    except StopIteration as stop:
-        return stop.value
+    """Drive an exchange generator (a memory's, a compressor's or a communicator's) through its
+    rounds, as the engine does: its return value."""
+    return RunningExchange(exchange).finish()
 
 
 def payload_bytes(payload) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 from gc_strategy import COMPRESSORS, MEMORIES
 
@@ -23,7 +24,7 @@ from recipes.images import ImageDataModule, MissingDataset  # noqa: E402
 from recipes.lstm import LSTMLanguageModel  # noqa: E402
 from recipes.resnet import ResNetClassifier  # noqa: E402
 from recipes.text import LanguageModelDataModule  # noqa: E402
-from train import build_strategy, fusion_spec  # noqa: E402
+from train import ROLE_GROUPS, build_strategy, fusion_spec  # noqa: E402
 
 
 def _compose(*overrides):
@@ -32,12 +33,14 @@ def _compose(*overrides):
 
 
 def _members(group):
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    """The group's members as Hydra sees them (files in conf/, configs in the ConfigStore)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
 def test_defaults():
     cfg = _compose()
-    assert (cfg.compressor.name, cfg.memory.name, cfg.comm.name, fusion_spec(cfg.fusion)) == (
+    assert (cfg.compressor.name, cfg.memory.name, cfg.communicator.name, fusion_spec(cfg.fusion)) == (
         "none",
         "none",
         "auto",
@@ -52,15 +55,20 @@ def test_defaults():
     )
 
 
-@pytest.mark.parametrize("group", ["compressor", "memory", "comm", "fusion", "model", "data", "trainer", "logger"])
+@pytest.mark.parametrize(
+    "group", ["compressor", "memory", "communicator", "fusion", "model", "data", "trainer", "logger"]
+)
 def test_every_group_member_composes(group):
     for member in _members(group):
         cfg = _compose(f"{group}={member}")
         assert cfg[group] is not None
 
 
-def test_compressor_and_memory_files_list_exactly_their_options():
-    """Every option is settable from the command line; the files hold the registry's defaults."""
+def test_the_role_groups_are_the_registries_with_their_declared_defaults():
+    """Every registered compressor, memory and communicator is a group member (made from the
+    registry, no file to keep in step), each option settable with its declared default."""
+    assert not [p for group in ROLE_GROUPS for p in (CONF / group).glob("*.yaml")]
+    assert _members("communicator") == ["allgather", "allreduce", "auto"]
     for group, registry in (("compressor", COMPRESSORS), ("memory", MEMORIES)):
         assert _members(group) == registry.names()
         for name in registry.names():
@@ -75,7 +83,7 @@ def test_compressor_and_memory_files_list_exactly_their_options():
 def test_fusion_spec_and_strategy_from_config():
     cfg = _compose("compressor=topk", "compressor.density=0.05", "memory=residual", "fusion=groups", "fusion.n=8")
     strategy = build_strategy(cfg)
-    assert strategy.components.describe() == "compressor=topk memory=residual comm=allgather fusion=groups:8"
+    assert strategy.components.describe() == "compressor=topk memory=residual communicator=allgather fusion=groups:8"
     assert strategy.components.compressor.options["density"] == 0.05
 
 
@@ -256,7 +264,17 @@ def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
 def test_help_lists_the_groups_and_the_config():
     done = _cli(Path("/tmp"), "--help", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    for group in ("compressor:", "memory:", "comm:", "fusion:", "lowrank:", "model:", "data:", "trainer:", "logger:"):
+    for group in (
+        "compressor:",
+        "memory:",
+        "communicator:",
+        "fusion:",
+        "lowrank_model:",
+        "model:",
+        "data:",
+        "trainer:",
+        "logger:",
+    ):
         assert group in done.stdout
     assert "auto, bucket_mb, file, groups, layerwise, single" in done.stdout
 
@@ -268,8 +286,8 @@ def test_cli_powerfish_converts_after_the_warmup_and_checkpoints_the_low_rank_mo
         *QUICK,
         "logger=csv",
         "compressor=powersgd",
-        "lowrank=powerfish",
-        "lowrank.warmup_steps=2",
+        "lowrank_model=powerfish",
+        "lowrank_model.warmup_steps=2",
         f"hydra.run.dir={tmp_path / 'run'}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -302,13 +320,16 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["model=lstm"], "model 'lstm' needs text data"),
         (["fusion=file"], "fusion.path"),
         (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
-        (["lowrank=pufferfish", "lowrank.ratio=1.5"], "ratio = 1.5 is invalid; allowed: a number in (0, 1]"),
         (
-            ["lowrank=pufferfish", "lowrank.warmup_steps=-3"],
-            "lowrank options (lowrank.<name>=...): warmup_steps = -3 is invalid",
+            ["lowrank_model=pufferfish", "lowrank_model.ratio=1.5"],
+            "ratio = 1.5 is invalid; allowed: a number in (0, 1]",
         ),
         (
-            ["lowrank=pufferfish", "lowrank.keep_full_rank=[net.layer9.*]"],
+            ["lowrank_model=pufferfish", "lowrank_model.warmup_steps=-3"],
+            "lowrank_model options (lowrank_model.<name>=...): warmup_steps = -3 is invalid",
+        ),
+        (
+            ["lowrank_model=pufferfish", "lowrank_model.keep_full_rank=[net.layer9.*]"],
             "pattern 'net.layer9.*' matches no factorisable",
         ),
     ],

@@ -28,14 +28,14 @@ def _check_all(rank, world_size, memory):
     rank's decode of its own ``x`` (``x = g``; with residual memory ``x = g + e`` and ``e ← x −
     decode(x)``, tracked here), and the engine's residual against the tracked ``e``."""
     errors = {}
-    for name in sorted(set(COMPRESSORS.names()) - LOWRANK):  # low-rank: tests/test_lowrank.py
+    for name in sorted(set(COMPRESSORS.names()) - LOWRANK):  # low-rank: tests/test_powersgd.py
         torch.manual_seed(7)
         model = SmallCNN()
         c = build_components(name, memory, "auto", "groups:3", **OPTIONS.get(name, {}))
         engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
         # a twin compressor encodes this rank's gradients independently, for the reference
         twin = COMPRESSORS.build(name, **OPTIONS.get(name, {}))
-        twin.world_size, twin.rank = world_size, rank
+        twin.bind(world_size, rank)
         model(torch.randn(2, 3, 8, 8)).sum().backward()  # the first step records the ready order
         if memory == "residual":  # from where the first step left it
             residual = [engine.memory.buffer("residual", b).clone() for b in engine.buckets]
@@ -44,12 +44,12 @@ def _check_all(rank, world_size, memory):
             model.zero_grad(set_to_none=True)
             with engine.no_sync():
                 model(x).square().mean().backward()
-            local = torch.cat([p.grad.reshape(-1) for p in map(engine._param, engine.order)])
+            local = torch.cat([p.grad.reshape(-1) for p in map(engine.parameter, engine.order)])
             model.zero_grad(set_to_none=True)
             state_before = {k: {b: t.clone() for b, t in v.items()} for k, v in engine.compressor.buffers.items()}
             model(x).square().mean().backward()
-            synced = torch.cat([p.grad.reshape(-1) for p in map(engine._param, engine.order)])
-            twin.step = engine.step - 1
+            synced = torch.cat([p.grad.reshape(-1) for p in map(engine.parameter, engine.order)])
+            twin.begin_step(engine.step - 1)
             twin.buffers = {k: {b: t.clone() for b, t in v.items()} for k, v in state_before.items()}
             decodes, offset = [], 0
             for bucket in engine.buckets:

@@ -75,7 +75,7 @@ def _exchange(name: str, device: str, gradients: list[torch.Tensor], step0: int 
     bucket = Bucket(0, [f"t{i}" for i in range(len(SHAPES))], SHAPES, torch.float32, torch.device(device))
     results = []
     for step, g in enumerate(gradients):
-        c.compressor.step = step0 + step
+        c.compressor.begin_step(step0 + step)
         flat = g.to(device)
         compensated = c.memory.compensate(flat, bucket)
         exchange = c.compressor.exchange(compensated, bucket, c.communicator, c.memory.local_form)

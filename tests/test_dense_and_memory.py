@@ -17,7 +17,7 @@ def _bucket(n: int, index: int = 0) -> Bucket:
 def test_cast_average_is_within_its_rounding_bound(name):
     world = 3
     compressor = COMPRESSORS.build(name)
-    compressor.world_size = world
+    compressor.bind(world, 0)
     bucket = _bucket(1001)
     grads = [torch.randn(1001) * 10.0**r for r in range(world)]
     payloads = [compressor.encode(g, bucket) for g in grads]
@@ -38,7 +38,7 @@ def test_cast_average_is_within_its_rounding_bound(name):
 
 def test_fp16_divides_before_casting_so_the_sum_cannot_overflow():
     compressor = COMPRESSORS.build("fp16")
-    compressor.world_size = 2
+    compressor.bind(2, 0)
     bucket = _bucket(4)
     g = torch.full((4,), 60000.0)  # g + g overflows fp16 (max 65504); g/2 + g/2 does not
     summed = compressor.encode(g, bucket)[0] + compressor.encode(g, bucket)[0]
@@ -143,25 +143,25 @@ def test_dgc_memory_masks_the_positions_topk_selected_through_the_exchange():
     and ``v`` are zero there and follow the plain recursion elsewhere, over steps."""
     from compressor_helpers import finish
 
-    from gc_strategy.algos.base import start_exchange
-    from gc_strategy.comm import COMMUNICATORS
+    from gc_strategy.communicators import COMMUNICATORS
 
     n, k = 1000, 10
     bucket = _bucket(n)
     compressor, memory = COMPRESSORS.build("topk", density=k / n), MEMORIES.build("dgc", momentum=0.5)
-    comm = COMMUNICATORS.build("allgather")
-    comm.bind(None)
+    communicator = COMMUNICATORS.build("allgather")
+    communicator.bind(None)
+    handed = []
+    update = memory.update
+    memory.update = lambda compensated, local, b, finite: (handed.append(local), update(compensated, local, b, finite))
     u, v = torch.zeros(n), torch.zeros(n)
     for step in range(3):
         g = torch.randn(n, generator=torch.Generator().manual_seed(step))
         u = 0.5 * u + g
         v = v + u
         selected = torch.topk(v.abs(), k).indices
-        started = start_exchange(compressor, memory, g.clone(), bucket, comm)
-        average, local = finish(started.exchange)
-        assert torch.equal(torch.sort(local).values, torch.sort(selected).values)
+        average, finite = finish(memory.exchange(compressor, g.clone(), bucket, communicator))
+        assert bool(finite) and torch.equal(torch.sort(handed.pop()).values, torch.sort(selected).values)
         torch.testing.assert_close(average[selected], v[selected])
-        memory.update(started.compensated, local, bucket, started.finite)
         u[selected] = 0
         v[selected] = 0
         torch.testing.assert_close(memory.buffer("u", bucket), u)
@@ -199,40 +199,34 @@ def test_dgc_memory_clipping_and_non_finite_guard():
     ],
 )
 def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor(name, memory):
-    """The engine's exchange start hands over the bucket's gradient buffer: the average comes back in
-    it, equal to what the same exchange returns into a tensor of its own (a twin, one process; under
+    """The memory's exchange is handed the bucket's gradient buffer: the average comes back in it,
+    equal to what the same exchange returns into a tensor of its own (a twin, one process; under
     TRITON_INTERPRET=1 efsignsgd takes its fused path and the twin the plain one)."""
     from compressor_helpers import finish
 
     from gc_strategy.algos import COMPRESSORS, MEMORIES
-    from gc_strategy.algos.base import start_exchange
     from gc_strategy.bucket import Bucket
-    from gc_strategy.comm import COMMUNICATORS
+    from gc_strategy.communicators import COMMUNICATORS
 
     shapes = [torch.Size([12, 10]), torch.Size([7]), torch.Size([5, 4])]
     b = Bucket(0, ["a", "b", "c"], shapes, torch.float32, torch.device("cpu"))
     options = {"powersgd": dict(rank=2, start_iter=0), "acpsgd": dict(rank=2, start_iter=0)}.get(name, {})
     compressor, twin = COMPRESSORS.build(name, **options), COMPRESSORS.build(name, **options)
-    comm = COMMUNICATORS.build("allreduce" if compressor.summable else "allgather")
-    comm.bind(None)
+    communicator = COMMUNICATORS.build("allreduce" if compressor.summable else "allgather")
+    communicator.bind(None)
     memories = MEMORIES.build(memory), MEMORIES.build(memory)
     for step in range(3):
         g = torch.randn(b.numel, generator=torch.Generator().manual_seed(step))
-        compressor.step = twin.step = step
+        compressor.begin_step(step)
+        twin.begin_step(step)
         buffer = g.clone()
-        started = start_exchange(compressor, memories[0], buffer, b, comm)
-        average, local = finish(started.exchange)
+        average, _ = finish(memories[0].exchange(compressor, buffer, b, communicator))
         twin_compensated = memories[1].compensate(g.clone(), b)
-        expected, twin_local = finish(twin.exchange(twin_compensated, b, comm, memories[1].local_form))
+        expected, twin_local = finish(twin.exchange(twin_compensated, b, communicator, memories[1].local_form))
+        memories[1].update(twin_compensated, twin_local, b, torch.tensor(True))
         assert average is buffer
         # equal; to fp32 rounding where Triton's fused sign path (atomic sums) meets the twin's torch path
         torch.testing.assert_close(average, expected.float(), rtol=1e-6, atol=0)
-        for mem, compensated, estimate in (
-            (memories[0], started.compensated, local),
-            (memories[1], twin_compensated, twin_local),
-        ):
-            if compensated is not None:
-                mem.update(compensated, estimate, b, torch.tensor(True))
 
 
 def test_the_local_estimate_is_copied_only_where_it_shares_memory_with_the_payload():

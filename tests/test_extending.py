@@ -32,7 +32,7 @@ def test_the_examples_run_and_behave_as_described():
     assert float((decoded - g).abs().max()) <= scale / 2 * (1 + 1e-5)  # round to the nearest level
     assert ex["HalvesPlan"]().plan([4, 4, 4, 4]) == [2, 2] and ex["HalvesPlan"]().plan([10, 1, 1]) == [1, 2]
     with pytest.raises(ValueError, match="sums payloads element-wise"):
-        ex["GCFusedStrategy"](compressor=compressor, comm=ex["FlatAllReduce"]())
+        ex["GCFusedStrategy"](compressor=compressor, communicator=ex["FlatAllReduce"]())
 
 
 def _train_with_examples(rank, world_size):
@@ -43,7 +43,7 @@ def _train_with_examples(rank, world_size):
             "int8",
             dict(compressor=ex["Int8Linear"](levels=127), memory=ex["ClippedResidual"](max_norm=1.0), fusion="single"),
         ),
-        ("flat", dict(compressor="none", comm=ex["FlatAllReduce"](), fusion=ex["HalvesPlan"]())),
+        ("flat", dict(compressor="none", communicator=ex["FlatAllReduce"](), fusion=ex["HalvesPlan"]())),
     ):
         torch.manual_seed(0)
         model, twin = SmallCNN(), SmallCNN()

@@ -14,7 +14,7 @@ from gc_strategy import GCFusedStrategy, build_components
             "unknown compressor 'topkk'; valid names: " + ", ".join(gc_strategy.COMPRESSORS.names()),
         ),
         (dict(memory="residul"), "unknown memory 'residul'; valid names: " + ", ".join(gc_strategy.MEMORIES.names())),
-        (dict(comm="broadcast"), "unknown communicator 'broadcast'; valid names: allgather, allreduce"),
+        (dict(communicator="broadcast"), "unknown communicator 'broadcast'; valid names: allgather, allreduce"),
         (
             dict(memory="residual", beta=1.5),
             "memory 'residual': option 'beta' = 1.5 is invalid; allowed: a number in [0, 1]",
@@ -43,8 +43,10 @@ def test_incompatible_communicator_is_refused():
         summable = False
         name = "unsummable"
 
-    with pytest.raises(ValueError, match="comm 'allreduce' sums payloads element-wise, but compressor 'unsummable'"):
-        build_components(compressor=Unsummable(), comm="allreduce")
+    with pytest.raises(
+        ValueError, match="communicator 'allreduce' sums payloads element-wise, but compressor 'unsummable'"
+    ):
+        build_components(compressor=Unsummable(), communicator="allreduce")
     assert build_components(compressor=Unsummable()).communicator.name == "allgather"
 
 
@@ -67,8 +69,8 @@ def test_a_second_error_feedback_loop_is_refused(compressor, memory):
 def test_auto_communicator_and_option_routing():
     components = build_components(compressor="fp16", memory="residual", beta=0.5, fusion="groups:3")
     assert components.communicator.name == "allreduce"
-    assert components.memory.beta == 0.5 and components.memory.gamma == 1.0
-    assert components.describe() == "compressor=fp16 memory=residual comm=allreduce fusion=groups:3"
+    assert components.memory.options == {"beta": 0.5, "gamma": 1.0}
+    assert components.describe() == "compressor=fp16 memory=residual communicator=allreduce fusion=groups:3"
 
 
 def test_log_every_n_steps_is_checked():

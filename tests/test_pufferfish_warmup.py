@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ParityModule, fit, flat_params
 
 from gc_strategy import GCFusedStrategy
-from gc_strategy.lowrank_models import LowRankConv2d, PufferfishWarmup, enable_factorized_loading
+from gc_strategy.pufferfish import LowRankConv2d, PufferfishWarmup, enable_factorized_loading
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ def _mean_of_decodes(name, g, trials, **options):
     compressor = build(name, **options)
     total = torch.zeros_like(g)
     for step in range(trials):
-        compressor.step = step
+        compressor.begin_step(step)
         total += roundtrip(compressor, g)
     return total / trials
 
@@ -98,7 +98,7 @@ def _relative_squared_error(name, g, sizes, trials=200, **options):
     compressor = build(name, **options)
     total = 0.0
     for step in range(trials):
-        compressor.step = step
+        compressor.begin_step(step)
         total += float((compressor.decode(compressor.encode(g, b), b) - g).square().sum())
     return total / trials / float(g.square().sum())
 

@@ -72,7 +72,7 @@ def test_adaptive_stages_are_per_bucket_and_bounded():
     compressor.stage_counts["p1"] = 1
     b_light, b_heavy = bucket(100_000, 0), bucket(100_000, 1)
     for step in range(12):
-        compressor.step = step
+        compressor.begin_step(step)
         compressor.encode(light, b_light)
         _, selected = compressor.encode(heavy, b_heavy)
     counts = compressor.extra_state()["stage_counts"]

@@ -54,7 +54,7 @@ def test_dgc_density_warm_up_is_exponential_from_25_percent():
     compressor = build("dgc", density=0.01, warmup_steps=4)
     densities = []
     for step in range(6):
-        compressor.step = step
+        compressor.begin_step(step)
         densities.append(compressor.density_now())
     expected = [0.25 * (0.01 / 0.25) ** (s / 4) for s in range(4)] + [0.01, 0.01]
     assert densities == pytest.approx(expected)
@@ -67,7 +67,7 @@ def test_randk_draws_the_same_positions_on_every_rank_and_new_ones_each_step():
     assert torch.equal(
         a.decode(a.encode(g, bucket(1000)), bucket(1000)) != 0, b.decode(b.encode(g, bucket(1000)), bucket(1000)) != 0
     )
-    b.step = 1
+    b.begin_step(1)
     assert not torch.equal(roundtrip(a, g) != 0, roundtrip(b, g) != 0)
     assert a.encode(g, bucket(1000))[0].numel() == 50  # values only on the wire
 
@@ -94,7 +94,7 @@ def test_randk_draws_each_buckets_positions_once_per_step_with_several_buckets_i
     for g, d in zip(grads, decoded):
         assert int((d != 0).sum()) == _k(0.05, g.numel())
         assert torch.equal(d, torch.where(d != 0, g, 0.0))
-    compressor.step = 1
+    compressor.begin_step(1)
     compressor.encode(grads[0], buckets[0])
     assert _bucket_draws(drawn) == [1000, 3000, 1000]
 
@@ -105,7 +105,7 @@ def test_randk_with_scaling_is_unbiased():
     trials = 4000
     total = torch.zeros(40)
     for step in range(trials):
-        compressor.step = step
+        compressor.begin_step(step)
         total += roundtrip(compressor, g)
     mean = total / trials
     # per element the estimate is (n/k) g with probability k/n, else 0: variance g² (n/k - 1)
@@ -176,29 +176,28 @@ def test_sample_without_replacement_above_the_permutation_size_is_sorted_and_uni
 
 @pytest.mark.parametrize("name", ["topk", "randk", "dgc"])
 def test_fused_residual_exchange_matches_plain_error_feedback_and_writes_into_the_gradient_buffer(name):
-    """Three steps of the engine's exchange start with residual memory (the fused positional path),
-    one process: the average is the decode of ``x = g + e`` (written into the gradient buffer that
-    was passed in), ``e ← x − decode(x)``; a step with an inf leaves ``e`` as it was."""
+    """Three steps of the residual memory's exchange (the fused positional path), one process: the
+    average is the decode of ``x = g + e`` (written into the gradient buffer that was passed in),
+    ``e ← x − decode(x)``; a step with an inf leaves ``e`` as it was."""
     from gc_strategy.algos import MEMORIES
-    from gc_strategy.algos.base import start_exchange
-    from gc_strategy.comm import COMMUNICATORS
+    from gc_strategy.communicators import COMMUNICATORS
 
     n = 5_000
     b = bucket(n)
     compressor, twin = build(name, density=0.05), build(name, density=0.05)
     memory = MEMORIES.build("residual")
-    comm = COMMUNICATORS.build("allreduce" if compressor.summable else "allgather")
-    comm.bind(None)
+    memory.compensated_exchange = None  # the fused path must not fall back to the separate passes
+    communicator = COMMUNICATORS.build("allreduce" if compressor.summable else "allgather")
+    communicator.bind(None)
     e = torch.zeros(n)
     for step in range(4):
         g = torch.randn(n, generator=torch.Generator().manual_seed(step))
         if step == 2:
             g[17] = float("inf")
-        compressor.step = twin.step = step
+        compressor.begin_step(step)
+        twin.begin_step(step)
         buffer = g.clone()
-        started = start_exchange(compressor, memory, buffer, b, comm)
-        assert started.compensated is None  # the fused path
-        average, _ = finish(started.exchange)
+        average, _ = finish(memory.exchange(compressor, buffer, b, communicator))
         x = g + e
         expected = twin.decode(twin.encode(x.clone(), b), b)
         assert average is buffer

@@ -196,11 +196,11 @@ def test_sign_encode_equals_pack_decode_and_residual_update(kernels, name):
 
 @pytest.mark.parametrize("name", ["onebit", "efsignsgd"])
 def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
-    """Three steps of the engine's exchange start (compensate, exchange, update) with the fused path
-    and with it switched off: the same averages and residuals, to fp32 rounding of the sums."""
+    """Three steps of the residual memory's exchange with the compressor's fused kernel and with it
+    switched off (compensate, exchange, update): the same averages and residuals, to fp32 rounding
+    of the sums."""
     from gc_strategy.algos import COMPRESSORS, MEMORIES
-    from gc_strategy.algos.base import start_exchange
-    from gc_strategy.comm import COMMUNICATORS
+    from gc_strategy.communicators import COMMUNICATORS
 
     bucket = _sign_bucket(kernels.device)
     gradients = [
@@ -209,16 +209,24 @@ def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
     runs = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(type(COMPRESSORS.build(name)), "fused_exchange", lambda self, *args: None)
-        compressor, memory, comm = COMPRESSORS.build(name), MEMORIES.build("residual"), COMMUNICATORS.build("allgather")
-        comm.bind(None)
+            monkeypatch.setattr(type(COMPRESSORS.build(name)), "encode_with_residual", lambda self, *args: None)
+        compressor, memory, communicator = (
+            COMPRESSORS.build(name),
+            MEMORIES.build("residual"),
+            COMMUNICATORS.build("allgather"),
+        )
+        communicator.bind(None)
         runs[fused] = []
+        separate, passes = memory.compensated_exchange, []
+
+        def counted(*args, separate=separate, passes=passes):
+            passes.append(1)
+            return (yield from separate(*args))
+
+        memory.compensated_exchange = counted
         for grad in gradients:
-            started = start_exchange(compressor, memory, grad.clone(), bucket, comm)
-            assert (started.compensated is None) is fused
-            average, local = finish(started.exchange)
-            if started.compensated is not None:
-                memory.update(started.compensated, local, bucket, started.finite)
+            average, _ = finish(memory.exchange(compressor, grad.clone(), bucket, communicator))
+            assert bool(passes) is not fused
             runs[fused].append((average.cpu(), memory.buffer("residual", bucket).cpu().clone()))
     for (a, e), (b, f) in zip(runs[True], runs[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -240,7 +248,7 @@ def test_qsgd_codes_round_to_a_neighbouring_level_without_bias(kernels, levels):
     scaled = (g.cpu().abs() * levels / norms.repeat_interleave(1000)[: g.numel()]).double()
     draws = []
     for step in range(200):
-        compressor.step = step
+        compressor.begin_step(step)
         payload = compressor.encode(g, bucket)
         torch.testing.assert_close(payload[0].cpu(), norms)
         decoded = compressor.decode(payload, bucket).cpu().double()
@@ -272,7 +280,7 @@ def test_terngrad_codes_are_ternary_draws_of_the_clipped_gradient(kernels, clip_
     expected = torch.stack([piece.abs().max() for piece in clipped.split(size)])
     draws = []
     for step in range(200):
-        compressor.step = step
+        compressor.begin_step(step)
         payload = compressor.encode(g, bucket)
         scales = payload[0].cpu().double()
         torch.testing.assert_close(scales, expected, rtol=1e-6, atol=0)
@@ -299,7 +307,7 @@ def test_mean_of_levels_equals_the_mean_of_the_decodes(kernels, name, options, r
     g = torch.Generator().manual_seed(ranks)
     gathered = []
     for rank in range(ranks):
-        compressor.rank = rank
+        compressor.bind(compressor.world_size, rank)
         gathered.append(compressor.encode(torch.randn(bucket.numel, generator=g).to(kernels.device), bucket))
     expected = compressor.decode(gathered[0], bucket).clone()
     for payload in gathered[1:]:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket
-from ..comm import Payload
+from ..communicators import Payload
 from .base import COMPRESSORS, Compressor, stored_in
 
 

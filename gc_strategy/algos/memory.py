@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..bucket import Bucket, assign_if_finite, finite_on_host
+from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
+from ..communicators import Communicator, Exchange
 from ..registry import Option
-from .base import MEMORIES, Memory, zero_at
+from .base import MEMORIES, Compressor, Memory, zero_at
 
 
 def compensated_from(
@@ -60,19 +61,25 @@ class ResidualMemory(Memory):
         "gamma": Option(1.0, float, low=0.0, low_open=True, help="weight of the new gradient g"),
     }
 
-    def __init__(self, beta: float, gamma: float) -> None:
-        super().__init__(beta=beta, gamma=gamma)
-        self.beta = beta
-        self.gamma = gamma
-
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
-        return compensated_from(self.buffer("residual", bucket), grad, finite, self.beta, self.gamma)
+        beta, gamma = self.options["beta"], self.options["gamma"]
+        return compensated_from(self.buffer("residual", bucket), grad, finite, beta, gamma)
 
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:
         keep_difference(self.buffer("residual", bucket), compensated, local, finite)
 
-    def fusable_residual(self, bucket: Bucket) -> Tensor | None:
-        return self.buffer("residual", bucket) if self.beta == 1 and self.gamma == 1 else None
+    def exchange(self, compressor: Compressor, grad: Tensor, bucket: Bucket, communicator: Communicator) -> Exchange:
+        """With ``β = γ = 1`` (``x = g + e``, ``e ← x − decode``) the compressor's fused kernel
+        (:meth:`~gc_strategy.algos.base.Compressor.encode_with_residual`) forms the payload and
+        updates ``e`` in its own passes, where it has one; otherwise compensate, exchange, update."""
+        finite = all_finite(grad)
+        plain = self.options["beta"] == 1 and self.options["gamma"] == 1
+        residual = self.buffer("residual", bucket)
+        payload = compressor.encode_with_residual(grad, residual, finite, bucket) if plain else None
+        if payload is None:
+            return (yield from self.compensated_exchange(compressor, grad, bucket, communicator, finite))
+        received = yield from communicator.exchange(payload, compressor.variable_size)
+        return compressor.combine(received, bucket, communicator, out=grad), finite
 
 
 @MEMORIES.register("dgc")
@@ -96,23 +103,21 @@ class DGCMemory(Memory):
     applies_momentum = True
     local_form = "positions"
 
-    def __init__(self, momentum: float, clip_norm: float) -> None:
-        super().__init__(momentum=momentum, clip_norm=clip_norm)
-        self.momentum = momentum
-        self.clip_norm = clip_norm
+    def __init__(self, **options: float) -> None:
+        super().__init__(**options)
         self._pending_u: dict[int, Tensor] = {}
 
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
         """``v + u`` for the updated ``u``: formed in ``u`` and ``v`` themselves where the bucket is
         known on the host to be finite (the CPU: no new bucket-sized tensors), else in new ones."""
-        g = grad.float()
-        if self.clip_norm > 0:
-            g = g * (self.clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
+        g, clip_norm, momentum = grad.float(), self.options["clip_norm"], self.options["momentum"]
+        if clip_norm > 0:
+            g = g * (clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
         if finite is not None and finite_on_host(finite):
-            torch.add(g, u, alpha=self.momentum, out=u)  # g + m·u in one pass
+            torch.add(g, u, alpha=momentum, out=u)  # g + m·u in one pass
             return v.add_(u)
-        u = torch.add(g, u, alpha=self.momentum)
+        u = torch.add(g, u, alpha=momentum)
         self._pending_u[bucket.index] = u
         return v + u
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket
-from ..comm import Payload
+from ..communicators import Payload
 from ..registry import Option
 from . import triton_bits
 from .base import COMPRESSORS, Compressor, stored_in

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
-from ..comm import Exchange, Payload
+from ..communicators import Payload
 from ..registry import Option
 from . import triton_bits
 from .base import COMPRESSORS, Compressor, stored_in
@@ -59,7 +59,7 @@ class _SignBits(Compressor):
 class _ScaledSigns(_SignBits):
     """Averages the scaled decodes of all ranks. The per-tensor levels come from per-tensor sums of
     the input. On CUDA with Triton: with residual error feedback, the encode and the residual
-    update run in two passes over ``g`` and ``e`` (:meth:`fused_exchange`), and the aggregate in one
+    update run in two passes over ``g`` and ``e`` (:meth:`encode_with_residual`), and the aggregate in one
     pass over the gathered bits (:func:`~gc_strategy.algos.triton_bits.mean_of_signs`)."""
 
     #: the sums the levels come from: ``Σ|x|`` (False) or ``Σ x·[x≥0], #[x≥0], Σ x·[x<0]`` (True)
@@ -80,17 +80,12 @@ class _ScaledSigns(_SignBits):
     def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
         return self.levels_from_sums(self.sums(g, bucket), bucket)
 
-    def fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange | None:
+    def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload | None:
         if not triton_bits.usable(grad):
             return None
-        return self._fused_exchange(grad, residual, finite, bucket, comm)
-
-    def _fused_exchange(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm) -> Exchange:
         boundaries = bucket.boundaries(grad.device)
         levels = self.levels_from_sums(triton_bits.sign_sums(grad, residual, boundaries, self.split_sums), bucket)
-        bits = triton_bits.sign_encode(grad, residual, finite, *self.level_pair(levels), boundaries)
-        received = yield from comm.exchange([levels, bits], self.variable_size)
-        return self.combine(received, bucket, comm, out=grad), None
+        return [levels, triton_bits.sign_encode(grad, residual, finite, *self.level_pair(levels), boundaries)]
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         if not triton_bits.usable(gathered[0][-1]):

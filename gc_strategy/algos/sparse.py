@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket, assign_if_finite, finite_on_host
-from ..comm import Communicator, Exchange, Payload
+from ..communicators import Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
 from .selection import at_least, top_k
@@ -55,15 +55,13 @@ class _Positional(Compressor):
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket), out=scratch)
 
-    def fused_exchange(
-        self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, comm: Communicator
-    ) -> Exchange:
+    def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload:
         """Residual error feedback without a dense decode: ``x = g + e`` is encoded, then ``e ← x``
         except at the sent positions, where ``e ← x − sent`` (0 where the values travel exactly);
-        ``e`` is left as it was when the bucket is not finite. No new bucket-sized tensor: the
-        average is scattered into the gradient buffer. Where the flag is known on the host to be
-        True (CPU) ``x`` is formed in ``e`` itself, one dense pass (``e += g``); otherwise in the
-        gradient buffer when it is fp32, then copied to ``e`` if finite (two passes)."""
+        ``e`` is left as it was when the bucket is not finite. No new bucket-sized tensor. Where the
+        flag is known on the host to be True (CPU) ``x`` is formed in ``e`` itself, one dense pass
+        (``e += g``); otherwise in the gradient buffer when it is fp32, then copied to ``e`` if
+        finite (two passes)."""
         if finite_on_host(finite):
             x = residual.add_(grad)
         else:
@@ -74,8 +72,7 @@ class _Positional(Compressor):
         if x is not residual:
             assign_if_finite(residual, x, finite)
         residual.scatter_(0, positions, at_positions)
-        received = yield from comm.exchange(payload, self.variable_size)
-        return self.combine(received, bucket, comm, out=grad), None
+        return payload
 
 
 class Sparsifier(_Positional):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 from itertools import accumulate
+from typing import Any
 
 FUSION_FORMS = (
     "'layerwise', 'single', 'groups:N' (N >= 1 integer), 'bucket_mb:X' (X > 0 megabytes), "
@@ -133,9 +134,28 @@ class AutoPlan(FusionPlanner):
         return "auto" if self.profile_steps == 5 else f"auto:{self.profile_steps}"
 
 
+def write_plan_file(
+    path: str, order: list[str], numels: list[int], groups: list[int], chosen_by: str, report: Any = None
+) -> None:
+    """Write a plan as :class:`FilePlan` reads it (JSON): the gradient-ready order of the
+    parameters, their element counts, the number of tensors in each bucket, which planner chose it
+    and, for ``fusion=auto``, its report."""
+    plan = {
+        "format": PLAN_FILE_FORMAT,
+        "order": order,
+        "numels": numels,
+        "groups": groups,
+        "chosen_by": chosen_by,
+        "report": report,
+    }
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+
+
 class FilePlan(FusionPlanner):
-    """A plan exported earlier (``GradientSynchronizer.export_plan``): the gradient-ready order of the
-    parameters and the number of tensors in each bucket. It must describe this model exactly."""
+    """A plan written by :func:`write_plan_file` (``GradientSynchronizer.export_plan``): the
+    gradient-ready order of the parameters and the number of tensors in each bucket. It must
+    describe this model exactly."""
 
     def __init__(self, path: str) -> None:
         self.path = path

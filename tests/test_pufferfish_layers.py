@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from gc_strategy.lowrank_models import (
+from gc_strategy.pufferfish import (
     LowRankConv2d,
     LowRankLinear,
     LowRankLSTM,

@@ -66,6 +66,59 @@ class Round:
 
 Exchange = Generator[Round, Any, Any]
 
+
+class RunningExchange:
+    """One exchange driven round by round: the engine and the fusion profiler both run exchanges
+    through it. Starting runs the generator to its first round; :meth:`advance` waits for the
+    current round and runs the generator to the next one (or to its end, when ``result`` holds what
+    it returned). The host time of each part is kept: ``encode_s`` up to the first round,
+    ``between_s`` between rounds, ``wait_s`` waiting for rounds, ``decode_s`` after the last; and
+    what the rounds sent. ``clock`` reads the time (one that synchronises a device measures its work
+    too)."""
+
+    def __init__(self, exchange: Exchange, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.exchange = exchange
+        self.clock = clock
+        self.result: Any = None
+        self.between_s = self.wait_s = self.decode_s = self.collective_s = 0.0
+        self.sent_bytes = self.collectives = 0
+        start = clock()
+        self.round: Round | None = next(exchange)
+        self.encode_s = clock() - start
+
+    @property
+    def done(self) -> bool:
+        return self.round is None
+
+    @property
+    def host_s(self) -> float:
+        """All host time spent on this exchange so far."""
+        return self.encode_s + self.between_s + self.wait_s + self.decode_s
+
+    def advance(self) -> None:
+        """Wait for the current round and run the generator to its next round, or to its end."""
+        current = self.round
+        start = self.clock()
+        value = current.wait()
+        resumed = self.clock()
+        self.wait_s += resumed - start
+        self.collective_s += current.duration
+        self.sent_bytes += current.nbytes
+        self.collectives += len(current.works)
+        try:
+            self.round = self.exchange.send(value)
+            self.between_s += self.clock() - resumed
+        except StopIteration as stop:
+            self.round, self.result = None, stop.value
+            self.decode_s += self.clock() - resumed
+
+    def finish(self) -> Any:
+        """Advance to the end; the exchange's result."""
+        while self.round is not None:
+            self.advance()
+        return self.result
+
+
 COMMUNICATORS: Registry[Communicator] = Registry("communicator")
 
 

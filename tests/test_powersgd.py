@@ -9,7 +9,7 @@ from distributed import run_ranks
 from torch import nn
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
-from gc_strategy.algos.lowrank import orthogonalize
+from gc_strategy.algos.powersgd import orthogonalize
 from gc_strategy.bucket import Bucket
 
 
@@ -25,11 +25,11 @@ def _matrix_bucket(*shapes, index=0):
 
 def _single_rank_exchange(compressor, flat, bucket):
     """Drive a compressor's exchange on one process (the communicator sums over one rank)."""
-    from gc_strategy.comm import AllReduce
+    from gc_strategy.communicators import AllReduce
 
-    comm = AllReduce()
-    comm.bind(None)
-    return finish(compressor.exchange(flat, bucket, comm, local_form="estimate"))
+    communicator = AllReduce()
+    communicator.bind(None)
+    return finish(compressor.exchange(flat, bucket, communicator, local_form="estimate"))
 
 
 @pytest.mark.parametrize("true_rank, rank", [(1, 1), (2, 4), (3, 3)])
@@ -55,7 +55,7 @@ def test_error_feedback_makes_the_running_sums_track(name):
     sent_sum = torch.zeros(bucket.numel)
     relative = {}
     for step in range(400):
-        compressor.step = step
+        compressor.begin_step(step)
         g = base + 0.3 * torch.randn(bucket.numel, generator=gen)
         average, _ = _single_rank_exchange(compressor, g, bucket)
         true_sum += g
@@ -100,9 +100,9 @@ def test_bad_options_are_refused(name, kwargs, message):
         GCFusedStrategy(compressor=name, **kwargs)
 
 
-def test_lowrank_needs_allreduce():
-    with pytest.raises(ValueError, match="needs comm='allreduce'"):
-        GCFusedStrategy(compressor="powersgd", comm="allgather")
+def test_powersgd_needs_allreduce():
+    with pytest.raises(ValueError, match="needs communicator='allreduce'"):
+        GCFusedStrategy(compressor="powersgd", communicator="allgather")
 
 
 def _mlp():
@@ -211,7 +211,7 @@ def test_dense_parts_are_exact_and_a_non_finite_bucket_leaves_error_and_factors_
     compressor = build(name, rank=2, start_iter=0)
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
-        compressor.step = step
+        compressor.begin_step(step)
         g = torch.randn(bucket.numel, generator=generator)
         average, _ = _single_rank_exchange(compressor, g.clone(), bucket)
         assert torch.equal(average[192:], g[192:])
@@ -220,7 +220,7 @@ def test_dense_parts_are_exact_and_a_non_finite_bucket_leaves_error_and_factors_
     assert error.abs().sum() > 0 and factors  # powersgd keeps Q, acpsgd P and Q
     poisoned = torch.randn(bucket.numel, generator=generator)
     poisoned[7] = float("inf")
-    compressor.step = 3
+    compressor.begin_step(3)
     _single_rank_exchange(compressor, poisoned, bucket)
     assert torch.equal(compressor.buffer("error", bucket), error)
     assert all(torch.equal(compressor._batches[key], batch) for key, batch in factors.items())
@@ -228,7 +228,7 @@ def test_dense_parts_are_exact_and_a_non_finite_bucket_leaves_error_and_factors_
 
 def test_acpsgd_alternates_p_and_q_steps():
     """Odd compressed steps send P ([30, 2]: 60 values), even ones Q ([20, 2]: 40), one round each."""
-    from gc_strategy.comm import AllReduce
+    from gc_strategy.communicators import AllReduce
 
     sizes = []
 
@@ -237,13 +237,13 @@ def test_acpsgd_alternates_p_and_q_steps():
             sizes.append([t.numel() for t in payload])
             return (yield from super().exchange(payload, variable_size, eager))
 
-    comm = Recording()
-    comm.bind(None)
+    communicator = Recording()
+    communicator.bind(None)
     bucket = _matrix_bucket((30, 20))
     compressor = build("acpsgd", rank=2, start_iter=3)
     for step in range(1, 9):
-        compressor.step = step
-        exchange = compressor.exchange(torch.randn(600), bucket, comm, local_form=None)
+        compressor.begin_step(step)
+        exchange = compressor.exchange(torch.randn(600), bucket, communicator, local_form=None)
         round_ = next(exchange)
         with pytest.raises(StopIteration):
             exchange.send(round_.wait())
@@ -264,7 +264,7 @@ def test_batched_same_shape_matrices_give_the_per_matrix_results(name, monkeypat
         assert len(compressor.layout(bucket).groups) == (2 if batched else 5)
         results[batched] = []
         for step, flat in enumerate(steps):
-            compressor.step = step
+            compressor.begin_step(step)
             average, local = _single_rank_exchange(compressor, flat, bucket)
             results[batched].append((average, local, compressor.buffer("error", bucket).clone()))
     for unbatched, batched in zip(results[False], results[True]):
@@ -281,7 +281,7 @@ def test_without_warm_start_each_step_draws_a_fresh_q():
     compressor = build("powersgd", rank=2, start_iter=0, use_error_feedback=False, warm_start=False)
     results = []
     for step in range(2):
-        compressor.step = step
+        compressor.begin_step(step)
         q = compressor.initial_factor("q", "w0", 30, 2).double()
         p, _ = torch.linalg.qr(matrix.double() @ torch.linalg.qr(q)[0])
         expected = p @ p.T @ matrix.double()
@@ -297,15 +297,15 @@ def _fresh_q_on_two_ranks(rank, world_size):
     compressor = build(
         "powersgd", world_size=2, process_rank=rank, rank=2, start_iter=0, use_error_feedback=False, warm_start=False
     )
-    from gc_strategy.comm import AllReduce
+    from gc_strategy.communicators import AllReduce
 
-    comm = AllReduce()
-    comm.bind(None)
+    communicator = AllReduce()
+    communicator.bind(None)
     out = []
     for step in range(2):
-        compressor.step = step
+        compressor.begin_step(step)
         g = torch.randn(240, generator=torch.Generator().manual_seed(10 * rank + step))
-        average, _ = finish(compressor.exchange(g, bucket, comm, local_form="estimate"))
+        average, _ = finish(compressor.exchange(g, bucket, communicator, local_form="estimate"))
         out.append((compressor.initial_factor("q", "w0", 12, 2), average.clone()))
     return out
 
@@ -320,15 +320,15 @@ def test_without_warm_start_the_ranks_draw_the_same_fresh_q():
 
 @pytest.mark.parametrize("kind", ["p", "q"])
 def test_both_forms_of_the_factor_products_agree_and_the_cpu_keeps_its_faster_one(kind):
-    from gc_strategy.algos import lowrank
+    from gc_strategy.algos import powersgd
 
     g = torch.Generator().manual_seed(0)
     m = torch.randn(3, 40, 70, generator=g, dtype=torch.float64)
     factor = torch.randn(3, 70 if kind == "p" else 40, 4, generator=g, dtype=torch.float64)
     expected = m @ factor if kind == "p" else m.transpose(1, 2) @ factor
     for factor_first in (False, True):
-        torch.testing.assert_close(lowrank.product(kind, m, factor, factor_first), expected)
+        torch.testing.assert_close(powersgd.product(kind, m, factor, factor_first), expected)
     key = (kind, (3, 40, 70), 4)
-    lowrank._FACTOR_FIRST.pop(key, None)
-    torch.testing.assert_close(lowrank.product(kind, m, factor), expected)
-    assert key in lowrank._FACTOR_FIRST  # timed once, then kept
+    powersgd._FACTOR_FIRST.pop(key, None)
+    torch.testing.assert_close(powersgd.product(kind, m, factor), expected)
+    assert key in powersgd._FACTOR_FIRST  # timed once, then kept

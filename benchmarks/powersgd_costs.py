@@ -5,7 +5,7 @@ the compression cost alone) on torchvision ResNet-18 with the CIFAR stem (3x3 co
 ResNet-50, fused in 25 MB buckets, for ranks 1, 2, 4, 8. Reports medians over the measured steps
 (``--steps``) after ``start_iter`` and one warm-up step.
 
-    python benchmarks/lowrank_costs.py --steps 10
+    python benchmarks/powersgd_costs.py --steps 10
 """
 
 from __future__ import annotations

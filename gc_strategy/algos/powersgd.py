@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..bucket import Bucket, all_finite, assign_if_finite
-from ..comm import Communicator, Exchange
+from ..communicators import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor, LocalForm, local_in_form
 from .memory import compensated_from, keep_difference
@@ -141,6 +141,7 @@ class _LowRank(Compressor):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
+        self.keeps_error_feedback = options["use_error_feedback"]
         self._batches: dict[tuple[str, tuple[str, ...]], Tensor] = {}  # (kind, bucket names) -> padded factors
         self._restored: dict[str, dict[str, Tensor]] = {"p": {}, "q": {}}  # from a checkpoint, by parameter
         self._layouts: dict[tuple[str, ...], _Layout] = {}
@@ -226,7 +227,8 @@ class _LowRank(Compressor):
         return self._batches[key]
 
     def _warm_start(self) -> bool:
-        return self.options.get("warm_start", True)
+        """Whether last step's factors start this step's power iteration (PowerSGD's option)."""
+        return True
 
     def keep_factors(self, kind: str, bucket: Bucket, batch: Tensor, finite: Tensor) -> None:
         """Store the factors for the next step (not from a bucket holding inf/NaN; without
@@ -245,9 +247,6 @@ class _LowRank(Compressor):
                 for slot, m in enumerate(layout.matrices):
                     out[m.name] = batch[slot, : m.rows if kind == "p" else m.cols, : m.rank]
         return out
-
-    def keeps_error_feedback(self) -> bool:
-        return self.options["use_error_feedback"]
 
     # ---------------------------------------------------------------- shared pieces
     def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
@@ -297,11 +296,11 @@ class _LowRank(Compressor):
         keep_difference(error, m_flat, approximation, finite)
         error[self.layout(bucket).dense] = 0
 
-    def _dense_exchange(self, flat: Tensor, comm: Communicator, local_form: LocalForm) -> Exchange:
+    def _dense_exchange(self, flat: Tensor, communicator: Communicator, local_form: LocalForm) -> Exchange:
         """Plain allreduce of the whole bucket (before ``start_iter``, or nothing to compress)."""
         local = flat.float()
-        (summed,) = yield from comm.exchange([local.clone()], False)
-        return summed.div_(comm.world_size), local_in_form(local, local_form)
+        (summed,) = yield from communicator.exchange([local.clone()], False)
+        return summed.div_(communicator.world_size), local_in_form(local, local_form)
 
     def extra_state(self) -> dict[str, Any]:
         return {
@@ -344,12 +343,15 @@ class PowerSGD(_LowRank):
 
     OPTIONS = {**LOWRANK_OPTIONS, "warm_start": Option(True, bool)}
 
+    def _warm_start(self) -> bool:
+        return self.options["warm_start"]
+
     def exchange(
-        self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm, out: Tensor | None = None
+        self, flat: Tensor, bucket: Bucket, communicator: Communicator, local_form: LocalForm, out: Tensor | None = None
     ) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
-            return (yield from self._dense_exchange(flat, comm, local_form))
+            return (yield from self._dense_exchange(flat, communicator, local_form))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket, finite)
@@ -357,12 +359,12 @@ class PowerSGD(_LowRank):
         q = orthogonalize(self.factor_batch("q", bucket, flat.device).clone(), eps)
         p_flat = self._products("p", mats, layout, q)
         # eager: the engine advances it during backward (a later bucket's launch), so Q goes out early
-        (summed,) = yield from comm.exchange([torch.cat([p_flat, m_flat[layout.dense]])], False, eager=True)
+        (summed,) = yield from communicator.exchange([torch.cat([p_flat, m_flat[layout.dense]])], False, eager=True)
         p = orthogonalize(self._padded("p", layout, summed[: p_flat.numel()]), eps)
-        (summed_q,) = yield from comm.exchange([self._products("q", mats, layout, p)], False)
-        q = self._padded("q", layout, summed_q.div_(comm.world_size))
+        (summed_q,) = yield from communicator.exchange([self._products("q", mats, layout, p)], False)
+        q = self._padded("q", layout, summed_q.div_(communicator.world_size))
         result = _result_buffer(m_flat, out)  # every element is written: the dense part, then each matrix
-        result[layout.dense] = summed[p_flat.numel() :] / comm.world_size
+        result[layout.dense] = summed[p_flat.numel() :] / communicator.world_size
         self._write_products(result, layout, p, q)
         self.keep_factors("q", bucket, q, finite)
         self._keep_error(m_flat, result, bucket, finite)
@@ -391,11 +393,11 @@ class ACPSGD(_LowRank):
         return (self.step - self.options["start_iter"]) % 2 == 0
 
     def exchange(
-        self, flat: Tensor, bucket: Bucket, comm: Communicator, local_form: LocalForm, out: Tensor | None = None
+        self, flat: Tensor, bucket: Bucket, communicator: Communicator, local_form: LocalForm, out: Tensor | None = None
     ) -> Exchange:
         layout = self.layout(bucket)
         if self.step < self.options["start_iter"] or not layout.groups:
-            return (yield from self._dense_exchange(flat, comm, local_form))
+            return (yield from self._dense_exchange(flat, communicator, local_form))
         eps = self.options["orthogonalization_epsilon"]
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket, finite)
@@ -408,8 +410,8 @@ class ACPSGD(_LowRank):
         self._write_products(local, layout, *self._ordered(sent, self._padded(sent, layout, sent_flat), fixed_batch))
         payload = torch.cat([sent_flat, m_flat[layout.dense]])
         self._keep_error(m_flat, local, bucket, finite)
-        (summed,) = yield from comm.exchange([payload], False)
-        summed.div_(comm.world_size)
+        (summed,) = yield from communicator.exchange([payload], False)
+        summed.div_(communicator.world_size)
         averaged = self._padded(sent, layout, summed[: sent_flat.numel()])
         result = _result_buffer(m_flat, out)
         result[layout.dense] = summed[sent_flat.numel() :]

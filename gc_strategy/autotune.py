@@ -1,7 +1,10 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
-The :class:`AutoTuner` lives inside a :class:`~gc_strategy.engine.GradientSynchronizer` whose planner
-is an :class:`~gc_strategy.fusion.plans.AutoPlan` (``auto:S``). Once the gradient-ready order is known:
+The :class:`AutoTuner` serves a :class:`~gc_strategy.engine.GradientSynchronizer` whose planner is
+an :class:`~gc_strategy.fusion.plans.AutoPlan` (``auto:S``), through the synchroniser's public API
+only (:class:`Synchronizer`: its roles, process group, bucket order and sizes, and ``rebucket``);
+the planning itself (plans, timeline model, search) is :mod:`gc_strategy.fusion`, which knows no
+synchroniser. Once the gradient-ready order is known:
 
 1. **Settle**: ``S`` steps pass (the first steps of a process are slower than the rest: the
    allocator and caches are still cold).
@@ -34,21 +37,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..algos.base import MEMORIES, start_exchange
-from ..bucket import Bucket
-from ..registry import fresh_copy
-from .plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
-from .timeline import Cost, CostModel, best_plan, simulate
-
-if TYPE_CHECKING:
-    from ..engine import GradientSynchronizer
+from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
+from .bucket import Bucket
+from .communicators import COMMUNICATORS, Communicator, RunningExchange
+from .fusion.plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
+from .fusion.timeline import Cost, CostModel, best_plan, simulate
+from .registry import fresh_copy
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
 RUNS = 5
@@ -60,10 +61,34 @@ TRIAL_PLANS = [LayerwisePlan(), GroupsPlan(2), GroupsPlan(4), GroupsPlan(8), Gro
 SCALE_RANGE = 8.0
 
 
+class Synchronizer(Protocol):
+    """What the tuner uses of a :class:`~gc_strategy.engine.GradientSynchronizer`: its public API."""
+
+    compressor: Compressor
+    memory: Memory
+    communicator: Communicator
+    planner: AutoPlan
+    process_group: Any
+    device: torch.device
+    world_size: int
+    rank: int
+    #: the gradient-ready order (None before the first synchronised step)
+    ready_order: list[str] | None
+    #: the parameters' names in bucket order, and how many of them each bucket holds
+    order: list[str]
+    tensors_per_bucket: list[int]
+
+    def parameter(self, name: str) -> nn.Parameter: ...
+
+    def tensor_nbytes(self, names: list[str]) -> list[int]: ...
+
+    def rebucket(self, tensors_per_bucket: list[int]) -> None: ...
+
+
 class AutoTuner:
     """Profiles, tries, plans and verifies for one synchroniser (see the module docstring)."""
 
-    def __init__(self, engine: GradientSynchronizer, planner: AutoPlan) -> None:
+    def __init__(self, engine: Synchronizer, planner: AutoPlan) -> None:
         self.engine = engine
         self.steps = planner.profile_steps
         self.phase = "settle"  # -> "profile" -> "trial" -> "verify" -> "done"
@@ -73,13 +98,13 @@ class AutoTuner:
         self._other: list[float] = []
         self._periods: list[float] = []
         self._last_end: float | None = None
-        self._step_marks: dict[int, Any] = {}
+        self._step_marks: dict[str, Any] = {}  # parameter name -> when its gradient was ready
         self._first_wall: float | None = None
         self._model: CostModel | None = None  # the profiled cost model, before fitting
         self._fitted: CostModel | None = None  # after fitting its scales to the measured steps
         self._fp32: Cost | None = None  # an fp32 allreduce's cost curve (the uncompressed baseline)
         self._profile_s = 0.0
-        self._gradients: dict[int, Tensor] = {}  # raw local gradients by parameter index, for the profile
+        self._gradients: dict[str, Tensor] = {}  # raw local gradients by parameter name, for the profile
         self._measured: dict[tuple[int, ...], float] = {}  # plan -> median step time (this rank)
         self._names: dict[tuple[int, ...], str] = {}
         self._queue: list[tuple[int, ...]] = []
@@ -89,21 +114,21 @@ class AutoTuner:
         return self.phase != "done" and self.engine.ready_order is not None
 
     # ------------------------------------------------------------------ during backward
-    def on_ready(self, index: int, excluded_s: float, grad: Tensor) -> None:
-        """At the hook of parameter ``index``, whose local gradient is ``grad``; ``excluded_s``: the
+    def on_ready(self, name: str, excluded_s: float, grad: Tensor) -> None:
+        """At the hook of parameter ``name``, whose local gradient is ``grad``; ``excluded_s``: the
         synchroniser's hook work so far. In the last settling step (whose times are not used) the
         gradient is kept for the profile's samples."""
         if self.phase == "settle" and self._settled == self.steps - 1:
-            self._gradients[index] = grad.detach().flatten().float().clone()
+            self._gradients[name] = grad.detach().flatten().float().clone()
         now = time.perf_counter()
         if self._first_wall is None:
             self._first_wall = now
         if self.engine.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.engine.device))
-            self._step_marks[index] = event
+            self._step_marks[name] = event
         else:
-            self._step_marks[index] = now - excluded_s
+            self._step_marks[name] = now - excluded_s
 
     def on_step_end(self) -> None:
         """After the synchronised backward's results are applied."""
@@ -126,7 +151,7 @@ class AutoTuner:
         ):
             self._last_end = end
             return
-        self._measured[tuple(self.engine.groups)] = statistics.median(self._periods)
+        self._measured[tuple(self.engine.tensors_per_bucket)] = statistics.median(self._periods)
         self._periods = []
         if self.phase == "profile":
             self._profile()
@@ -143,11 +168,11 @@ class AutoTuner:
         if self.engine.device.type == "cuda":
             torch.cuda.current_stream(self.engine.device).synchronize()
             first = next(iter(marks.values()))
-            marks = {i: first.elapsed_time(event) / 1000 for i, event in marks.items()}
+            marks = {name: first.elapsed_time(event) / 1000 for name, event in marks.items()}
         origin = min(marks.values())
         times, last = [], 0.0
         for name in self.engine.order:
-            mark = marks.get(self.engine._index[name])
+            mark = marks.get(name)
             last = max(last, mark - origin) if mark is not None else last
             times.append(last)
         return times
@@ -157,32 +182,28 @@ class AutoTuner:
         """The cost curves (microbenchmarks) and the ready times, reduced across ranks; the trials."""
         engine = self.engine
         start = time.perf_counter()
-        numels = [engine._param(name).numel() for name in engine.order]
+        numels = [engine.parameter(name).numel() for name in engine.order]
         sizes, costs = measure_costs(engine, numels, self._gradients)
         self._gradients = {}
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
         ready, other = values[: len(numels)], values[len(numels)]
-        encode, comm, decode, fp32 = (
+        encode, communicator, decode, fp32 = (
             Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(4, -1).tolist()
         )
-        self._model = CostModel(tuple(ready), tuple(numels), encode, comm, decode, other=max(other, 0.0))
+        self._model = CostModel(tuple(ready), tuple(numels), encode, communicator, decode, other=max(other, 0.0))
         self._fp32 = fp32
-        nbytes = self._nbytes()
-        self._names = {tuple(engine.groups): engine.planner.default.describe()}
+        nbytes = engine.tensor_nbytes(engine.order)
+        self._names = {tuple(engine.tensors_per_bucket): engine.planner.default.describe()}
         for plan in TRIAL_PLANS:
             self._names.setdefault(tuple(plan.plan(nbytes)), plan.describe())
         self._queue = [groups for groups in self._names if groups not in self._measured]
         self._profile_s = time.perf_counter() - start
         self.phase = "trial"
 
-    def _nbytes(self) -> list[int]:
-        engine = self.engine
-        return [engine._param(name).numel() * engine._param(name).element_size() for name in engine.order]
-
     def _next_trial_or_plan(self) -> None:
         if self._queue:
-            self.engine._rebuild(self.engine.order, list(self._queue.pop(0)))
+            self.engine.rebucket(list(self._queue.pop(0)))
         else:
             self._plan()
 
@@ -198,7 +219,7 @@ class AutoTuner:
         groups = _broadcast_plan(engine, groups)
         free = Cost.linear(0.0, 0.0)
         baseline = CostModel(model.ready, model.numels, free, self._fp32, free, other=model.other)
-        nbytes = self._nbytes()
+        nbytes = engine.tensor_nbytes(engine.order)
         self._measured = measured
         self.report = {
             "searched_groups": groups,
@@ -222,7 +243,7 @@ class AutoTuner:
         }
         self._fitted = model
         self._describe_plan(groups, measured_s=None)
-        engine._rebuild(engine.order, groups)
+        engine.rebucket(groups)
         self.phase = "verify"
 
     def _decide(self) -> None:
@@ -234,13 +255,13 @@ class AutoTuner:
         self.report["searched_measured_step_s"] = verified
         best = min(self._measured, key=lambda g: (self._measured[g], g != searched))
         if best != searched:
-            self.engine._rebuild(self.engine.order, list(best))
+            self.engine.rebucket(list(best))
         self._describe_plan(list(best), measured_s=self._measured[best])
         self.report["chosen_by"] = "search" if best == searched else f"measurement (trial {self._names[best]})"
         self.phase = "done"
 
     def _describe_plan(self, groups: list[int], measured_s: float | None) -> None:
-        nbytes = self._nbytes()
+        nbytes = self.engine.tensor_nbytes(self.engine.order)
         self.report.update(
             {
                 "groups": groups,
@@ -282,25 +303,25 @@ def fit_scales(model: CostModel, measured: dict[tuple[int, ...], float]) -> tupl
     return (float(a), float(b)), model.scaled(a, b)
 
 
-def _max_across_ranks(engine: GradientSynchronizer, values: list[float]) -> list[float]:
+def _max_across_ranks(engine: Synchronizer, values: list[float]) -> list[float]:
     measured = torch.tensor(values, dtype=torch.float64)
     if engine.world_size > 1:
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.group)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.process_group)
     return measured.tolist()
 
 
-def _broadcast_plan(engine: GradientSynchronizer, groups: list[int]) -> list[int]:
+def _broadcast_plan(engine: Synchronizer, groups: list[int]) -> list[int]:
     """Identical inputs give identical plans; rank 0's is authoritative."""
     if engine.world_size == 1:
         return groups
     padded = torch.zeros(len(engine.order), dtype=torch.int64)
     padded[: len(groups)] = torch.tensor(groups)
-    dist.broadcast(padded, _rank0(engine), group=engine.group)
+    dist.broadcast(padded, _rank0(engine), group=engine.process_group)
     return [g for g in padded.tolist() if g > 0]
 
 
-def _rank0(engine: GradientSynchronizer) -> int:
-    return dist.get_global_rank(engine.group, 0) if engine.group is not None else 0
+def _rank0(engine: Synchronizer) -> int:
+    return dist.get_global_rank(engine.process_group, 0) if engine.process_group is not None else 0
 
 
 def _ranges(groups: list[int]) -> list[tuple[int, int]]:
@@ -327,27 +348,23 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
 
 
 def measure_costs(
-    engine: GradientSynchronizer, numels: list[int], gradients: dict[int, Tensor]
+    engine: Synchronizer, numels: list[int], gradients: dict[str, Tensor]
 ) -> tuple[list[int], torch.Tensor]:
     """Bucket sizes (elements) and, on this rank, ``[4, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) of this synchroniser's
     roles, and an fp32 allreduce of the same bucket (the uncompressed baseline), on samples cut from
-    ``gradients`` (flat local gradients by parameter index; zeros where one is missing)."""
-    from ..algos import COMPRESSORS
-    from ..comm import COMMUNICATORS
-
+    ``gradients`` (flat local gradients by parameter name; zeros where one is missing)."""
     compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
-    compressor.world_size, compressor.rank = engine.world_size, engine.comm.rank
-    compressor.step = 1 << 30  # steady state: past start_iter / density warm-up
+    compressor.bind(engine.world_size, engine.rank)
+    compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
     plain = COMPRESSORS.build("none")
-    plain.world_size, plain.rank = compressor.world_size, compressor.rank
+    plain.bind(engine.world_size, engine.rank)
     allreduce = COMMUNICATORS.build("allreduce")
-    allreduce.bind(engine.group)
-    indices = [engine._index[name] for name in engine.order]
+    allreduce.bind(engine.process_group)
     gradient = torch.cat(
         [
-            gradients[i] if i in gradients else torch.zeros(engine.params[i].numel(), device=engine.device)
-            for i in indices
+            gradients[name] if name in gradients else torch.zeros(engine.parameter(name).numel(), device=engine.device)
+            for name in engine.order
         ]
     )
     offsets = [0]
@@ -356,12 +373,12 @@ def measure_costs(
     samples = []
     for index, (a, b) in enumerate(sample_ranges(numels)):
         names = engine.order[a:b]
-        bucket = Bucket(index, names, [engine._param(name).shape for name in names], torch.float32, engine.device)
+        bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
         samples.append((bucket, gradient[offsets[a] : offsets[b]]))
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, fp32 comm]
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
-            ours = time_exchange(compressor, memory, engine.comm, flat, bucket)[:3]
+            ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)[:3]
             fp32 = time_exchange(plain, None, allreduce, flat, bucket)[1]
             if run:
                 timed.append([*ours, fp32])
@@ -369,12 +386,15 @@ def measure_costs(
     return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T
 
 
-def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket) -> tuple[float, float, float, int]:
+def time_exchange(
+    compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
+) -> tuple[float, float, float, int]:
     """(encode, communication, decode) seconds of one bucket's exchange, all ranks of the
     communicator's group starting together (``memory`` may be None), and the bytes it sent; the
-    exchange starts as the engine starts it (:func:`~gc_strategy.algos.base.start_exchange`).
-    Encode includes the memory's compensation, communication every round and the work between
-    rounds, decode the last combine and the memory's update. ``flat`` is left as it was."""
+    exchange runs as the engine runs it (the memory's :meth:`~gc_strategy.algos.base.Memory.exchange`
+    driven by a :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
+    compensation, communication every round and the work between rounds, decode the last combine
+    and the memory's update. ``flat`` is left as it was."""
     cuda = flat.is_cuda
 
     def now() -> float:
@@ -386,22 +406,6 @@ def time_exchange(compressor, memory, communicator, flat: Tensor, bucket: Bucket
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
-    start = now()
-    started = start_exchange(compressor, memory, flat, bucket, communicator)
-    exchange = started.exchange
-    current = next(exchange)
-    encoded = now()
-    sent = 0
-    while True:
-        sent += current.nbytes
-        value = current.wait()
-        received = now()
-        try:
-            current = exchange.send(value)
-        except StopIteration as stop:
-            average, local = stop.value
-            if started.compensated is not None:
-                memory.update(started.compensated, local, bucket, started.finite)
-            finished = now()
-            break
-    return encoded - start, received - encoded, finished - received, sent
+    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=now)
+    running.finish()
+    return running.encode_s, running.between_s + running.wait_s, running.decode_s, running.sent_bytes

@@ -4,17 +4,17 @@ import torch
 from compressor_helpers import finish
 from distributed import run_ranks
 
-from gc_strategy.comm import AllGather, AllReduce
+from gc_strategy.communicators import AllGather, AllReduce
 
 
 def _uneven_gather(rank, world_size):
-    comm = AllGather()
-    comm.bind(None)
+    communicator = AllGather()
+    communicator.bind(None)
     # rank r sends r+1 fp32 values, r int32 indices and a bf16 scalar: sizes and offsets all differ
     values = torch.arange(rank + 1, dtype=torch.float32) + 10 * rank
     indices = torch.arange(rank, dtype=torch.int32) * 3
     scale = torch.tensor([rank + 0.5], dtype=torch.bfloat16)
-    gathered = finish(comm.exchange([values, indices, scale], variable_size=True))
+    gathered = finish(communicator.exchange([values, indices, scale], variable_size=True))
     return [[t.clone() for t in payload] for payload in gathered]
 
 
@@ -29,10 +29,10 @@ def test_allgather_uneven_sizes_and_dtypes_three_ranks():
 
 
 def _empty_gather(rank, world_size):
-    comm = AllGather()
-    comm.bind(None)
+    communicator = AllGather()
+    communicator.bind(None)
     empty = [torch.empty(0), torch.empty(0, dtype=torch.int32)]
-    return [[t.numel() for t in payload] for payload in finish(comm.exchange(empty, variable_size=True))]
+    return [[t.numel() for t in payload] for payload in finish(communicator.exchange(empty, variable_size=True))]
 
 
 def test_allgather_when_no_rank_selects_anything():
@@ -40,10 +40,10 @@ def test_allgather_when_no_rank_selects_anything():
 
 
 def _fixed_gather(rank, world_size):
-    comm = AllGather()
-    comm.bind(None)
+    communicator = AllGather()
+    communicator.bind(None)
     rounds = []
-    exchange = comm.exchange([torch.full((5,), float(rank), dtype=torch.float16)], variable_size=False)
+    exchange = communicator.exchange([torch.full((5,), float(rank), dtype=torch.float16)], variable_size=False)
     try:
         round_ = next(exchange)
         while True:
@@ -60,10 +60,10 @@ def test_allgather_fixed_size_skips_the_length_exchange():
 
 
 def _sum(rank, world_size):
-    comm = AllReduce()
-    comm.bind(None)
+    communicator = AllReduce()
+    communicator.bind(None)
     a, b = torch.full((4,), rank + 1.0), torch.full((2,), 2.0 * rank, dtype=torch.float64)
-    return [t.tolist() for t in finish(comm.exchange([a, b], variable_size=False))]
+    return [t.tolist() for t in finish(communicator.exchange([a, b], variable_size=False))]
 
 
 def test_allreduce_sums_every_payload_tensor():
@@ -71,8 +71,8 @@ def test_allreduce_sums_every_payload_tensor():
 
 
 def test_single_process_needs_no_process_group():
-    comm = AllGather()
-    comm.bind(None)
+    communicator = AllGather()
+    communicator.bind(None)
     payload = [torch.ones(3)]
-    (received,) = finish(comm.exchange(payload, variable_size=True))
+    (received,) = finish(communicator.exchange(payload, variable_size=True))
     assert torch.equal(received[0], payload[0])

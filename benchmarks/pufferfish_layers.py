@@ -1,6 +1,6 @@
 """Pufferfish low-rank models: parameter counts, and the training-step time of the low-rank vs the
 vanilla model on this machine (forward + backward + SGD step, one process, interleaved rounds,
-medians). Run: ``python benchmarks/lowrank_models.py [--ratio 0.25] [--rounds 5] [--steps 10]``."""
+medians). Run: ``python benchmarks/pufferfish_layers.py [--ratio 0.25] [--rounds 5] [--steps 10]``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cli import integer_at_least  # noqa: E402
 
-from gc_strategy.lowrank_models import factorize  # noqa: E402
+from gc_strategy.pufferfish import factorize  # noqa: E402
 from recipes.bert import BertMaskedLM  # noqa: E402
 from recipes.lstm import LSTMLanguageModel  # noqa: E402
 from recipes.resnet import build_resnet  # noqa: E402

@@ -4,7 +4,7 @@ Pufferfish (Wang, Agarwal, Papailiopoulos, MLSys 2021, §3.2) trains the full-ra
 epochs ("full-rank warm-up", e.g. 80 of 300 on CIFAR-10), factorises it by truncated SVD and trains
 the low-rank model from there. At the conversion step, on every rank:
 
-1. :func:`~gc_strategy.lowrank_models.factorize` converts the selected layers in place;
+1. :func:`~gc_strategy.pufferfish.factorize` converts the selected layers in place;
 2. the strategy's gradient synchroniser is rebuilt over the new parameters (rank 0's converted
    weights are broadcast, buckets are cut again, compression state starts fresh), with the roles
    of ``after_warmup`` when given: ``{"compressor": "none"}`` after PowerSGD is the paper's
@@ -15,7 +15,7 @@ the low-rank model from there. At the conversion step, on every rank:
    optionally the learning rate ramps up again linearly over ``lr_rewarmup_steps`` steps.
 
 Checkpoints written after the conversion hold the low-rank weights; the callback registers a
-load-state-dict pre-hook (:func:`~gc_strategy.lowrank_models.enable_factorized_loading`) so that
+load-state-dict pre-hook (:func:`~gc_strategy.pufferfish.enable_factorized_loading`) so that
 resuming from them converts the freshly built model before loading.
 """
 
@@ -106,7 +106,7 @@ class PufferfishWarmup(pl.Callback):
         ):
             rank_zero_warn(
                 "With the fork/spawn launcher the launching process's module gets the trained weights back with "
-                "strict=False; call gc_strategy.lowrank_models.enable_factorized_loading(module) before trainer.fit "
+                "strict=False; call gc_strategy.pufferfish.enable_factorized_loading(module) before trainer.fit "
                 "so that it takes the low-rank weights too."
             )
         enable_factorized_loading(pl_module)
