@@ -19,9 +19,8 @@ import numpy as np
 import torch
 from cli import integer_at_least
 
-from gc_strategy.algos.packing import pack_bits
-from gc_strategy.algos.selection import top_k
 from gc_strategy.bucket import Bucket, all_finite
+from gc_strategy.kernels import pack_bits, top_k
 
 
 def median_ms(run: Callable[[], object], repeats: int) -> float:

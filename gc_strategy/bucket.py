@@ -14,12 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-_SAME_WIDTH_INT = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-}
+from . import kernels
 
 
 @dataclass
@@ -61,16 +56,8 @@ class Bucket:
 
     def sum_per_tensor(self, values: Tensor, magnitudes: bool = False) -> Tensor:
         """Per-tensor sums of a flat fp32 vector: ``out[t] = Σ_{j in tensor t} values[j]`` (of
-        ``|values[j]|`` with ``magnitudes``). One segmented reduction on a GPU (``index_add`` there
-        serialises on the atomics of each tensor's one slot); on the CPU one sum per tensor's slice,
-        far faster than the scattered adds (docs/benchmarks/cpu_paths_cpu.md), and the magnitudes slice by slice (a
-        tensor-sized temporary each, not a fresh bucket-sized one)."""
-        if values.device.type == "cuda":
-            return torch.segment_reduce(
-                values.abs() if magnitudes else values, "sum", lengths=self.lengths(values.device)
-            )
-        slices = (values[o : o + n] for o, n in zip(self.offsets, self.numels))
-        return torch.stack([(piece.abs() if magnitudes else piece).sum() for piece in slices])
+        ``|values[j]|`` with ``magnitudes``; :func:`gc_strategy.kernels.sum_per_tensor`)."""
+        return kernels.sum_per_tensor(values, self.offsets, self.numels, self.lengths(values.device), magnitudes)
 
     def lengths(self, device: torch.device) -> Tensor:
         """The tensors' element counts, on ``device`` (cached: no host-to-device copy, which would
@@ -93,19 +80,10 @@ class Bucket:
 
     def select_per_tensor(self, mask: Tensor, if_true: Tensor, if_false: Tensor, out: Tensor | None = None) -> Tensor:
         """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
-        the tensor of element ``j``; ``mask`` bool or 0/1 integers), written into ``out`` when
-        given (of the values' dtype): two gathers on a GPU. On the CPU ``where`` over per-element
-        gathers is slow (docs/benchmarks/cpu_paths_cpu.md); instead, per tensor's slice, the result's bit pattern is
-        ``no ^ m·(yes ^ no)`` with ``m ∈ {0, 1}`` (exactly one of the two values)."""
-        if mask.device.type == "cuda":
-            return torch.where(mask.bool(), self.per_element(if_true), self.per_element(if_false), out=out)
-        dtype = torch.promote_types(if_true.dtype, if_false.dtype)
-        as_int = _SAME_WIDTH_INT[dtype]
-        yes_bits, no_bits = (values.to(dtype).view(as_int).tolist() for values in (if_true, if_false))
-        out = mask.to(as_int) if out is None else out.view(as_int).copy_(mask)
-        for o, n, yes, no in zip(self.offsets, self.numels, yes_bits, no_bits):
-            out[o : o + n].mul_(yes ^ no).bitwise_xor_(no)
-        return out.view(dtype)
+        the tensor of element ``j``; ``mask`` bool or 0/1 integers), written into ``out`` when given
+        (of the values' dtype; :func:`gc_strategy.kernels.select_per_tensor`)."""
+        ids = self.tensor_ids(mask.device)
+        return kernels.select_per_tensor(mask, if_true, if_false, self.offsets, self.numels, ids, out)
 
     @property
     def nbytes(self) -> int:
@@ -124,19 +102,14 @@ def all_finite(flat: Tensor) -> Tensor:
 
 def finite_on_host(finite: Tensor) -> bool:
     """The 0-d bool ``finite`` (from :func:`all_finite`) is True and readable without waiting for a
-    device: on the CPU. Elsewhere False, so callers take their path that needs no host read."""
-    return finite.device.type == "cpu" and bool(finite)
+    device: in host memory. Elsewhere False, so callers take their path that needs no host read."""
+    return kernels.in_host_memory(finite) and bool(finite)
 
 
 def assign_if_finite(target: Tensor, value: Tensor, finite: Tensor) -> None:
     """``target ← value`` where the 0-d bool ``finite`` (from :func:`all_finite`) is True; else
-    ``target`` stays as it was (how error-feedback state skips a bucket holding inf/NaN). On the CPU
-    a branch on the flag (a copy is cheaper than ``where`` broadcasting a 0-d condition); on an
-    accelerator ``where``, so the host never waits."""
-    if finite.device.type != "cpu":
-        torch.where(finite, value, target, out=target)
-    elif finite:
-        target.copy_(value)
+    ``target`` stays as it was (:func:`gc_strategy.kernels.assign_if_finite`)."""
+    kernels.assign_if_finite(target, value, finite)
 
 
 def split_by_parameter(buckets: Iterable[Bucket], flats: dict[int, Tensor]) -> dict[str, Tensor]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from compressor_helpers import EDGE_INPUTS, bucket, build, payload_bytes, roundtrip
 
-from gc_strategy.algos.packing import pack_bits, unpack_bits
 from gc_strategy.bucket import Bucket
+from gc_strategy.kernels import pack_bits, unpack_bits
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

@@ -1,11 +1,13 @@
-"""Selection by magnitude (gc_strategy/algos/selection.py) against plain sorting."""
+"""Selection by magnitude (gc_strategy/kernels/numpy_ops.py on the CPU) against plain sorting."""
 
 import math
 
 import pytest
 import torch
 
-from gc_strategy.algos.selection import SAMPLE, at_least, top_k
+from gc_strategy.kernels import positions_at_least as at_least
+from gc_strategy.kernels import top_k
+from gc_strategy.kernels.numpy_ops import SAMPLE
 
 
 def _reference_top(magnitudes, k):

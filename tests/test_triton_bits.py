@@ -9,7 +9,7 @@ import pytest
 import torch
 from compressor_helpers import finish
 
-from gc_strategy.algos import packing
+from gc_strategy.kernels import pack_bits, pack_signs
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the pure-torch code is used)")
 
@@ -20,7 +20,7 @@ SIZES = [1, 7, 8, 9, 1000, 4099, 70_001]
 def kernels():
     """The kernels, on the CPU when this process runs Triton's interpreter (the test below starts one
     that does), else on the GPU; skipped when neither."""
-    from gc_strategy.algos import triton_bits
+    from gc_strategy.kernels import triton_bits
 
     if triton_bits.INTERPRETED:
         triton_bits.device = torch.device("cpu")
@@ -34,7 +34,7 @@ def kernels():
 def test_kernels_under_the_interpreter():
     """The kernel tests of this file in a child pytest with TRITON_INTERPRET=1 set before Triton is
     imported (the interpreter cannot be switched on inside a process that imported Triton without it)."""
-    from gc_strategy.algos import triton_bits
+    from gc_strategy.kernels import triton_bits
 
     if triton_bits.INTERPRETED:
         pytest.skip("already under the interpreter")
@@ -65,7 +65,7 @@ def test_kernels_under_the_interpreter():
 
 
 def _reference_pack(codes, bits):
-    """packing.pack_bits's torch path, whatever the dispatch."""
+    """kernels.pack_bits's packing, computed plainly."""
     per_byte = 8 // bits
     codes = codes.reshape(-1).to(torch.uint8).cpu()
     codes = torch.cat([codes, codes.new_zeros((-codes.numel()) % per_byte)])
@@ -96,14 +96,14 @@ def test_pack_signs_equals_the_comparison(kernels, n):
 
 
 def test_the_torch_code_is_used_on_the_cpu_without_the_interpreter():
-    from gc_strategy.algos import triton_bits
+    from gc_strategy.kernels import triton_bits
 
     if triton_bits.INTERPRETED:
         pytest.skip("Triton's interpreter is on (TRITON_INTERPRET=1)")
     assert not triton_bits.usable(torch.zeros(3))
     codes = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)
-    assert packing.pack_bits(codes, 1).tolist() == [0b10001101, 0b1]
-    assert packing.pack_signs(torch.tensor([1.0, -1.0, 0.0])).tolist() == [0b101]
+    assert pack_bits(codes, 1).tolist() == [0b10001101, 0b1]
+    assert pack_signs(torch.tensor([1.0, -1.0, 0.0])).tolist() == [0b101]
 
 
 @pytest.mark.parametrize("name", ["onebit", "efsignsgd"])

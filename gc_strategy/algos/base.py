@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket, BucketState, all_finite
 from ..communicators import Communicator, Exchange, Payload
 from ..registry import Option, Registry
@@ -110,7 +110,7 @@ class Compressor(BucketState):
         that masks what was sent (int64 indices or a bool mask, as :func:`zero_at` takes them): by
         default where :meth:`local_estimate` is nonzero; a sparsifier reads its indices from its
         payload without a dense decode."""
-        return nonzero_positions(self.local_estimate(payload, bucket))
+        return kernels.nonzero_positions(self.local_estimate(payload, bucket))
 
     def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload | None:
         """The kernel of residual error feedback fused into the encode: the payload of ``x = grad +
@@ -205,18 +205,6 @@ def copy_if_shared(tensor: Tensor, others: Payload) -> Tensor:
     return tensor.clone() if tensor.untyped_storage().data_ptr() in shared else tensor
 
 
-def nonzero_positions(dense: Tensor) -> Tensor:
-    """The nonzero (or NaN) elements of a 1-d tensor: on the CPU their int64 positions, through
-    numpy's comparison and ``flatnonzero`` of its bool result, faster there than ``torch.nonzero``
-    (docs/benchmarks/cpu_paths_cpu.md); elsewhere a bool mask, since counting the positions would
-    make the host wait for the device."""
-    if dense.device.type != "cpu":
-        return dense != 0
-    if dense.dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(np.flatnonzero(np.not_equal(dense.numpy(), 0)))
-    return torch.nonzero(dense).flatten()
-
-
 def zero_at(tensor: Tensor, positions: Tensor) -> Tensor:
     """``tensor`` zeroed in place at ``positions``: int64 indices or a bool mask of its length."""
     if positions.dtype == torch.bool:
@@ -228,7 +216,7 @@ def local_in_form(estimate: Tensor, form: LocalForm) -> Tensor | None:
     """A dense local estimate (of an exchange that forms one anyway) in the ``form`` the memory
     asks for (:meth:`Compressor.local`)."""
     if form == "positions":
-        return nonzero_positions(estimate)
+        return kernels.nonzero_positions(estimate)
     return estimate if form == "estimate" else None
 
 

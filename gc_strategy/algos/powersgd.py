@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket, all_finite, assign_if_finite
 from ..communicators import Communicator, Exchange
 from ..registry import Option
@@ -70,7 +71,7 @@ def product(kind: str, m: Tensor, factor: Tensor, factor_first: bool | None = No
     process; on a GPU the direct form."""
     if factor_first is None:
         key = (kind, tuple(m.shape), factor.shape[-1])
-        if m.device.type != "cpu":
+        if not kernels.in_host_memory(m):
             factor_first = False
         elif key in _FACTOR_FIRST:
             factor_first = _FACTOR_FIRST[key]
@@ -151,7 +152,7 @@ class _LowRank(Compressor):
     def batch_by_shape(device: torch.device) -> bool:
         """Batch same-shape matrices into one ``bmm`` on a GPU (fewer kernel launches); one matrix
         per batch on the CPU, where a batch of several costs a copy of each matrix in and out."""
-        return device.type == "cuda"
+        return not kernels.in_host_memory(device)
 
     def layout(self, bucket: Bucket) -> _Layout:
         key = tuple(bucket.names)

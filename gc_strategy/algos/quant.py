@@ -1,40 +1,23 @@
 """Stochastic quantizers (docs/algorithms.md §4): ``qsgd``, ``terngrad``, ``natural``.
 
 Each rank quantizes with its own scale and independent randomness, so payloads are gathered and
-the decodes averaged. Codes are bit-packed (:mod:`.packing`): the wire carries what the method claims.
+the decodes averaged. Codes are bit-packed (:func:`gc_strategy.kernels.pack_bits`): the wire
+carries what the method claims.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket
 from ..communicators import Payload
+from ..kernels import triton_bits
 from ..registry import Option
-from . import triton_bits
 from .base import COMPRESSORS, Compressor, stored_in
-from .packing import bits_for, pack_bits, unpack_bits
+from .packing import bits_for
 from .sparse import SEED
-
-
-def _frexp(a: Tensor, mantissa: Tensor, exponent: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.frexp(a)`` written into ``mantissa`` (fp32) and ``exponent`` (int32); on the CPU by
-    numpy's, which is faster there (docs/benchmarks/cpu_paths_cpu.md)."""
-    if a.device.type == "cpu":
-        np.frexp(a.numpy(), mantissa.numpy(), exponent.numpy())
-        return mantissa, exponent
-    return torch.frexp(a, out=(mantissa, exponent))
-
-
-def _fill_where_zero(target: Tensor, a: Tensor, value: int) -> None:
-    """``target[a == 0] = value``; on the CPU by numpy's ``putmask``, which is faster there
-    (docs/benchmarks/cpu_paths_cpu.md)."""
-    if a.device.type == "cpu":
-        np.putmask(target.numpy(), a.numpy() == 0, value)
-    else:
-        target.masked_fill_(a == 0, value)
 
 
 class _Quantizer(Compressor):
@@ -42,12 +25,8 @@ class _Quantizer(Compressor):
 
     def _uniform(self, out: Tensor, bucket: Bucket) -> Tensor:
         """``out`` (fp32) filled with U[0, 1) draws, independent across ranks, reproducible from
-        (seed, step, bucket, rank). On the CPU from numpy's PCG64, which draws faster than torch's
-        generator there (docs/benchmarks/cpu_paths_cpu.md), elsewhere from the device's torch generator."""
-        if out.device.type == "cpu":
-            np.random.default_rng(self.seed_for(bucket, shared=False)).random(out=out.numpy(), dtype=np.float32)
-            return out
-        return out.uniform_(generator=self.generator(bucket, out.device, shared=False))
+        (seed, step, bucket, rank)."""
+        return kernels.uniform_(out, self.seed_for(bucket, shared=False))
 
 
 class _LevelQuantizer(_Quantizer):
@@ -55,8 +34,8 @@ class _LevelQuantizer(_Quantizer):
     the sign of ``x`` and one scale per chunk: payload ``[scales, codes q + s packed]``, decode
     ``(code − s) · scale / s``. On CUDA with Triton the encode is one kernel drawing its own Philox
     uniforms (the same distribution as the torch code's draws, not the same numbers) and the
-    aggregate one pass over all ranks' codes (:func:`~gc_strategy.algos.triton_bits.level_codes`,
-    :func:`~gc_strategy.algos.triton_bits.mean_of_levels`)."""
+    aggregate one pass over all ranks' codes (:func:`~gc_strategy.kernels.triton_bits.level_codes`,
+    :func:`~gc_strategy.kernels.triton_bits.mean_of_levels`)."""
 
     def levels(self) -> int:
         raise NotImplementedError
@@ -75,7 +54,7 @@ class _LevelQuantizer(_Quantizer):
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         s, chunk = self.levels(), self.chunk(flat.numel())
         scales, bound = self.scales(flat.float())
-        if triton_bits.usable(flat):
+        if kernels.uses_triton(flat):
             return [
                 scales,
                 triton_bits.level_codes(
@@ -92,7 +71,7 @@ class _LevelQuantizer(_Quantizer):
         uniform = self._uniform(self.workspace("uniform", bucket), bucket)
         level.sub_(uniform.sub_(x.sub_(level)).floor_()).clamp_max_(s)
         codes = level.copysign_(flat).add_(s).to(torch.uint8)  # q + s in [0, 2s]; the payload is a new tensor
-        return [scales, pack_bits(codes, self.bits())]
+        return [scales, kernels.pack_bits(codes, self.bits())]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[1].device))
@@ -100,11 +79,11 @@ class _LevelQuantizer(_Quantizer):
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         scales, packed = payload
         s = self.levels()
-        codes = scratch.copy_(unpack_bits(packed, self.bits(), bucket.numel)).sub_(s)
+        codes = scratch.copy_(kernels.unpack_bits(packed, self.bits(), bucket.numel)).sub_(s)
         return _scale_chunks_(codes, scales / s, self.chunk(bucket.numel))
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
-        if not triton_bits.usable(gathered[0][-1]):
+        if not kernels.uses_triton(gathered[0][-1]):
             return super().aggregate(gathered, bucket, out=out)
         scales, codes = (torch.stack([payload[k] for payload in gathered]) for k in (0, 1))
         return stored_in(
@@ -225,7 +204,7 @@ class Natural(_Quantizer):
         top = torch.frexp(a.max()).exponent  # a.max() < 2^top
         # a = m 2^x with m in [0.5, 1): 2^(x-1) <= a < 2^x, rounded up to 2^x with probability
         # (a - 2^(x-1)) / 2^(x-1) = 2m - 1; offset d = top - exponent = top + 1 - x - [up]
-        mantissa, offset = _frexp(
+        mantissa, offset = kernels.frexp_into(
             a, self.workspace("mantissa", bucket), self.workspace("exponent", bucket, torch.int32)
         )
         uniform = self._uniform(self.workspace("uniform", bucket), bucket)
@@ -234,10 +213,11 @@ class Natural(_Quantizer):
         # below 2^(top-126) (d > 126): 2^(top-126) with probability a / 2^(top-126), else 0 (code 127);
         # the element's one draw decides (its rounding draw is not used there)
         tiny = offset.clamp_max_(self.ZERO) == self.ZERO
-        if a.device.type != "cpu" or bool(tiny.any()):  # x86 divides by a subnormal ~100x slower: only when needed
+        # x86 divides by a subnormal ~100x slower: on the host only when needed
+        if not kernels.in_host_memory(a) or bool(tiny.any()):
             smallest = torch.ldexp(torch.ones((), device=a.device), top - 126)  # may be subnormal: still exact
             offset.masked_fill_(tiny & (uniform < torch.div(a, smallest, out=mantissa)), self.ZERO - 1)
-        _fill_where_zero(offset, a, self.ZERO)
+        kernels.fill_where_zero(offset, a, self.ZERO)
         codes = offset.to(torch.uint8)  # the payload is a new tensor
         negative = torch.lt(flat, 0, out=self.workspace("negative", bucket, torch.bool)).view(torch.uint8)
         return [top.to(torch.int32).reshape(1), codes.bitwise_or_(negative.bitwise_left_shift_(7))]

@@ -27,22 +27,17 @@ import torch
 from scipy.special import gammaincinv
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket
 from ..registry import Option
 from .base import COMPRESSORS
-from .selection import at_least
 from .sparse import DENSITY, Sparsifier
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
     """``a − t`` for the elements ``a > t`` (NaN is not above), as a new tensor (for the number
-    ``t = 0``, the positive elements, without a pass subtracting it). On the CPU through numpy,
-    whose boolean indexing is faster than torch's there."""
-    if magnitudes.device.type == "cpu":
-        values = magnitudes.numpy()
-        tail = torch.from_numpy(values[values > float(threshold)])
-    else:
-        tail = magnitudes[magnitudes > threshold]
+    ``t = 0``, the positive elements, without a pass subtracting it)."""
+    tail = kernels.exceedances(magnitudes, threshold)
     return tail if isinstance(threshold, float) and threshold == 0 else tail.sub_(threshold)
 
 
@@ -127,7 +122,7 @@ class SIDCo(Sparsifier):
         key = bucket.names[0]
         stages = self.stage_counts.setdefault(key, min(self.options["stages"], self.max_stages()))
         magnitudes = self.magnitudes(flat, bucket)
-        selected = at_least(magnitudes, self.threshold(magnitudes, stages), strict=True)
+        selected = kernels.positions_at_least(magnitudes, self.threshold(magnitudes, stages), strict=True)
         every = self.options["adapt_every"]
         if every and (self.step + 1) % every == 0:
             achieved, density = selected.numel() / flat.numel(), self.options["density"]

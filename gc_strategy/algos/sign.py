@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
 from ..communicators import Payload
+from ..kernels import triton_bits
 from ..registry import Option
-from . import triton_bits
 from .base import COMPRESSORS, Compressor, stored_in
-from .packing import pack_signs, unpack_bits
 
 
 class _SignBits(Compressor):
@@ -42,7 +42,7 @@ class _SignBits(Compressor):
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         g = self.signed_input(flat, bucket).float()
-        bits = pack_signs(g)
+        bits = kernels.pack_signs(g)
         levels = self.levels(g, bucket)
         return [bits] if levels is None else [levels, bits]
 
@@ -50,7 +50,7 @@ class _SignBits(Compressor):
         return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[-1].device))
 
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
-        bits = unpack_bits(payload[-1], 1, bucket.numel)  # 0/1 codes
+        bits = kernels.unpack_bits(payload[-1], 1, bucket.numel)  # 0/1 codes
         if len(payload) == 1:
             return scratch.copy_(bits).mul_(2).sub_(1)
         return bucket.select_per_tensor(bits, *self.level_pair(payload[0]), out=scratch)
@@ -60,7 +60,7 @@ class _ScaledSigns(_SignBits):
     """Averages the scaled decodes of all ranks. The per-tensor levels come from per-tensor sums of
     the input. On CUDA with Triton: with residual error feedback, the encode and the residual
     update run in two passes over ``g`` and ``e`` (:meth:`encode_with_residual`), and the aggregate in one
-    pass over the gathered bits (:func:`~gc_strategy.algos.triton_bits.mean_of_signs`)."""
+    pass over the gathered bits (:func:`~gc_strategy.kernels.triton_bits.mean_of_signs`)."""
 
     #: the sums the levels come from: ``Σ|x|`` (False) or ``Σ x·[x≥0], #[x≥0], Σ x·[x<0]`` (True)
     split_sums: bool
@@ -81,20 +81,21 @@ class _ScaledSigns(_SignBits):
         return self.levels_from_sums(self.sums(g, bucket), bucket)
 
     def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload | None:
-        if not triton_bits.usable(grad):
+        if not kernels.uses_triton(grad):
             return None
         boundaries = bucket.boundaries(grad.device)
         levels = self.levels_from_sums(triton_bits.sign_sums(grad, residual, boundaries, self.split_sums), bucket)
         return [levels, triton_bits.sign_encode(grad, residual, finite, *self.level_pair(levels), boundaries)]
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
-        if not triton_bits.usable(gathered[0][-1]):
+        if not kernels.uses_triton(gathered[0][-1]):
             return super().aggregate(gathered, bucket, out=out)
         bits = torch.stack([payload[-1] for payload in gathered])
         pairs = [self.level_pair(payload[0]) for payload in gathered]
         positive, negative = (torch.stack([pair[k] for pair in pairs]) for k in (0, 1))
         return stored_in(
-            triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel, out), out
+            triton_bits.mean_of_signs(bits, positive, negative, bucket.boundaries(bits.device), bucket.numel, out),
+            out,
         )
 
 

@@ -12,11 +12,11 @@ import math
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket, assign_if_finite, finite_on_host
 from ..communicators import Payload
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
-from .selection import at_least, top_k
 
 DENSITY = Option(0.01, float, low=0.0, high=1.0, low_open=True, help="fraction of elements kept")
 SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bucket and rank)")
@@ -124,7 +124,7 @@ class TopK(Sparsifier):
     OPTIONS = {"density": DENSITY}
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        return top_k(self.magnitudes(flat, bucket), keep_count(self.options["density"], flat.numel()))
+        return kernels.top_k(self.magnitudes(flat, bucket), keep_count(self.options["density"], flat.numel()))
 
 
 @COMPRESSORS.register("threshold")
@@ -136,7 +136,7 @@ class Threshold(Sparsifier):
     variable_size = True
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        return at_least(self.magnitudes(flat, bucket), self.options["threshold"], strict=True)
+        return kernels.positions_at_least(self.magnitudes(flat, bucket), self.options["threshold"], strict=True)
 
     def target_density(self) -> float:
         return float("nan")  # no target: the density follows the gradients
@@ -188,12 +188,12 @@ class DGC(Sparsifier):
             sample = magnitudes.index_select(0, positions)
         threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
         for _ in range(self.options["adjust_rounds"] + 1):
-            selected = at_least(magnitudes, threshold)
+            selected = kernels.positions_at_least(magnitudes, threshold)
             count = selected.numel()
             if 0.7 * k <= count <= 1.3 * k:
                 return selected
             threshold = threshold * (1.3 if count > 1.3 * k else 0.7)
-        return top_k(magnitudes, k)
+        return kernels.top_k(magnitudes, k)
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:

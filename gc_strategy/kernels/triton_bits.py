@@ -1,4 +1,4 @@
-"""Triton kernels of the packed bit formats (:mod:`~gc_strategy.algos.packing`) for CUDA tensors.
+"""Triton kernels of the packed bit formats (:func:`gc_strategy.kernels.pack_bits`) for CUDA tensors.
 
 Triton is optional: :func:`usable` is False without it (or for CPU tensors), and the pure-torch
 code in ``packing.py`` runs instead. Each kernel does in one pass what the torch code does in
