@@ -250,6 +250,16 @@ class _LowRank(Compressor):
         return out
 
     # ---------------------------------------------------------------- shared pieces
+    def _compressed_input(self, flat: Tensor, bucket: Bucket) -> tuple[_Layout, Tensor, Tensor, list] | None:
+        """The bucket's layout, its finite flag, the compensated input ``M`` and its matrices by
+        shape; None before ``start_iter`` or for a bucket without matrices (sent dense instead)."""
+        layout = self.layout(bucket)
+        if self.step < self.options["start_iter"] or not layout.groups:
+            return None
+        finite = all_finite(flat)
+        m_flat = self._compensated(flat, bucket, finite)
+        return layout, finite, m_flat, [self._matrices(m_flat, ms) for ms in layout.groups.values()]
+
     def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
         """``M = g + e``, formed in ``e`` itself where that is safe (see
         :func:`~gc_strategy.algos.memory.compensated_from`)."""
@@ -350,13 +360,11 @@ class PowerSGD(_LowRank):
     def exchange(
         self, flat: Tensor, bucket: Bucket, communicator: Communicator, local_form: LocalForm, out: Tensor | None = None
     ) -> Exchange:
-        layout = self.layout(bucket)
-        if self.step < self.options["start_iter"] or not layout.groups:
+        started = self._compressed_input(flat, bucket)
+        if started is None:
             return (yield from self._dense_exchange(flat, communicator, local_form))
+        layout, finite, m_flat, mats = started
         eps = self.options["orthogonalization_epsilon"]
-        finite = all_finite(flat)
-        m_flat = self._compensated(flat, bucket, finite)
-        mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
         q = orthogonalize(self.factor_batch("q", bucket, flat.device).clone(), eps)
         p_flat = self._products("p", mats, layout, q)
         # eager: the engine advances it during backward (a later bucket's launch), so Q goes out early
@@ -396,13 +404,11 @@ class ACPSGD(_LowRank):
     def exchange(
         self, flat: Tensor, bucket: Bucket, communicator: Communicator, local_form: LocalForm, out: Tensor | None = None
     ) -> Exchange:
-        layout = self.layout(bucket)
-        if self.step < self.options["start_iter"] or not layout.groups:
+        started = self._compressed_input(flat, bucket)
+        if started is None:
             return (yield from self._dense_exchange(flat, communicator, local_form))
+        layout, finite, m_flat, mats = started
         eps = self.options["orthogonalization_epsilon"]
-        finite = all_finite(flat)
-        m_flat = self._compensated(flat, bucket, finite)
-        mats = [self._matrices(m_flat, ms) for ms in layout.groups.values()]
         sent, fixed = ("p", "q") if self.is_p_step() else ("q", "p")
         fixed_batch = orthogonalize(self.factor_batch(fixed, bucket, flat.device).clone(), eps)
         sent_flat = self._products(sent, mats, layout, fixed_batch)
