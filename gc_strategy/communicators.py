@@ -130,7 +130,8 @@ class Communicator:
     #: True when the result is the element-wise sum of the payloads (needs summable payloads).
     sums: ClassVar[bool]
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
+        self.options = options
         self.group: Any = None
         self.world_size = 1
         self.rank = 0

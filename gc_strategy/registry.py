@@ -81,7 +81,7 @@ class Option:
 
 def fresh_copy(role: T) -> T:
     """A new instance of a built role with the same validated options and fresh state."""
-    return type(role)(**getattr(role, "options", {}))
+    return type(role)(**role.options)
 
 
 class Registry(Generic[T]):

@@ -37,7 +37,7 @@ class Compressor(BucketState):
       :meth:`decode_into` (a decode written into a workspace);
     - *error-feedback fast paths*: :meth:`local_estimate`, :meth:`sent_positions` (what a memory
       needs of this rank's own payload), :meth:`encode_with_residual` (the kernel of residual
-      feedback fused into the encode; :meth:`ResidualMemory.exchange` calls it);
+      feedback fused into the encode; :meth:`~gc_strategy.algos.memory.ResidualMemory.exchange` calls it);
     - *multi-round*: :meth:`exchange` (several collectives per step, ``yield from`` each);
     - *state and telemetry*: :meth:`extra_state` / :meth:`load_extra_state`, :meth:`pop_metrics`.
 
