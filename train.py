@@ -73,6 +73,7 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
         start_method=cfg.trainer.start_method,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         find_unused_parameters=cfg.trainer.find_unused_parameters,
+        hierarchy=cfg.trainer.hierarchy,
         broadcast_buffers=cfg.trainer.broadcast_buffers,
         **options,
     )

@@ -80,12 +80,15 @@ def prepare(
     fusion: str | FusionPlanner = "bucket_mb:25",
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
+    hierarchy: str = "flat",
     **options: Any,
 ) -> Any:
     """Like ``accelerator.prepare(model, *objects)``, with compressed fused gradient synchronisation
     in place of DDP. Returns what ``accelerator.prepare`` returns (the model first).
     ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
-    else DDP's defaults False and True) mean what they mean for DDP."""
+    else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"``: a dense
+    reduction inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`), the
+    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if kind not in SUPPORTED:
         raise ValueError(
@@ -110,6 +113,7 @@ def prepare(
         components.fusion,
         find_unused_parameters=find_unused_parameters,
         broadcast_buffers=broadcast_buffers,
+        hierarchy=hierarchy,
     )
     model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
     model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())

@@ -49,6 +49,7 @@ Semantics, those of ``DistributedDataParallel``:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -63,6 +64,7 @@ from .bucket import Bucket
 from .communicators import Communicator, RunningExchange
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.plans import write_plan_file
+from .hierarchy import HIERARCHIES, NodeGroups, bucket_owners, node_exchange, node_groups
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
@@ -203,7 +205,13 @@ class GradientSynchronizer:
         side_stream: bool = True,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        hierarchy: str = "flat",
+        ranks_per_node: int | None = None,
+        node_rank: int | None = None,
+        local_rank: int | None = None,
     ) -> None:
+        if hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
         self.module = module
         self.compressor = compressor
         self.memory = memory
@@ -213,7 +221,12 @@ class GradientSynchronizer:
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self._buffers_due = True  # broadcast the buffers before the next forward (DDP's rule)
-        communicator.bind(process_group)
+        initialized = dist.is_available() and dist.is_initialized()
+        #: the process group's size and this process's rank in it
+        self.world_size = dist.get_world_size(process_group) if initialized else 1
+        self.rank = dist.get_rank(process_group) if initialized else 0
+        self.nodes = self._node_groups(hierarchy, ranks_per_node, node_rank, local_rank)
+        communicator.bind(process_group if self.nodes is None else self.nodes.inter)
         compressor.bind(communicator.world_size, communicator.rank)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -241,14 +254,27 @@ class GradientSynchronizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ set-up
-    @property
-    def world_size(self) -> int:
-        return self.communicator.world_size
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the process group."""
-        return self.communicator.rank
+    def _node_groups(
+        self, hierarchy: str, ranks_per_node: int | None, node_rank: int | None, local_rank: int | None
+    ) -> NodeGroups | None:
+        """``hierarchy="node"`` (docs/design.md, "Hierarchical synchronisation"): the node groups, or
+        None for a flat exchange (also on one rank)."""
+        if hierarchy == "flat" or self.world_size == 1:
+            return None
+        if self.process_group is not None:
+            raise ValueError(
+                "hierarchy='node' forms its groups over the default process group; pass process_group=None"
+            )
+        if isinstance(self.planner, AutoPlan):
+            raise ValueError(
+                "fusion='auto' profiles a flat exchange and cannot plan hierarchy='node'; use a fixed plan "
+                "(e.g. fusion='bucket_mb:25') or a plan file"
+            )
+        if ranks_per_node is None:
+            if "LOCAL_WORLD_SIZE" not in os.environ:
+                raise ValueError("hierarchy='node' needs ranks_per_node (or LOCAL_WORLD_SIZE, set by torchrun)")
+            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        return node_groups(ranks_per_node, node_rank, local_rank)
 
     def _broadcast_module_states(self) -> None:
         self._broadcast([*self.module.parameters(), *self.module.buffers()])
@@ -299,6 +325,8 @@ class GradientSynchronizer:
                 self._slot[self._index[name]] = (b, slot)
             start += count
         self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
+        #: hierarchy="node": the local rank that compresses each bucket
+        self.owners = bucket_owners([b.nbytes for b in self.buckets], self.nodes.ranks_per_node) if self.nodes else []
         self.views = [b.views(buf) for b, buf in zip(self.buckets, self.buffers)]
 
     def parameter(self, name: str) -> nn.Parameter:
@@ -321,6 +349,18 @@ class GradientSynchronizer:
         self._build(order, tensors_per_bucket)
         self.memory.load_state_by_parameter(memory_state, self.buckets)
         self.compressor.load_state_by_parameter(compressor_state, self.buckets)
+        self._keep_owned_state()
+
+    def _keep_owned_state(self) -> None:
+        """hierarchy="node": per-element state only for the buckets this rank compresses (after new
+        buckets, the state of a bucket now owned by another local rank stays with the old owner's
+        tensors and is dropped: that share starts from zero)."""
+        if self.nodes is None:
+            return
+        for role in (self.memory, self.compressor):
+            for per_bucket in role.buffers.values():
+                for b in [b for b in per_bucket if self.owners[b] != self.nodes.local_rank]:
+                    del per_bucket[b]
 
     def _adopt_recorded_order(self) -> None:
         """After the first synchronised backward: rank 0's ready order becomes every rank's."""
@@ -383,7 +423,12 @@ class GradientSynchronizer:
     def _launch(self, b: int) -> None:
         bucket, flat = self.buckets[b], self.buffers[b]
         with self._side_stream():
-            running = RunningExchange(self.memory.exchange(self.compressor, flat, bucket, self.communicator))
+            if self.nodes is None:
+                exchange = self.memory.exchange(self.compressor, flat, bucket, self.communicator)
+            else:
+                roles = (self.memory, self.compressor, self.communicator)
+                exchange = node_exchange(self.nodes, self.owners[b], *roles, flat, bucket)
+            running = RunningExchange(exchange)
             if bucket.nbytes >= EAGER_AFTER_BYTES:
                 self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in
             self._jobs.append(_Job(bucket, running))
@@ -562,6 +607,7 @@ class GradientSynchronizer:
         self.memory.load_state_by_parameter(state["memory"], self.buckets)
         self.compressor.load_state_by_parameter(state["compressor"], self.buckets)
         self.compressor.load_extra_state(state["compressor_extra"])
+        self._keep_owned_state()
         self._reset_step()
 
 
@@ -582,7 +628,9 @@ def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
     - per-element state of the memory and the compressor (residuals ``e_r``, momenta ``u_r``, DGC's
       accumulation ``v_r``, PowerSGD's error): the mean ``(1/W) Σ_r e_r`` on every new rank. The
-      correction all ranks apply together, ``(1/W') Σ_r' e_r'``, is then the old one;
+      correction all ranks apply together, ``(1/W') Σ_r' e_r'``, is then the old one. With
+      ``hierarchy="node"`` only the owner of a bucket on each node holds its state: the mean is over
+      the ranks that hold it, ``(1/N) Σ_nodes e_n``, the correction of that run;
     - state all ranks share (PowerSGD's and ACP-SGD's factors, the step, the gradient order, the
       plan): rank 0's, which equals every rank's;
     - per-rank random draws are not state: they are derived anew from (seed, step, rank);
@@ -590,29 +638,22 @@ def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
       planned again.
     """
     merged: dict[str, Any] = {}
-    count = 0
+    counts: dict[tuple[str, str, str], int] = {}
     for state in states:
         if not merged:
-            merged = {
-                **state,
-                **{
-                    role: {
-                        name: {param: value.float().clone() for param, value in tensors.items()}
-                        for name, tensors in state[role].items()
-                    }
-                    for role in ("memory", "compressor")
-                },
-            }
-        else:
-            for role in ("memory", "compressor"):
-                for name, tensors in merged[role].items():
-                    for param, total in tensors.items():
-                        total.add_(state[role][name][param])
-        count += 1
-    for role in ("memory", "compressor"):
-        for tensors in merged[role].values():
-            for total in tensors.values():
-                total.div_(count)
+            merged = {**state, "memory": {}, "compressor": {}}
+        for role in ("memory", "compressor"):
+            for name, tensors in state[role].items():
+                totals = merged[role].setdefault(name, {})
+                for param, value in tensors.items():
+                    key = (role, name, param)
+                    if key in counts:
+                        totals[param].add_(value)
+                    else:
+                        totals[param] = value.float().clone()
+                    counts[key] = counts.get(key, 0) + 1
+    for (role, name, param), count in counts.items():
+        merged[role][name][param].div_(count)
     return merged
 
 

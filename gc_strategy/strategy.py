@@ -28,6 +28,7 @@ from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
+from .hierarchy import HIERARCHIES
 
 CHECKPOINT_KEY = "gc_strategy"
 
@@ -46,6 +47,9 @@ class GCFusedStrategy(DDPStrategy):
             with what to use instead.
         log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
             (``None``: the Trainer's own ``log_every_n_steps``).
+        hierarchy: ``"flat"`` (every rank exchanges with every rank) or ``"node"``: a dense reduction
+            inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`); the
+            nodes are the Trainer's ``num_nodes`` of ``devices`` ranks each.
         **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
     """
 
@@ -69,9 +73,13 @@ class GCFusedStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         log_every_n_steps: int | None = None,
+        hierarchy: str = "flat",
         **options: Any,
     ) -> None:
         refuse_ddp_arguments(options)
+        if hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
+        self.hierarchy = hierarchy
         for key in NO_OPS:
             options.pop(key, None)
         for key, value in (
@@ -130,6 +138,10 @@ class GCFusedStrategy(DDPStrategy):
             broadcast_from_rank0=broadcast_from_rank0,
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.broadcast_buffers,
+            hierarchy=self.hierarchy,
+            ranks_per_node=self.num_processes,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
         )
 
     # ---------------------------------------------------------------- forward passes

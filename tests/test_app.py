@@ -85,6 +85,8 @@ def test_fusion_spec_and_strategy_from_config():
     strategy = build_strategy(cfg)
     assert strategy.components.describe() == "compressor=topk memory=residual communicator=allgather fusion=groups:8"
     assert strategy.components.compressor.options["density"] == 0.05
+    assert strategy.hierarchy == "flat"
+    assert build_strategy(_compose("trainer.hierarchy=node")).hierarchy == "node"
 
 
 # ---------------------------------------------------------------- real loaders on tiny files

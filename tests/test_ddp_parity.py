@@ -200,6 +200,12 @@ def test_plain_training(tmp_path):
     assert any(not torch.equal(ours[0][k], ours[1][k]) for k in ours[0] if "running" in k)  # buffers differ by rank
 
 
+def test_node_hierarchy_on_one_node(tmp_path):
+    """hierarchy="node" with the Trainer's one node of 2 devices (a reduce to each bucket's owner,
+    then a broadcast): the same training as ddp on every rank, to fp32 rounding."""
+    _assert_parity(tmp_path, options=dict(hierarchy="node"))
+
+
 def test_gradient_accumulation_and_clipping(tmp_path):
     _assert_parity(tmp_path, accumulate_grad_batches=2, gradient_clip_val=0.05)
     _assert_parity(tmp_path / "value", gradient_clip_val=0.01, gradient_clip_algorithm="value")

@@ -269,3 +269,9 @@ def test_popen_launcher_from_a_script(tmp_path):
     checksum = float(done.stdout.split("CHECKSUM")[1].split()[0])
     reference = flat_params(_train("ddp_fork")).double().sum()
     assert abs(checksum - float(reference)) < 1e-6 * max(1.0, abs(float(reference)))
+
+
+def test_hierarchy_is_validated_at_construction():
+    with pytest.raises(ValueError, match="hierarchy = 'rack' is invalid; allowed: 'flat', 'node'"):
+        GCFusedStrategy(hierarchy="rack")
+    assert GCFusedStrategy(hierarchy="node").hierarchy == "node"

@@ -1,0 +1,131 @@
+"""``hierarchy="node"``: dense reduction inside a node, compression only across nodes.
+
+Links inside a node are fast and those between nodes slow; a flat exchange spends compression work
+where only the slow link needs it, and a gathered sparse payload costs every rank ``W − 1`` decodes.
+With ``L`` ranks on each of ``N`` nodes (``W = N L``), each bucket ``b`` has an owner ``o(b)``, a local
+rank; buckets are dealt to the local ranks by bytes, whole buckets of whole tensors, so every rank of
+a node compresses a share and low-rank methods keep their matrices. One bucket's exchange:
+
+1. inside the node, the bucket's gradients are summed onto its owner (a reduce, full precision);
+2. across nodes, the owner exchanges the node's mean ``(1/L) Σ_local g`` with the owners of ``b``
+   on the other nodes, through the memory and the compressor: a process group of the same local
+   rank on every node, so all of a node's links work at once. The compressor divides by ``N``:
+   ``(1/N) Σ_nodes (1/L) Σ_local g = (1/W) Σ_ranks g``. Error-feedback state lives on the owner and
+   covers its share;
+3. inside the node, the owner broadcasts the average.
+
+Every rank of a node issues the node's collectives in bucket order, and the owners of a bucket on
+every node issue its exchange in the same order, so the collective order is the same on every rank
+of each group. Ranks are numbered node by node (``rank = node · L + local rank``), as torchrun,
+SLURM and Lightning's launchers number them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .algos.base import Compressor, Memory
+from .bucket import Bucket
+from .communicators import Communicator, Exchange, Round
+
+HIERARCHIES = ("flat", "node")
+
+
+@dataclass
+class NodeGroups:
+    """This rank's place in ``nodes`` nodes of ``ranks_per_node`` ranks, and its two process groups."""
+
+    nodes: int
+    ranks_per_node: int
+    node: int
+    local_rank: int
+    #: the ranks of this node
+    intra: Any
+    #: the ranks of this local rank on every node
+    inter: Any
+
+    def rank_of(self, local_rank: int) -> int:
+        """The global rank of ``local_rank`` on this node."""
+        return self.node * self.ranks_per_node + local_rank
+
+
+def node_groups(ranks_per_node: Any, node_rank: int | None = None, local_rank: int | None = None) -> NodeGroups:
+    """Form the groups of :class:`NodeGroups` over the default process group (a collective: every
+    rank calls it). ``node_rank`` and ``local_rank`` (from the launcher, where known) are checked
+    against the numbering node by node. Every rank gathers every rank's view first and raises the same
+    error where they disagree, so a bad layout fails on every rank instead of hanging one."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    views: list[Any] = [None] * world_size
+    dist.all_gather_object(views, (ranks_per_node, node_rank, local_rank))
+    counts = sorted({view[0] for view in views}, key=str)
+    if len(counts) > 1:
+        raise ValueError(
+            f"hierarchy='node' needs the same number of ranks on every node, but the ranks report {counts} "
+            "ranks per node"
+        )
+    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+        raise ValueError(f"hierarchy='node': ranks per node = {ranks_per_node!r} is invalid; allowed: an integer >= 1")
+    if world_size % ranks_per_node:
+        raise ValueError(
+            f"hierarchy='node': {world_size} ranks cannot form nodes of {ranks_per_node} ranks each "
+            "(every node needs the same number of ranks)"
+        )
+    for r, (_, node, local) in enumerate(views):
+        if node is not None and local is not None and r != node * ranks_per_node + local:
+            raise ValueError(
+                f"hierarchy='node' cannot form node groups: rank {r} is local rank {local} of node {node}, but "
+                f"ranks must be numbered node by node (rank = node x {ranks_per_node} + local rank)"
+            )
+    nodes = world_size // ranks_per_node
+    intra, _ = dist.new_subgroups_by_enumeration(
+        [[n * ranks_per_node + local for local in range(ranks_per_node)] for n in range(nodes)]
+    )
+    inter, _ = dist.new_subgroups_by_enumeration(
+        [[n * ranks_per_node + local for n in range(nodes)] for local in range(ranks_per_node)]
+    )
+    return NodeGroups(nodes, ranks_per_node, rank // ranks_per_node, rank % ranks_per_node, intra, inter)
+
+
+def bucket_owners(nbytes: list[int], ranks_per_node: int) -> list[int]:
+    """The local rank that compresses each bucket: in bucket order, each to the local rank with the
+    fewest bytes so far (the lowest such rank on a tie). The same on every rank."""
+    load = [0] * ranks_per_node
+    owners = []
+    for size in nbytes:
+        owner = min(range(ranks_per_node), key=lambda local: (load[local], local))
+        load[owner] += size
+        owners.append(owner)
+    return owners
+
+
+def node_exchange(
+    groups: NodeGroups,
+    owner: int,
+    memory: Memory,
+    compressor: Compressor,
+    communicator: Communicator,
+    flat: Tensor,
+    bucket: Bucket,
+) -> Exchange:
+    """One bucket's hierarchical exchange (the module's steps 1–3); returns ``(average, finite)``
+    like :meth:`~gc_strategy.algos.base.Memory.exchange`, ``finite`` None except on the owner. The
+    communicator is bound to ``groups.inter``, the compressor to the nodes."""
+    nbytes = flat.numel() * flat.element_size()
+    source = groups.rank_of(owner)
+    local = groups.ranks_per_node > 1
+    works = [dist.reduce(flat, source, group=groups.intra, async_op=True)] if local else []
+    yield Round(works, lambda: None, nbytes)
+    finite = None
+    if groups.local_rank == owner:
+        if local:
+            flat.div_(groups.ranks_per_node)
+        average, finite = yield from memory.exchange(compressor, flat, bucket, communicator)
+        if average is not flat:
+            flat.copy_(average)
+    works = [dist.broadcast(flat, source, group=groups.intra, async_op=True)] if local else []
+    yield Round(works, lambda: None, nbytes)
+    return flat, finite

@@ -1,0 +1,208 @@
+"""hierarchy="node" on gloo ranks grouped into emulated nodes: the average equals the flat one for
+compressor=none, the plain math for top-k, every compressor keeps the replicas identical, and a bad
+layout fails with an error that names it on every rank."""
+
+import pytest
+import torch
+from distributed import run_ranks
+from models import SmallCNN
+
+from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
+from gc_strategy.hierarchy import bucket_owners
+
+OPTIONS = {
+    "topk": dict(density=0.1),
+    "randk": dict(density=0.1),
+    "dgc": dict(density=0.1),
+    "sidco": dict(density=0.1),
+    "threshold": dict(threshold=0.01),
+    "powersgd": dict(start_iter=1),
+    "acpsgd": dict(start_iter=1),
+}
+
+
+def _engine(model, name, ranks_per_node, hierarchy="node", memory=None, **options):
+    keeps_own = COMPRESSORS.get(name).OPTIONS.get("use_error_feedback") is not None
+    memory = memory or ("none" if keeps_own or name == "none" else "residual")
+    c = build_components(name, memory, "auto", "groups:3", **{**OPTIONS.get(name, {}), **options})
+    return GradientSynchronizer(
+        model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy=hierarchy, ranks_per_node=ranks_per_node
+    )
+
+
+def _batch(rank, step):
+    return torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_buckets_are_dealt_to_local_ranks_by_bytes():
+    assert bucket_owners([100, 10, 10, 10, 50], 2) == [0, 1, 1, 1, 1]
+    assert bucket_owners([5, 5, 5], 1) == [0, 0, 0]
+
+
+def _none_against_flat(rank, world_size, ranks_per_node):
+    torch.manual_seed(0)
+    flat_model, node_model = SmallCNN(), SmallCNN()
+    node_model.load_state_dict(flat_model.state_dict())
+    flat, node = _engine(flat_model, "none", ranks_per_node, "flat"), _engine(node_model, "none", ranks_per_node)
+    worst = 0.0
+    for step in range(3):
+        for model in (flat_model, node_model):
+            model.zero_grad(set_to_none=True)
+            model(_batch(rank, step)).square().mean().backward()
+        a, b = _grads(flat_model), _grads(node_model)
+        worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+    return worst, flat.tensors_per_bucket == node.tensors_per_bucket
+
+
+@pytest.mark.slow
+def test_none_averages_equal_the_flat_ones_on_two_nodes_of_two():
+    """Sums in another order: equal to fp32 rounding, |Δ| ≤ 1e-6 · max|g|, on every rank."""
+    for worst, same_buckets in run_ranks(_none_against_flat, 4, 2):
+        assert same_buckets and worst <= 1e-6
+
+
+def _topk_against_the_math(rank, world_size, ranks_per_node):
+    """Top-k (no memory) hierarchical: (1/N) Σ_nodes decode(topk(node mean)), computed here from
+    every rank's local gradient, per bucket."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    engine = _engine(model, "topk", ranks_per_node, memory="none")
+    model(_batch(rank, 9)).sum().backward()  # records the order
+    model.zero_grad(set_to_none=True)
+    with engine.no_sync():
+        model(_batch(rank, 0)).square().mean().backward()
+    local = torch.cat([engine.parameter(n).grad.reshape(-1) for n in engine.order])
+    everyone = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
+    model.zero_grad(set_to_none=True)
+    model(_batch(rank, 0)).square().mean().backward()
+    synced = torch.cat([engine.parameter(n).grad.reshape(-1) for n in engine.order])
+    nodes = world_size // ranks_per_node
+    expected, offset = [], 0
+    for bucket in engine.buckets:
+        total = torch.zeros(bucket.numel)
+        for n in range(nodes):
+            mean = sum(everyone[n * ranks_per_node + j][offset : offset + bucket.numel] for j in range(ranks_per_node))
+            mean = mean / ranks_per_node
+            k = max(1, int(0.1 * bucket.numel))  # top-k keeps floor(δ n)
+            kept = torch.zeros_like(mean)
+            top = torch.topk(mean.abs(), k).indices
+            kept[top] = mean[top]
+            total += kept
+        expected.append(total / nodes)
+        offset += bucket.numel
+    return float((synced - torch.cat(expected)).abs().max())
+
+
+@pytest.mark.slow
+def test_topk_is_the_mean_over_nodes_of_each_nodes_compressed_mean():
+    assert max(run_ranks(_topk_against_the_math, 4, 2)) <= 1e-6
+
+
+def _replicas(rank, world_size, ranks_per_node):
+    results = {}
+    for name in COMPRESSORS.names():
+        torch.manual_seed(0)
+        model = SmallCNN()
+        engine = _engine(model, name, ranks_per_node)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            model(_batch(rank, step)).square().mean().backward()
+        results[name] = (_grads(model), engine.step)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "2x4", "4x2"])
+def test_every_compressor_keeps_the_replicas_identical(world_size, ranks_per_node):
+    results = run_ranks(_replicas, world_size, ranks_per_node, timeout=600)
+    for name in COMPRESSORS.names():
+        first, steps = results[0][name]
+        assert steps == 3 and bool(torch.isfinite(first).all()) and float(first.abs().max()) > 0, name
+        for rank in range(1, world_size):
+            assert torch.equal(results[rank][name][0], first), f"{name}: rank {rank} differs from rank 0"
+
+
+def _bad_layout(rank, world_size, case):
+    torch.manual_seed(0)
+    ranks_per_node = {"indivisible": 3, "uneven": 1 + rank % 2, "numbering": 2}[case]
+    c = build_components("none")
+    node_rank, local_rank = (rank % 2, rank // 2) if case == "numbering" else (None, None)
+    try:
+        GradientSynchronizer(
+            SmallCNN(),
+            c.compressor,
+            c.memory,
+            c.communicator,
+            hierarchy="node",
+            ranks_per_node=ranks_per_node,
+            node_rank=node_rank,
+            local_rank=local_rank,
+        )
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("indivisible", "4 ranks cannot form nodes of 3 ranks each"),
+        ("uneven", "needs the same number of ranks on every node, but the ranks report [1, 2] ranks per node"),
+        ("numbering", "rank 1 is local rank 0 of node 1, but ranks must be numbered node by node"),
+    ],
+)
+def test_a_bad_layout_is_an_error_on_every_rank(case, message):
+    assert all(message in (error or "") for error in run_ranks(_bad_layout, 4, case))
+
+
+def test_an_unknown_hierarchy_is_refused_before_any_work():
+    c = build_components("none")
+    with pytest.raises(ValueError, match="hierarchy = 'rack' is invalid; allowed: 'flat', 'node'"):
+        GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, hierarchy="rack")
+
+
+def _resume(rank, world_size, ranks_per_node):
+    import copy
+
+    def train(model, engine, optimizer, steps):
+        for step in steps:
+            optimizer.zero_grad(set_to_none=True)
+            model(_batch(rank, step)).square().mean().backward()
+            optimizer.step()
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    engine = _engine(model, "topk", ranks_per_node)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, engine, optimizer, range(3))
+    local = rank % ranks_per_node
+    owned = {b for b, owner in enumerate(engine.owners) if owner == local}
+    holds_only_its_share = set(engine.memory.buffers["residual"]) == owned
+    saved = copy.deepcopy((model.state_dict(), engine.state_dict(), optimizer.state_dict()))
+    train(model, engine, optimizer, range(3, 6))
+    resumed = SmallCNN()
+    resumed.load_state_dict(saved[0])
+    engine = _engine(resumed, "topk", ranks_per_node)
+    engine.load_state_dict(saved[1])
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(saved[2])
+    train(resumed, engine, optimizer, range(3, 6))
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    return holds_only_its_share, bool(owned), same
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_with_each_ranks_share_of_the_state():
+    """top-k + residual on 2 nodes of 2: each rank keeps residuals for the buckets it compresses
+    only; a run restored from a state saved after 3 steps ends 3 steps later where the
+    uninterrupted run does, bit for bit."""
+    for holds_only_its_share, owns_some, same in run_ranks(_resume, 4, 2):
+        assert holds_only_its_share and owns_some and same
