@@ -34,13 +34,17 @@ Payload = list[Tensor]
 class Round:
     """In-flight collectives (``works``, issued together): ``wait()`` blocks until all complete and
     returns the round's result. ``eager`` rounds are advanced by the engine during backward (see
-    the module's docstring)."""
+    the module's docstring); ``inside_node`` rounds stay inside a node (``hierarchy="node"``) and
+    are counted apart."""
 
-    def __init__(self, works: list[Any], result: Callable[[], Any], nbytes: int, eager: bool = False) -> None:
+    def __init__(
+        self, works: list[Any], result: Callable[[], Any], nbytes: int, eager: bool = False, inside_node: bool = False
+    ) -> None:
         self.works = works
         self._result = result
         self.nbytes = nbytes
         self.eager = eager
+        self.inside_node = inside_node
         self.launched = time.perf_counter()
         self.completed: float | None = None
         if not works:
@@ -73,15 +77,15 @@ class RunningExchange:
     current round and runs the generator to the next one (or to its end, when ``result`` holds what
     it returned). The host time of each part is kept: ``encode_s`` up to the first round,
     ``between_s`` between rounds, ``wait_s`` waiting for rounds, ``decode_s`` after the last; and
-    what the rounds sent. ``clock`` reads the time (one that synchronises a device measures its work
-    too)."""
+    what the rounds sent (``node_bytes`` for rounds inside a node, ``sent_bytes`` for the rest).
+    ``clock`` reads the time (one that synchronises a device measures its work too)."""
 
     def __init__(self, exchange: Exchange, clock: Callable[[], float] = time.perf_counter) -> None:
         self.exchange = exchange
         self.clock = clock
         self.result: Any = None
         self.between_s = self.wait_s = self.decode_s = self.collective_s = 0.0
-        self.sent_bytes = self.collectives = 0
+        self.sent_bytes = self.node_bytes = self.collectives = 0
         start = clock()
         self.round: Round | None = next(exchange)
         self.encode_s = clock() - start
@@ -103,7 +107,10 @@ class RunningExchange:
         resumed = self.clock()
         self.wait_s += resumed - start
         self.collective_s += current.duration
-        self.sent_bytes += current.nbytes
+        if current.inside_node:
+            self.node_bytes += current.nbytes
+        else:
+            self.sent_bytes += current.nbytes
         self.collectives += len(current.works)
         try:
             self.round = self.exchange.send(value)

@@ -495,6 +495,7 @@ class GradientSynchronizer:
             tel.decode_s += running.decode_s
             tel.collective_s += running.collective_s
             tel.sent_bytes += running.sent_bytes
+            tel.node_bytes += running.node_bytes
             tel.collectives += running.collectives
         tel.extra = self.compressor.pop_metrics()
 

@@ -118,7 +118,7 @@ def node_exchange(
     source = groups.rank_of(owner)
     local = groups.ranks_per_node > 1
     works = [dist.reduce(flat, source, group=groups.intra, async_op=True)] if local else []
-    yield Round(works, lambda: None, nbytes)
+    yield Round(works, lambda: None, nbytes if local else 0, inside_node=True)
     finite = None
     if groups.local_rank == owner:
         if local:
@@ -127,5 +127,5 @@ def node_exchange(
         if average is not flat:
             flat.copy_(average)
     works = [dist.broadcast(flat, source, group=groups.intra, async_op=True)] if local else []
-    yield Round(works, lambda: None, nbytes)
+    yield Round(works, lambda: None, nbytes if local else 0, inside_node=True)
     return flat, finite

@@ -17,7 +17,10 @@ class StepTelemetry:
 
     buckets: int = 0
     raw_bytes: int = 0
+    #: payload bytes this rank put into collectives (with ``hierarchy="node"``: those across nodes)
     sent_bytes: int = 0
+    #: ``hierarchy="node"``: bytes of the collectives inside the node (the reduce and the broadcast)
+    node_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
     #: sum over collectives of the time from issue to completion

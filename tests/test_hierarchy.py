@@ -55,14 +55,21 @@ def _none_against_flat(rank, world_size, ranks_per_node):
             model(_batch(rank, step)).square().mean().backward()
         a, b = _grads(flat_model), _grads(node_model)
         worst = max(worst, float((a - b).abs().max() / a.abs().max()))
-    return worst, flat.tensors_per_bucket == node.tensors_per_bucket
+    sent = node.telemetry.last
+    return worst, flat.tensors_per_bucket == node.tensors_per_bucket, sent.raw_bytes, sent.sent_bytes, sent.node_bytes
 
 
 @pytest.mark.slow
 def test_none_averages_equal_the_flat_ones_on_two_nodes_of_two():
-    """Sums in another order: equal to fp32 rounding, |Δ| ≤ 1e-6 · max|g|, on every rank."""
-    for worst, same_buckets in run_ranks(_none_against_flat, 4, 2):
+    """Sums in another order: equal to fp32 rounding, |Δ| ≤ 1e-6 · max|g|, on every rank. Each rank
+    sends its buckets' share across nodes (the two ranks of a node together: every byte once) and
+    reduces and broadcasts every bucket inside the node."""
+    results = run_ranks(_none_against_flat, 4, 2)
+    for worst, same_buckets, raw, _, inside in results:
         assert same_buckets and worst <= 1e-6
+        assert inside == 2 * raw
+    for node in (results[:2], results[2:]):
+        assert sum(sent for *_, sent, _ in node) == node[0][2] > 0
 
 
 def _topk_against_the_math(rank, world_size, ranks_per_node):
