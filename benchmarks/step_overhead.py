@@ -23,10 +23,12 @@ the rest in the same process: whether a change of the code changed its step time
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import importlib
 import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,6 +71,7 @@ def package_at(revision: str) -> types.ModuleType:
     except subprocess.CalledProcessError as error:
         raise SystemExit(f"--against {revision}: git archive failed: {error.stderr.decode().strip()}") from None
     folder = Path(tempfile.mkdtemp(prefix="gc_strategy_at_rev"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     tarfile.open(fileobj=io.BytesIO(archive)).extractall(folder)
     package = types.ModuleType("gc_strategy_at_rev")
     package.__path__ = [str(folder / "gc_strategy")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -82,12 +83,12 @@ class Bucket:
         """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
         the tensor of element ``j``; ``mask`` bool or 0/1 integers), written into ``out`` when given
         (of the values' dtype; :func:`gc_strategy.kernels.select_per_tensor`)."""
-        ids = self.tensor_ids(mask.device)
+        ids = partial(self.tensor_ids, mask.device)  # bucket-sized: made only by the variant that gathers
         return kernels.select_per_tensor(mask, if_true, if_false, self.offsets, self.numels, ids, out)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def all_finite(flat: Tensor) -> Tensor:

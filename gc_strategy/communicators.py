@@ -188,7 +188,7 @@ class AllGather(Communicator):
         else:  # known on the host: no device round trip
             all_counts = [counts] * self.world_size
         dtypes = [t.dtype for t in payload]
-        sizes = [[n * _itemsize(d) for n, d in zip(rank_counts, dtypes)] for rank_counts in all_counts]
+        sizes = [[n * d.itemsize for n, d in zip(rank_counts, dtypes)] for rank_counts in all_counts]
         padded = max(1, max(sum(s) for s in sizes))  # never gather zero bytes (no rank selected anything)
         packed = torch.zeros(padded, dtype=torch.uint8, device=_device(payload))
         if nbytes:
@@ -207,15 +207,11 @@ def _device(payload: Payload) -> torch.device:
     return payload[0].device if payload else torch.device("cpu")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _unpack(buffer: Tensor, sizes: list[int], dtypes: list[torch.dtype]) -> Payload:
     out, start = [], 0
     for size, dtype in zip(sizes, dtypes):
         piece = buffer[start : start + size]
-        if start % _itemsize(dtype):  # a dtype view needs an aligned offset
+        if start % dtype.itemsize:  # a dtype view needs an aligned offset
             piece = piece.clone()
         out.append(piece.view(dtype))
         start += size

@@ -6,6 +6,15 @@ from gc_strategy import COMPRESSORS
 from gc_strategy.bucket import Bucket
 from gc_strategy.communicators import RunningExchange
 
+#: options that make every compressor send something of the small test models' gradients
+SMALL_MODEL_OPTIONS = {
+    "topk": dict(density=0.1),
+    "randk": dict(density=0.1),
+    "dgc": dict(density=0.1),
+    "sidco": dict(density=0.1),
+    "threshold": dict(threshold=0.01),
+}
+
 
 def bucket(n: int, index: int = 0, dtype=torch.float32) -> Bucket:
     return Bucket(index, [f"p{index}"], [torch.Size([n])], dtype, torch.device("cpu"))

@@ -4,6 +4,7 @@ reference aggregation of the ranks' own decodes, and telemetry counts the payloa
 import pytest
 import torch
 import torch.distributed as dist
+from compressor_helpers import SMALL_MODEL_OPTIONS
 from distributed import run_ranks
 from models import SmallCNN
 
@@ -14,13 +15,7 @@ MAJORITY = {"signsgd", "signum"}
 LOWRANK = {"powersgd", "acpsgd"}
 # the casts sum on the wire in 16 bits: each addition rounds by up to the unit roundoff
 TOLERANCE = {"fp16": 2.0**-10, "bf16": 2.0**-7}
-OPTIONS = {
-    "topk": dict(density=0.1),
-    "randk": dict(density=0.1),
-    "dgc": dict(density=0.1),
-    "sidco": dict(density=0.1),
-    "threshold": dict(threshold=0.01),
-}
+OPTIONS = SMALL_MODEL_OPTIONS
 
 
 def _check_all(rank, world_size, memory):

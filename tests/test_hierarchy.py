@@ -4,21 +4,14 @@ layout fails with an error that names it on every rank."""
 
 import pytest
 import torch
+from compressor_helpers import SMALL_MODEL_OPTIONS
 from distributed import run_ranks
 from models import SmallCNN
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
 from gc_strategy.hierarchy import bucket_owners
 
-OPTIONS = {
-    "topk": dict(density=0.1),
-    "randk": dict(density=0.1),
-    "dgc": dict(density=0.1),
-    "sidco": dict(density=0.1),
-    "threshold": dict(threshold=0.01),
-    "powersgd": dict(start_iter=1),
-    "acpsgd": dict(start_iter=1),
-}
+OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 
 
 def _engine(model, name, ranks_per_node, hierarchy="node", memory=None, **options):

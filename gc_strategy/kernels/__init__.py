@@ -10,6 +10,8 @@ these functions and read as their math.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from . import numpy_ops, torch_ops, triton_bits
@@ -119,14 +121,15 @@ def select_per_tensor(
     if_false: Tensor,
     offsets: list[int],
     numels: list[int],
-    tensor_ids: Tensor,
+    tensor_ids: Callable[[], Tensor],
     out: Tensor | None = None,
 ) -> Tensor:
     """``out[j] = if_true[t(j)] if mask[j] else if_false[t(j)]`` for per-tensor values (``t(j)``:
-    the tensor of element ``j``, ``tensor_ids``), written into ``out`` when given."""
+    the tensor of element ``j``, ``tensor_ids()``: asked for only by the variant that gathers, so the
+    host never holds the bucket-sized index), written into ``out`` when given."""
     if variant_for(mask) == "numpy":
         return numpy_ops.select_per_tensor(mask, if_true, if_false, offsets, numels, out)
-    return torch_ops.select_per_tensor(mask, if_true, if_false, tensor_ids, out)
+    return torch_ops.select_per_tensor(mask, if_true, if_false, tensor_ids(), out)
 
 
 def assign_if_finite(target: Tensor, value: Tensor, finite: Tensor) -> None:
