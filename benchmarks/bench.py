@@ -3,11 +3,15 @@ hooks, on loopback or an emulated network, as a table, CSV, charts and a W&B run
 
     python benchmarks/bench.py                     # the default configurations on loopback
     python benchmarks/bench.py net.rate=1gbit      # ranks in network namespaces on a 1 Gbit/s link (root)
+    python benchmarks/bench.py world_size=4 nodes=2 net.rate=1gbit   # 2 emulated nodes x 2 ranks
     python benchmarks/bench.py 'configs=[ddp,gc_fused:compressor=topk,memory=residual,density=0.01]' rounds=5
 
 Every configuration runs ``steps`` measured steps after ``warmup`` steps, in fresh processes (one
 per rank; see ``benchmarks/bench_worker.py``), and the configurations are interleaved round by round
-(A B C ... A B C ...) so that machine noise hits all alike; medians pool all rounds. A configuration
+(A B C ... A B C ...) so that machine noise hits all alike; medians pool all rounds. The ranks form
+``nodes`` emulated nodes of ``world_size / nodes`` ranks (default: one rank per node); with
+``net.rate`` each node is a network namespace whose link to the others is shaped
+(``benchmarks/netns.py``), and the report counts the bytes that left each node, per step. A configuration
 that fails or hangs is reported as such and the others go on. Outputs, in the Hydra run directory:
 ``results.md`` (also printed), ``results.csv``, ``speedup.png`` (speedup vs ``ddp``),
 ``breakdown.png`` (one rank computing alone / what the ranks lose by sharing the machine / what
@@ -46,6 +50,7 @@ COLUMNS = [
     "median step (s)",
     "samples/s",
     "bytes sent / step",
+    "bytes across nodes / step",
     *(f"step / {ideal}" for ideal in IDEALS),
     *(f"speedup vs {b}" for b in BASELINES if b not in IDEALS),
 ]
@@ -58,6 +63,11 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(
                 f"{name} = {value!r} is invalid; allowed: an integer >= {2 if name == 'world_size' else 1}"
             )
+    if not isinstance(cfg.nodes, int) or cfg.nodes < 1 or cfg.world_size % cfg.nodes:
+        raise ValueError(
+            f"nodes = {cfg.nodes!r} is invalid with world_size = {cfg.world_size}; allowed: a positive integer "
+            "that divides world_size (each node holds world_size / nodes ranks)"
+        )
     if not isinstance(cfg.warmup, int) or cfg.warmup < 0:
         raise ValueError(f"warmup = {cfg.warmup!r} is invalid; allowed: an integer >= 0")
     if len(set(cfg.configs)) != len(cfg.configs) or not cfg.configs:
@@ -73,23 +83,31 @@ def validate(cfg: DictConfig) -> None:
 def run_config(
     name: str, cfg: DictConfig, config_file: Path, network: list, port: int, out: Path, tag: str
 ) -> dict[str, Any]:
-    """One configuration once: its ranks as processes. Returns the summary or ``{"failed": why}``."""
+    """One configuration once: its ranks as processes, each in its node's ``network``. Returns rank
+    0's summary, with the bytes that crossed node boundaries per measured step when the links are
+    shaped, or ``{"failed": why}``."""
     rank_count = ranks(name, cfg.world_size)
+    per_node = cfg.world_size // cfg.nodes
     results = [out / "runs" / (f"{tag}.json" if r == 0 else f"{tag}-rank{r}.json") for r in range(rank_count)]
     logs = [out / "logs" / f"{tag}-rank{r}.log" for r in range(rank_count)]
     processes = []
     for r in range(rank_count):
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONPATH": str(ROOT)}
+        node = network[r // per_node]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(cfg.threads_per_rank),
+            "PYTHONPATH": str(ROOT),
+            "GLOO_SOCKET_IFNAME": node.interface,
+        }
         if name not in ALONE:
             env.update(
                 MASTER_ADDR=network[0].address,
                 MASTER_PORT=str(port),
-                NODE_RANK=str(r),
+                NODE_RANK=str(r // per_node),
                 WORLD_SIZE=str(rank_count),
-                LOCAL_RANK="0",
-                GLOO_SOCKET_IFNAME=network[r].interface,
+                LOCAL_RANK=str(r % per_node),
             )
-        command = network[r].command + [
+        command = node.command + [
             sys.executable,
             str(ROOT / "benchmarks" / "bench_worker.py"),
             str(config_file),
@@ -115,7 +133,12 @@ def run_config(
             ((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0]
         )
         return {"failed": f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"}
-    return json.loads(results[0].read_text())
+    per_rank = [json.loads(path.read_text()) for path in results]
+    summary = per_rank[0]
+    if cfg.net.rate:  # one rank per node counts its node's interface
+        leaving = [r["node_sent_bytes"] for r in per_rank if r["local_rank"] == 0]
+        summary["bytes_across_nodes_per_step"] = sum(leaving) / cfg.steps
+    return summary
 
 
 def _wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -159,8 +182,12 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
             )
             row["median step (s)"] = medians[name]
             row["samples/s"] = cfg.data.batch_size * ok[0]["ranks"] / medians[name]
-            sent = ok[0].get("sent_bytes_per_step")  # a mean over steps: whole bytes are enough
-            row["bytes sent / step"] = None if sent is None else round(sent)
+            for column, key in (
+                ("bytes sent / step", "sent_bytes_per_step"),
+                ("bytes across nodes / step", "bytes_across_nodes_per_step"),
+            ):  # means over steps (and rounds): whole bytes are enough
+                values = [r[key] for r in ok if r.get(key) is not None]
+                row[column] = round(statistics.mean(values)) if values else None
             row["encode+decode (s)"] = (ok[0].get("breakdown") or {}).get("encode+decode", 0.0)
         rows.append(row)
     for row in rows:
@@ -186,11 +213,14 @@ def _cell(value: Any) -> str:
 
 
 def write_outputs(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str:
-    link = f"{cfg.net.rate} per rank (netns + tc tbf)" if cfg.net.rate else "loopback"
+    per_node = cfg.world_size // cfg.nodes
+    link = (
+        f"{cfg.net.rate} per {'rank' if per_node == 1 else 'node'} (netns + tc tbf)" if cfg.net.rate else "loopback"
+    )
     stem = "CIFAR 3x3" if cfg.model.get("cifar_stem") else "standard"
     header = (
         f"{cfg.model.get('arch', cfg.model.recipe)} ({stem} stem), batch {cfg.data.batch_size} per rank, "
-        f"{cfg.world_size} CPU ranks x {cfg.threads_per_rank} thread, {link}; {cfg.rounds} rounds x "
+        f"{cfg.nodes} node(s) x {per_node} CPU rank(s) x {cfg.threads_per_rank} thread, {link}; {cfg.rounds} rounds x "
         f"{cfg.steps} measured steps after {cfg.warmup}, interleaved; medians over all rounds"
     )
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -304,9 +334,9 @@ def benchmark(cfg: DictConfig, out: Path) -> list[dict[str, Any]]:
     OmegaConf.save(cfg, config_file, resolve=True)
     runs: dict[str, list[dict]] = {name: [] for name in cfg.configs}
     network = (
-        emulated_network(cfg.world_size, cfg.net.rate, cfg.net.burst, cfg.net.latency)
+        emulated_network(cfg.nodes, cfg.net.rate, cfg.net.burst, cfg.net.latency)
         if cfg.net.rate
-        else loopback(cfg.world_size)
+        else loopback(cfg.nodes)
     )
     port = 29400 + os.getpid() % 500
     with network as links:

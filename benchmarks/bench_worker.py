@@ -2,10 +2,13 @@
 
     python benchmarks/bench_worker.py CONFIG.yaml NAME RESULT.json
 
-The rank, world size and rendezvous come from the environment (``NODE_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), so each rank can run in its own network
-namespace; every rank is a Lightning "node" with one CPU device. Rank 0 writes ``RESULT.json``: the
-step times after ``warmup`` steps (``ThroughputMonitor``'s summary) and the payload bytes per step.
+The rank, world size and rendezvous come from the environment (``NODE_RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), so that each emulated node
+runs in its own network namespace; each node is a Lightning node with ``world_size / nodes`` CPU
+devices. Rank 0 writes ``RESULT.json``: the step times after ``warmup`` steps
+(``ThroughputMonitor``'s summary) and the payload bytes per step. Every rank writes its local rank and
+the bytes its node's interface sent during the measured steps (``node_sent_bytes``; one rank per node
+counts, as the node's ranks share the interface; other ranks write ``RESULT-rankR.json``).
 
 Configuration names: ``compute`` (one rank, no communication), ``compute-parallel`` (``world_size``
 ranks at once, each training alone: no communication, but the ranks share the machine's cores, caches
@@ -29,7 +32,9 @@ import sys
 import tempfile
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
+from netns import sent_bytes
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
@@ -107,13 +112,29 @@ def make_strategy(name: str, warmup: int):
     return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
 
 
+class InterfaceBytes(pl.Callback):
+    """The bytes sent through ``interface`` from the start of step ``first`` to the end of step
+    ``last`` (kernel counters: every byte that left the node, whoever sent it)."""
+
+    def __init__(self, interface: str, first: int, last: int) -> None:
+        self.interface, self.first, self.last = interface, first, last
+        self.sent: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.first:
+            self.sent = -sent_bytes(self.interface)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.last and self.sent is not None:
+            self.sent += sent_bytes(self.interface)
+
+
 def ranks(name: str, world_size: int) -> int:
     """How many processes a configuration runs: one for ``compute``, ``world_size`` otherwise."""
     return 1 if name == "compute" else world_size
 
 
 def main(config_path: str, name: str, result_path: str) -> None:
-    import lightning.pytorch as pl
     import torch
     from omegaconf import OmegaConf
 
@@ -123,6 +144,7 @@ def main(config_path: str, name: str, result_path: str) -> None:
     cfg = OmegaConf.load(config_path)
     torch.set_num_threads(cfg.threads_per_rank)
     world_size = 1 if name in ALONE else cfg.world_size
+    nodes = 1 if name in ALONE else cfg.nodes
     steps = cfg.warmup + cfg.steps
     cfg.data.train_samples = cfg.data.batch_size * world_size * steps
     cfg.data.val_samples = cfg.data.batch_size
@@ -130,10 +152,12 @@ def main(config_path: str, name: str, result_path: str) -> None:
     module, data = build_recipe(cfg, cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
         monitor = ThroughputMonitor(cfg.data.batch_size, tmp, baseline_steps=0, warmup_steps=cfg.warmup)
+        interface = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+        traffic = InterfaceBytes(interface, cfg.warmup, steps)
         trainer = pl.Trainer(
             accelerator="cpu",
-            devices=1,
-            num_nodes=world_size,
+            devices=world_size // nodes,
+            num_nodes=nodes,
             strategy=make_strategy(name, cfg.warmup),
             max_steps=steps,
             limit_val_batches=0,
@@ -141,17 +165,18 @@ def main(config_path: str, name: str, result_path: str) -> None:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[monitor],
+            callbacks=[monitor, traffic],
         )
         trainer.fit(module, datamodule=data)
+    result = {"local_rank": trainer.local_rank, "node_sent_bytes": traffic.sent}
     if trainer.is_global_zero:
-        summary = dict(monitor.summary)
+        result.update(monitor.summary)
         elements = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if name in WIRE_BYTES:
-            summary["sent_bytes_per_step"] = elements * WIRE_BYTES[name]
-        summary["ranks"] = ranks(name, cfg.world_size)
-        with open(result_path, "w") as f:
-            json.dump(summary, f)
+            result["sent_bytes_per_step"] = elements * WIRE_BYTES[name]
+        result["ranks"] = ranks(name, cfg.world_size)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
-"""An emulated network for the benchmark ranks: Linux network namespaces joined by veth pairs on a
-bridge, each rank's link shaped with ``tc tbf`` (``netem`` is not available here).
+"""An emulated cluster for the benchmark ranks: one Linux network namespace per node, the nodes
+joined by veth pairs on a bridge, each node's link shaped with ``tc tbf`` (``netem`` is not
+available here).
 
-Rank ``r`` lives in namespace ``gcb<r>`` with address ``10.77.0.<r+1>/24`` on interface ``gcb<r>n``;
-the other end of its veth pair, ``gcb<r>h``, is a port of the bridge ``gcbbr`` in the root namespace
+Node ``n`` is namespace ``gcb<n>`` with address ``10.77.0.<n+1>/24`` on interface ``gcb<n>n``; the
+other end of its veth pair, ``gcb<n>h``, is a port of the bridge ``gcbbr`` in the root namespace
 (which has no address on it, so no traffic leaves the namespaces). ``tbf`` shapes both directions of
-every rank's link to ``rate``. Everything is removed when the context ends, also on an error or
-Ctrl-C, and leftovers of an interrupted earlier run are removed first. One emulated network at a
-time: a second run while one is under way is refused (the names are shared; its clean-up would
+every node's link to ``rate``. The ranks of one node share its namespace and address: what they send
+each other stays inside the namespace (the kernel routes a namespace's own addresses over its
+loopback), unshaped, as over a node's fast local links; only what goes to another node crosses the
+shaped link, and the interface's ``tx_bytes`` counter counts it (:func:`sent_bytes`). With one rank
+per node every link between ranks is shaped. Everything is removed when the context ends, also on an
+error or Ctrl-C, and leftovers of an interrupted earlier run are removed first. One emulated network
+at a time: a second run while one is under way is refused (the names are shared; its clean-up would
 tear down the first run's links). Needs root.
 """
 
@@ -28,8 +33,9 @@ LOCK_FILE = Path(tempfile.gettempdir()) / "gc_strategy-netns.lock"  # held while
 
 
 @dataclass(frozen=True)
-class RankNetwork:
-    """How to start rank ``rank``: the command prefix, its address and the interface gloo uses."""
+class NodeNetwork:
+    """How to start a rank on one node: the command prefix, the node's address and the interface gloo
+    uses."""
 
     command: list[str]
     address: str
@@ -81,13 +87,19 @@ def check_can_emulate(rate: str) -> None:
             raise FileNotFoundError(f"net.rate={rate} needs the '{tool}' command (iproute2)")
 
 
-def _setup(world_size: int, rate: str, burst: str, latency: str) -> list[RankNetwork]:
+def sent_bytes(interface: str) -> int:
+    """Bytes sent so far through ``interface`` of the calling process's network namespace (the
+    kernel's counter, headers included)."""
+    return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
+
+
+def _setup(nodes: int, rate: str, burst: str, latency: str) -> list[NodeNetwork]:
     _ip("link", "add", BRIDGE, "type", "bridge")
     _ip("link", "set", BRIDGE, "up")
-    ranks = []
+    networks = []
     shape = ["tbf", "rate", rate, "burst", burst, "latency", latency]
-    for r in range(world_size):
-        namespace, host, inside, address = f"{PREFIX}{r}", f"{PREFIX}{r}h", f"{PREFIX}{r}n", f"10.77.0.{r + 1}"
+    for n in range(nodes):
+        namespace, host, inside, address = f"{PREFIX}{n}", f"{PREFIX}{n}h", f"{PREFIX}{n}n", f"10.77.0.{n + 1}"
         _ip("netns", "add", namespace)
         _ip("link", "add", host, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", namespace)
@@ -102,15 +114,15 @@ def _setup(world_size: int, rate: str, burst: str, latency: str) -> list[RankNet
         ):
             subprocess.run(run_inside + command, check=True, capture_output=True, text=True)
         subprocess.run(["tc", "qdisc", "add", "dev", host, "root", *shape], check=True, capture_output=True, text=True)
-        ranks.append(RankNetwork(run_inside, address, inside))
-    return ranks
+        networks.append(NodeNetwork(run_inside, address, inside))
+    return networks
 
 
 @contextmanager
 def emulated_network(
-    world_size: int, rate: str, burst: str = "512kb", latency: str = "50ms"
-) -> Iterator[list[RankNetwork]]:
-    """Namespaces for ``world_size`` ranks on a bridge, every link shaped to ``rate`` both ways."""
+    nodes: int, rate: str, burst: str = "512kb", latency: str = "50ms"
+) -> Iterator[list[NodeNetwork]]:
+    """One namespace per node on a bridge, every node's link shaped to ``rate`` both ways."""
     check_can_emulate(rate)
     with open(LOCK_FILE, "a+") as lock:
         try:
@@ -123,16 +135,17 @@ def emulated_network(
         remove_all()  # leftovers of a run that was killed (its lock went with it)
         try:
             try:
-                ranks = _setup(world_size, rate, burst, latency)
+                networks = _setup(nodes, rate, burst, latency)
             except subprocess.CalledProcessError as error:
                 raise RuntimeError(
                     f"setting up the emulated network failed: {' '.join(error.cmd)}: {(error.stderr or '').strip()}"
                 ) from None
-            yield ranks
+            yield networks
         finally:
             remove_all()
 
 
 @contextmanager
-def loopback(world_size: int) -> Iterator[list[RankNetwork]]:
-    yield [RankNetwork([], "127.0.0.1", "lo") for _ in range(world_size)]
+def loopback(nodes: int) -> Iterator[list[NodeNetwork]]:
+    """Every node on this machine's loopback: nothing is shaped, and nothing tells the nodes apart."""
+    yield [NodeNetwork([], "127.0.0.1", "lo") for _ in range(nodes)]

@@ -67,6 +67,7 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
     cfg = OmegaConf.create(
         {
             "world_size": 2,
+            "nodes": 2,
             "threads_per_rank": 1,
             "timeout_s": 60,
             "data": {"batch_size": 4},
@@ -79,7 +80,7 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(tmp_path):
     )
     (tmp_path / "runs").mkdir()
     (tmp_path / "logs").mkdir()
-    crash = netns.RankNetwork(["sh", "-c", "echo 'RuntimeError: boom' >&2; exit 3", "--"], "127.0.0.1", "lo")
+    crash = netns.NodeNetwork(["sh", "-c", "echo 'RuntimeError: boom' >&2; exit 3", "--"], "127.0.0.1", "lo")
     failed = bench.run_config("ddp", cfg, tmp_path / "none.yaml", [crash, crash], 29999, tmp_path, "r0-c0")
     assert failed == {"failed": "rank 0 exited with 3: RuntimeError: boom"}
     fine = {"step_times_s": [0.5, 0.7, 0.6], "ranks": 2, "sent_bytes_per_step": 100.4, "step_time_s": 0.6}
@@ -173,12 +174,12 @@ def test_the_no_comm_baseline_keeps_each_ranks_own_gradients():
 def test_a_rank_that_dies_ends_the_run_at_once_and_its_error_is_reported(tmp_path, monkeypatch):
     """Rank 1 fails while rank 0 would wait on it for ever (here: sleeps): rank 0 is killed after the
     grace period, long before the timeout, and the report names rank 1's own error."""
-    cfg = OmegaConf.create({"world_size": 2, "threads_per_rank": 1, "timeout_s": 300})
+    cfg = OmegaConf.create({"world_size": 2, "nodes": 2, "threads_per_rank": 1, "timeout_s": 300})
     (tmp_path / "runs").mkdir()
     (tmp_path / "logs").mkdir()
     monkeypatch.setattr(bench, "PEER_GRACE_S", 1.0)
-    waits = netns.RankNetwork(["sh", "-c", "sleep 300", "--"], "127.0.0.1", "lo")
-    dies = netns.RankNetwork(
+    waits = netns.NodeNetwork(["sh", "-c", "sleep 300", "--"], "127.0.0.1", "lo")
+    dies = netns.NodeNetwork(
         ["sh", "-c", "echo 'ImportError: cannot import name' >&2; exit 1", "--"], "127.0.0.1", "lo"
     )
     started = time.monotonic()
@@ -242,3 +243,39 @@ def test_bad_configs_are_refused_before_any_work(tmp_path):
     done = _bench(tmp_path, "net.rate=fast", timeout=120)
     assert done.returncode == 2 and "net.rate = 'fast' is invalid; allowed: a number and a unit" in done.stderr
     assert all(netns.RATE.fullmatch(rate) for rate in ("1gbit", "10Gbit", "100mbit", "2.5gbit", "125mbps", "1gibit"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_two_emulated_nodes_count_the_bytes_that_cross_between_them(tmp_path):
+    """2 nodes x 2 ranks at 1 Gbit/s: ranks of one node share a namespace, and the kernel's
+    counters of the nodes' interfaces give what crossed between nodes. Every node must receive the
+    other node's payloads, so a flat allgather moves at least 2 x 2 payloads across; the hierarchy
+    sends each node's share once, at most half of that."""
+    topk = "gc_fused:compressor=topk,memory=residual,density=0.01"
+    done = _bench(
+        tmp_path,
+        f'configs=[compute-parallel,"{topk}","{topk},hierarchy=node"]',
+        "world_size=4",
+        "nodes=2",
+        "net.rate=1gbit",
+        "rounds=1",
+        "steps=2",
+        "warmup=1",
+        "data.batch_size=4",
+        "logger=csv",
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "2 node(s) x 2 CPU rank(s)" in done.stdout
+    rows = {r["configuration"]: r for r in csv.DictReader(open(tmp_path / "run" / "results.csv"))}
+    across = {name: float(row["bytes across nodes / step"]) for name, row in rows.items()}
+    payload = float(rows[topk]["bytes sent / step"])  # rank 0's allgathered payload
+    assert across["compute-parallel"] < 10_000  # ranks that train alone send (next to) nothing
+    assert across[topk] >= 4 * payload
+    assert across[f"{topk},hierarchy=node"] <= 0.5 * across[topk]
+    assert netns.existing() == ([], [])
+
+
+def test_nodes_must_divide_the_ranks(tmp_path):
+    done = _bench(tmp_path, "world_size=4", "nodes=3", timeout=120)
+    assert done.returncode == 2 and "nodes = 3 is invalid with world_size = 4" in done.stderr
