@@ -214,9 +214,7 @@ def _cell(value: Any) -> str:
 
 def write_outputs(cfg: DictConfig, rows: list[dict[str, Any]], out: Path) -> str:
     per_node = cfg.world_size // cfg.nodes
-    link = (
-        f"{cfg.net.rate} per {'rank' if per_node == 1 else 'node'} (netns + tc tbf)" if cfg.net.rate else "loopback"
-    )
+    link = f"{cfg.net.rate} per {'rank' if per_node == 1 else 'node'} (netns + tc tbf)" if cfg.net.rate else "loopback"
     stem = "CIFAR 3x3" if cfg.model.get("cifar_stem") else "standard"
     header = (
         f"{cfg.model.get('arch', cfg.model.recipe)} ({stem} stem), batch {cfg.data.batch_size} per rank, "

@@ -119,9 +119,7 @@ def _setup(nodes: int, rate: str, burst: str, latency: str) -> list[NodeNetwork]
 
 
 @contextmanager
-def emulated_network(
-    nodes: int, rate: str, burst: str = "512kb", latency: str = "50ms"
-) -> Iterator[list[NodeNetwork]]:
+def emulated_network(nodes: int, rate: str, burst: str = "512kb", latency: str = "50ms") -> Iterator[list[NodeNetwork]]:
     """One namespace per node on a bridge, every node's link shaped to ``rate`` both ways."""
     check_can_emulate(rate)
     with open(LOCK_FILE, "a+") as lock:
