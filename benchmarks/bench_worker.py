@@ -25,7 +25,6 @@ running in step, since Lightning starts every step with a broadcast), and
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import sys
@@ -35,6 +34,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from netns import sent_bytes
+
+from gc_strategy.components import parse_options
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
@@ -76,16 +77,7 @@ def parse_config(name: str) -> dict[str, Any]:
     kind, _, spec = name.partition(":")
     if kind != "gc_fused":
         raise ValueError(f"configs: {name!r} is invalid; allowed: {', '.join(BASELINES)}, or gc_fused[:key=value,...]")
-    options: dict[str, Any] = {}
-    for item in filter(None, spec.split(",")):
-        key, separator, value = item.partition("=")
-        if not separator:
-            raise ValueError(f"configs: {name!r}: {item!r} is not key=value")
-        try:
-            options[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            options[key.strip()] = value.strip()
-    return options
+    return parse_options(spec)
 
 
 def make_strategy(name: str, warmup: int):

@@ -9,6 +9,7 @@ error-feedback memory on a compressor that keeps its own (PowerSGD, ACP-SGD).
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,3 +100,18 @@ def build_components(
             "communicator='auto'"
         )
     return Components(built_compressor, built_memory, built_communicator, parse_fusion(fusion))
+
+
+def parse_options(spec: str, option: str = "configs") -> dict[str, Any]:
+    """``"compressor=topk,density=0.01"`` -> ``{"compressor": "topk", "density": 0.01}``: the
+    command-line form of a configuration (values read as Python literals, else kept as strings)."""
+    options: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, separator, value = item.partition("=")
+        if not separator:
+            raise ValueError(f"{option}: {spec!r}: {item!r} is not key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    return options

@@ -1,0 +1,472 @@
+"""Does compression pay on this cluster? Predicted step times of each configuration against a bf16
+allreduce, from the topology-aware timeline model.
+
+    python -m gc_strategy.advise --model resnet18 --nodes 2 --ranks-per-node 2 --inter 1gbit \\
+        --configs compressor=topk,memory=residual,density=0.01 compressor=qsgd,hierarchy=node
+
+Compression is no free win: in a survey of 200 published set-ups it sped training up in only a
+handful (Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
+MLSys 2022), because encode and decode cost device time and a gathered payload grows with the
+number of ranks. The advisor predicts, for each configuration, the step time of the timeline model
+(:mod:`gc_strategy.fusion.timeline`) with its communication term from the cluster's topology
+(:mod:`gc_strategy.fusion.topology`), and recommends the fastest, or plain bf16 allreduce when no
+configuration beats it.
+
+What it measures here, on the model's own tensor shapes and random gradients, bucketed as the
+synchroniser buckets them (``fusion``, default 25 MB buckets):
+
+- **payload bytes and rounds** of each compressor's exchange, and its **encode and decode time** at
+  the world size it will run at: the exchange runs through a :class:`Replicas` communicator, which
+  hands back the payloads of ``W`` ranks (this rank's, ``W`` times) without a network, so that a
+  gathered payload is decoded ``W`` times as in training;
+- **the backward's gradient-ready times** (one short run of the model).
+
+The compute time of a step at the target (forward, backward, optimizer: everything but
+synchronisation) is given (``--compute-s``), or measured here. Encode and decode run on the same
+device as the compute and are scaled with it: by ``compute_s / (the step measured here)``, which is
+1 when the target is this device. With ``hierarchy="node"`` each rank encodes and decodes its share
+of the buckets, ``1/L`` of them, for the ``N`` nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .autotune import sample_ranges
+from .bucket import Bucket
+from .communicators import Communicator, Exchange, Payload, Round, RunningExchange
+from .components import build_components, parse_options
+from .fusion.timeline import Cost, CostModel, simulate
+from .fusion.topology import Link, Topology, exchange_seconds, parse_rate
+from .hierarchy import HIERARCHIES
+
+#: timed runs of each sample bucket after one warm-up run; the median is kept
+RUNS = 3
+BASELINE = "compressor=bf16"
+
+
+class Replicas(Communicator):
+    """``world_size`` ranks that all hold this rank's payload, and no network: an allgather returns
+    ``world_size`` copies, an allreduce the payload times ``world_size``. Counts its rounds (a
+    variable-size gather also exchanges its lengths first)."""
+
+    def __init__(self, world_size: int, sums: bool) -> None:
+        super().__init__()
+        self.world_size, self.sums, self.rounds = world_size, sums, 0
+
+    def bind(self, group: Any) -> None:
+        """Stands for its own ranks: there is no process group to bind."""
+
+    def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
+        self.rounds += 1 + (variable_size and not self.sums)
+        nbytes = sum(t.numel() * t.element_size() for t in payload)
+        if self.sums:
+            return (yield Round([], lambda: [t.mul_(self.world_size) for t in payload], nbytes, eager))
+        copies = [t.contiguous().view(-1) for t in payload]
+        return (yield Round([], lambda: [copies] * self.world_size, nbytes, eager))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One configuration's exchange on sample buckets of one model: elements, seconds, bytes."""
+
+    options: dict[str, Any]
+    sizes: tuple[int, ...]
+    encode_s: tuple[float, ...]
+    between_s: tuple[float, ...]  # work between rounds (PowerSGD's orthogonalisation)
+    decode_s: tuple[float, ...]
+    payload_bytes: tuple[float, ...]  # sent by one rank
+    rounds: int
+    sums: bool
+
+
+def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: int) -> Profile:
+    """Measure one configuration (``GCFusedStrategy`` options) on buckets cut from ``shapes``
+    (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes)."""
+    components = build_components(**_roles(options))
+    compressor, memory = components.compressor, components.memory
+    compressor.bind(world_size, 0)
+    compressor.begin_step(1 << 30)  # steady state: past start_iter and warm-ups
+    names = list(shapes)
+    numels = [shapes[name].numel() for name in names]
+    generator = torch.Generator().manual_seed(0)
+    gradient = torch.randn(sum(numels), generator=generator)
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    rows, rounds = [], 0
+    for index, (a, b) in enumerate(sample_ranges(numels)):
+        bucket = Bucket(index, names[a:b], [shapes[name] for name in names[a:b]], torch.float32, torch.device("cpu"))
+        runs = []
+        for run in range(RUNS + 1):
+            replicas = Replicas(world_size, components.communicator.sums)
+            flat = gradient[offsets[a] : offsets[b]].clone()
+            running = RunningExchange(memory.exchange(compressor, flat, bucket, replicas))
+            running.finish()
+            if run:
+                runs.append((running.encode_s, running.between_s, running.decode_s, running.sent_bytes))
+            rounds = replicas.rounds
+        rows.append((bucket.numel, *(statistics.median(column) for column in zip(*runs))))
+    sizes, encode, between, decode, payload = zip(*rows)
+    return Profile(options, sizes, encode, between, decode, payload, rounds, replicas.sums)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A step without synchronisation: gradient-ready times after the first, and the rest."""
+
+    ready: tuple[float, ...]
+    other: float
+
+    @property
+    def step_s(self) -> float:
+        return self.other + self.ready[-1]
+
+    def scaled(self, factor: float) -> Compute:
+        return Compute(tuple(factor * r for r in self.ready), factor * self.other)
+
+
+def measure_compute(
+    model: nn.Module, make_batch: Callable[[], Any], loss: Callable[[Any, Any], Tensor], steps: int = 3
+) -> tuple[list[str], Compute]:
+    """Gradient-ready order (names) and :class:`Compute` of the model's training step on this
+    device (forward, backward, SGD step), the median of ``steps`` steps after one warm-up."""
+    params = {p: name for name, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stamps: dict[str, float] = {}
+
+    def stamp(parameter: Tensor) -> None:
+        stamps.setdefault(params[parameter], time.perf_counter())
+
+    handles = [p.register_post_accumulate_grad_hook(stamp) for p in params]
+    measured = []
+    try:
+        for step in range(steps + 1):
+            stamps.clear()
+            batch = make_batch()
+            start = time.perf_counter()
+            loss(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            end = time.perf_counter()
+            if step:
+                measured.append((dict(stamps), end - start))
+    finally:
+        for handle in handles:
+            handle.remove()
+    stamps, step_s = sorted(measured, key=lambda m: m[1])[len(measured) // 2]
+    order = sorted(stamps, key=stamps.get)
+    first = stamps[order[0]]
+    ready = tuple(stamps[name] - first for name in order)
+    return order, Compute(ready, step_s - ready[-1])
+
+
+def predict(
+    profile: Profile, numels: list[int], groups: list[int], compute: Compute, topology: Topology, codec_scale: float
+) -> float:
+    """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
+    ``groups`` (tensors per bucket), with encode and decode times times ``codec_scale``."""
+    hierarchy = profile.options.get("hierarchy", "flat")
+    share = codec_scale / (topology.ranks_per_node if hierarchy == "node" else 1)
+    network = [
+        exchange_seconds(topology, hierarchy, profile.sums, 4 * n, payload, profile.rounds)
+        for n, payload in zip(profile.sizes, profile.payload_bytes)
+    ]
+    model = CostModel(
+        compute.ready,
+        tuple(numels),
+        Cost.measured(profile.sizes, [share * t for t in profile.encode_s]),
+        Cost.measured(profile.sizes, [n + share * t for n, t in zip(network, profile.between_s)]),
+        Cost.measured(profile.sizes, [share * t for t in profile.decode_s]),
+        compute.other,
+    )
+    return simulate(model, groups)
+
+
+def advise(
+    configs: list[str], shapes: dict[str, torch.Size], compute: Compute, topology: Topology, codec_scale: float
+) -> list[dict[str, Any]]:
+    """One row per configuration, the bf16 allreduce first: predicted step time, speedup over bf16,
+    payload bytes per rank and step; sorted by predicted time after the baseline."""
+    numels = [shape.numel() for shape in shapes.values()]
+    rows = []
+    for spec in [BASELINE, *configs]:
+        options = check_config(spec)
+        hierarchy = options.get("hierarchy", "flat")
+        world = topology.nodes if hierarchy == "node" else topology.world_size
+        measured = profile(options, shapes, world)
+        nbytes = [4 * n for n in numels]
+        groups = build_components(**_roles(options)).fusion.plan(nbytes)
+        step = predict(measured, numels, groups, compute, topology, codec_scale)
+        whole = Cost.measured(measured.sizes, measured.payload_bytes)(sum(numels))
+        rows.append({"configuration": spec, "predicted step (s)": step, "payload bytes / step": whole})
+    for row in rows:
+        row["speedup vs bf16 allreduce"] = rows[0]["predicted step (s)"] / row["predicted step (s)"]
+    return [rows[0], *sorted(rows[1:], key=lambda row: row["predicted step (s)"])]
+
+
+def recommendation(rows: list[dict[str, Any]], margin: float = 1.05) -> str:
+    """The fastest configuration when it beats the bf16 allreduce by ``margin``; else the baseline."""
+    best = min(rows[1:], key=lambda row: row["predicted step (s)"], default=rows[0])
+    if best["speedup vs bf16 allreduce"] >= margin:
+        return f"compress: {best['configuration']} ({best['speedup vs bf16 allreduce']:.2f}x the bf16 allreduce)"
+    return f"do not compress: no configuration beats the bf16 allreduce by {margin:.2f}x; use {BASELINE}"
+
+
+def _broadcast_times(rank: int, world_size: int, ranks_per_node: int, init_file: str, sizes, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    nodes = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world_size // ranks_per_node)]
+    group, _ = dist.new_subgroups_by_enumeration(nodes)
+    owner = rank - rank % ranks_per_node
+    medians = []
+    for nbytes in sizes:
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        times = []
+        for _ in range(RUNS + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.broadcast(tensor, owner, group=group)
+            dist.barrier(group=group)
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times[1:]))
+    if rank == 0:
+        results.put(medians)
+    dist.destroy_process_group()
+
+
+def measure_intra(nodes: int, ranks_per_node: int) -> Link:
+    """The link inside a node, measured on this machine: ``nodes`` × ``ranks_per_node`` processes,
+    each node's ranks broadcasting in their gloo group at once (all nodes share this machine, as in
+    the emulated cluster of ``benchmarks/bench.py``); latency from 4 bytes, bandwidth from 4 MB and
+    32 MB. Run on one node of a real cluster with ``nodes = 1``."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    sizes = [4, 4 << 20, 32 << 20]
+    context = mp.get_context("fork")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        world_size = nodes * ranks_per_node
+        processes = [
+            context.Process(target=_broadcast_times, args=(r, world_size, ranks_per_node, init_file, sizes, results))
+            for r in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        latency, small, large = results.get(timeout=300)
+        for process in processes:
+            process.join()
+    return Link((sizes[2] - sizes[1]) / max(large - small, 1e-9), latency)
+
+
+#: GPU assumptions of the projection (:func:`project`): encode + decode seconds per element of one
+#: fused bucket with error feedback, measured on one H100 on ResNet-50 (docs/benchmarks/gpu_h100.md);
+#: the effective compute rate of a ResNet-50 training step there (40 ms at batch 64, fp32, 3 × 4.1
+#: GFLOP per image); and the memory bandwidth at which a gathered payload is decoded once more per rank
+H100_CODEC_S_PER_ELEMENT = {
+    name: ms * 1e-3 / 25_557_032
+    for name, ms in {
+        "bf16": 0.12,
+        "fp16": 0.12,
+        "topk": 1.28,
+        "randk": 0.69,
+        "dgc": 2.00,
+        "efsignsgd": 0.70,
+        "qsgd": 0.44,
+        "powersgd": 4.85,
+    }.items()
+}
+H100_FLOPS = 3 * 4.1e9 * 64 / 0.040
+H100_MEMORY_BYTES_PER_S = 2.0e12
+PROJECTION = {  # model: (batch, size, training FLOPs per sample)
+    "resnet50": (64, 224, 3 * 4.1e9),
+    "bert-base": (32, 128, 6 * 110e6 * 128),
+}
+
+
+def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[str], per_node: int = 8) -> str:
+    """A projection, not a measurement: predicted step times on ``gpus`` H100s, ``per_node`` per node
+    (NVLink inside, 2.4 Tbit/s; each node's link ``inter_rates``), from payloads measured here and the
+    GPU assumptions above. A gathered payload's decode grows with the ranks: ``(W − 1)`` payload
+    reads at :data:`H100_MEMORY_BYTES_PER_S` more than the measured world-size-1 codec."""
+    batch, size, flops = PROJECTION[name]
+    model, make_batch, loss = model_and_batch(name, 2, 64 if name.startswith("resnet") else 32)
+    order, here = measure_compute(model, make_batch, loss, steps=1)
+    compute = here.scaled(batch * flops / H100_FLOPS / here.step_s)
+    parameters = dict(model.named_parameters())
+    shapes = {n: parameters[n].shape for n in order}
+    numels = [shape.numel() for shape in shapes.values()]
+    lines = [
+        f"PROJECTION (model, not measurement): {name}, batch {batch} per GPU, {per_node} H100 per node, "
+        f"compute {compute.step_s * 1e3:.0f} ms per step (assumed); speedup of each over a flat bf16 allreduce",
+        "",
+        "| inter-node link | GPUs | bf16 allreduce (s) | " + " | ".join(configs) + " |",
+        "|" + "---|" * (3 + len(configs)),
+    ]
+    measured = {spec: profile(parse_options(spec), shapes, 2) for spec in [BASELINE, *configs]}
+    for rate in inter_rates:
+        for count in gpus:
+            nodes = max(1, count // per_node)
+            topology = Topology(nodes, min(count, per_node), Link(300e9, 5e-6), Link(parse_rate(rate), 10e-6))
+            times = {}
+            for spec, profiled in measured.items():
+                options = profiled.options
+                hierarchy = options.get("hierarchy", "flat")
+                ranks = nodes if hierarchy == "node" else topology.world_size
+                per_element = H100_CODEC_S_PER_ELEMENT[options["compressor"]]
+                gathered = 0.0 if profiled.sums else 1.0
+                decode = [
+                    per_element * n / 2 + gathered * (ranks - 1) * b / H100_MEMORY_BYTES_PER_S
+                    for n, b in zip(profiled.sizes, profiled.payload_bytes)
+                ]
+                gpu = Profile(
+                    options,
+                    profiled.sizes,
+                    tuple(per_element * n / 2 for n in profiled.sizes),
+                    tuple(0.0 for _ in profiled.sizes),
+                    tuple(decode),
+                    profiled.payload_bytes,
+                    profiled.rounds,
+                    profiled.sums,
+                )
+                groups = build_components(**_roles(options)).fusion.plan([4 * n for n in numels])
+                times[spec] = predict(gpu, numels, groups, compute, topology, 1.0)
+            base = times[BASELINE]
+            cells = [f"{base / times[spec]:.2f}" for spec in configs]
+            lines.append(f"| {rate} | {count} | {base:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check_config(spec: str) -> dict[str, Any]:
+    """The options of one ``--configs`` item, checked (raises ``ValueError`` naming what is wrong)."""
+    options = parse_options(spec)
+    hierarchy = options.get("hierarchy", "flat")
+    if hierarchy not in HIERARCHIES:
+        raise ValueError(f"configs: {spec!r}: hierarchy = {hierarchy!r} is invalid; allowed: 'flat', 'node'")
+    build_components(**_roles(options))
+    return options
+
+
+def _roles(options: dict[str, Any]) -> dict[str, Any]:
+    """The options that build the roles (all but ``hierarchy``)."""
+    return {k: v for k, v in options.items() if k != "hierarchy"}
+
+
+def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callable[[], Any], Callable]:
+    """A model of the advisor's list (weights random: only shapes and compute time matter), a maker
+    of random batches, and its loss."""
+    if name.startswith("resnet"):
+        import torchvision
+
+        model = getattr(torchvision.models, name)(num_classes=10 if name == "resnet18" else 1000)
+        classes = model.fc.out_features
+        return (
+            model,
+            lambda: (torch.randn(batch, 3, size, size), torch.randint(classes, (batch,))),
+            lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+        )
+    if name == "bert-base":
+        from transformers import BertConfig, BertForMaskedLM
+
+        model = BertForMaskedLM(BertConfig())
+        vocabulary = model.config.vocab_size
+        return (
+            model,
+            lambda: torch.randint(vocabulary, (batch, size)),
+            lambda m, b: m(input_ids=b, labels=b).loss,
+        )
+    raise ValueError(f"model = {name!r} is invalid; allowed: resnet18, resnet50, resnet101, bert-base")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = ["configuration", "predicted step (s)", "speedup vs bf16 allreduce", "payload bytes / step"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [row["configuration"], f"{row[columns[1]]:.3f}", f"{row[columns[2]]:.2f}", f"{row[columns[3]]:,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m gc_strategy.advise", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet18", help="resnet18, resnet50, resnet101 or bert-base")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank")
+    parser.add_argument("--size", type=int, default=32, help="image side (ResNets) or sequence length (BERT)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument(
+        "--intra", default="100gbit", help="bandwidth inside a node, e.g. 100gbit or 10GB, or 'measure' (gloo, here)"
+    )
+    parser.add_argument("--intra-latency-us", type=float, default=10.0)
+    parser.add_argument("--inter", default="1gbit", help="bandwidth between nodes, per node")
+    parser.add_argument("--inter-latency-us", type=float, default=50.0)
+    parser.add_argument(
+        "--compute-s", type=float, help="a step without communication at the target (default: measured here)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for the measurements")
+    parser.add_argument("--configs", nargs="+", required=True, help="GCFusedStrategy options, key=value,...")
+    parser.add_argument(
+        "--project",
+        action="store_true",
+        help="print a projection for 8-1024 H100s (8 per node, 25 and 100 Gbit/s) of --model resnet50 or bert-base",
+    )
+    args = parser.parse_args(argv)
+    for option in ("batch", "size", "nodes", "ranks_per_node", "threads"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} = {getattr(args, option)} is invalid; allowed: an integer >= 1")
+    if args.compute_s is not None and not args.compute_s > 0:
+        parser.error(f"--compute-s = {args.compute_s} is invalid; allowed: seconds > 0")
+    try:
+        inter = Link(parse_rate(args.inter, "--inter"), args.inter_latency_us * 1e-6)
+        measure = args.intra == "measure"
+        intra = None if measure else Link(parse_rate(args.intra, "--intra"), args.intra_latency_us * 1e-6)
+        for spec in args.configs:  # every configuration checked before any measurement
+            check_config(spec)
+        model, make_batch, loss = model_and_batch(args.model, args.batch, args.size)
+        if args.project:
+            if args.model not in PROJECTION:
+                raise ValueError(f"--project: --model = {args.model!r} is invalid; allowed: {', '.join(PROJECTION)}")
+            for spec in args.configs:
+                compressor = parse_options(spec).get("compressor", "none")
+                if compressor not in H100_CODEC_S_PER_ELEMENT:
+                    raise ValueError(
+                        f"--project: compressor = {compressor!r} has no GPU cost measured; allowed: "
+                        + ", ".join(H100_CODEC_S_PER_ELEMENT)
+                    )
+        if measure and args.ranks_per_node < 2:
+            raise ValueError("--intra measure needs --ranks-per-node >= 2 (a node of one rank has no link inside)")
+    except ValueError as error:
+        parser.error(str(error))
+    topology = Topology(args.nodes, args.ranks_per_node, intra or measure_intra(args.nodes, args.ranks_per_node), inter)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if args.project:
+        print(project(args.model, args.configs, [8, 32, 128, 512, 1024], ["25gbit", "100gbit"]))
+        return
+    order, here = measure_compute(model, make_batch, loss)
+    compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
+    parameters = dict(model.named_parameters())
+    shapes = {name: parameters[name].shape for name in order}
+    rows = advise(args.configs, shapes, compute, topology, compute.step_s / here.step_s)
+    print(f"{args.model}, batch {args.batch}, size {args.size}; {topology.describe()}")
+    print(f"compute per step {compute.step_s:.3f} s ({'given' if args.compute_s else 'measured here'}); predicted:")
+    print(table(rows))
+    print(recommendation(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The compress-or-not advisor: its measurements, its timeline arithmetic, its command line."""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gc_strategy import advise
+from gc_strategy.advise import Compute, Profile, Replicas, predict, profile, recommendation
+from gc_strategy.communicators import RunningExchange
+from gc_strategy.fusion.topology import Link, Topology
+
+SHAPES = {"fc.weight": torch.Size([64, 300]), "fc.bias": torch.Size([64]), "conv.weight": torch.Size([32, 16, 3, 3])}
+ELEMENTS = sum(s.numel() for s in SHAPES.values())
+
+
+def test_replicas_hand_back_the_payloads_of_every_rank_without_a_network():
+    payload = [torch.arange(4.0), torch.ones(2, dtype=torch.int32)]
+    gathered = RunningExchange(Replicas(3, sums=False).exchange(payload, variable_size=True)).finish()
+    assert len(gathered) == 3 and all(torch.equal(g[0], torch.arange(4.0)) for g in gathered)
+    summed = RunningExchange(Replicas(3, sums=True).exchange([torch.arange(4.0)], variable_size=False)).finish()
+    assert torch.equal(summed[0], 3 * torch.arange(4.0))
+
+
+def test_profiles_count_the_bytes_each_compressor_sends():
+    whole = ELEMENTS  # the largest sample bucket is the whole model
+    none = profile({"compressor": "none"}, SHAPES, 4)
+    assert none.sums and none.rounds == 1 and none.sizes[-1] == whole
+    assert none.payload_bytes[-1] == 4 * whole
+    bf16 = profile({"compressor": "bf16"}, SHAPES, 4)
+    assert bf16.payload_bytes[-1] == 2 * whole
+    topk = profile({"compressor": "topk", "memory": "residual", "density": 0.01}, SHAPES, 4)
+    assert not topk.sums
+    kept = sum(max(1, int(0.01 * s.numel())) for s in SHAPES.values())  # per tensor, fp32 values + int32 indices
+    assert topk.payload_bytes[-1] == pytest.approx(8 * kept, rel=0.1)
+    powersgd = profile({"compressor": "powersgd", "rank": 2, "start_iter": 0}, SHAPES, 4)
+    assert powersgd.rounds == 2  # P, then Q
+    assert all(t >= 0 for t in powersgd.encode_s + powersgd.decode_s + powersgd.between_s)
+
+
+def test_a_one_bucket_prediction_is_the_timeline_written_out():
+    sizes = (100, 1000)
+    measured = Profile({"compressor": "x"}, sizes, (0.01, 0.02), (0.0, 0.005), (0.03, 0.04), (400, 4000), 2, True)
+    compute = Compute(ready=(0.0, 0.1, 0.2), other=0.05)
+    topology = Topology(2, 2, Link(1e9, 0.0), Link(1e6, 1e-3))
+    numels = [300, 300, 400]
+    step = predict(measured, numels, [3], compute, topology, codec_scale=2.0)
+    encode, decode = 2 * 0.02, 2 * 0.04
+    network = 2 * 3 * (2 * 1e-3 + 4000 / 4 / 1e6) + 2 * 0.005  # flat allreduce over 4 ranks at 1 MB/s, 2 rounds
+    assert step == pytest.approx(0.05 + 0.2 + encode + network + decode)
+    # each of a node's 2 ranks encodes and decodes half the buckets: codec times 2 / 2
+    node_step = predict(replace(measured, options={"hierarchy": "node"}), numels, [3], compute, topology, 2.0)
+    inside = 2 * (2 * 1 * 4000 / (2 * 1e9))  # reduce onto the owner and broadcast back, dense fp32
+    across = 2 * 1 * (2 * 1e-3 + 4000 / (2 * 1e6))  # allreduce over the 2 nodes, 2 rounds
+    assert node_step == pytest.approx(0.05 + 0.2 + 0.02 + inside + across + 0.005 + 0.04)
+
+
+def test_the_recommendation_is_the_fastest_only_where_it_pays():
+    rows = [
+        {"configuration": "compressor=bf16", "predicted step (s)": 1.0, "speedup vs bf16 allreduce": 1.0},
+        {"configuration": "compressor=topk", "predicted step (s)": 0.5, "speedup vs bf16 allreduce": 2.0},
+    ]
+    assert recommendation(rows).startswith("compress: compressor=topk (2.00x")
+    rows[1].update({"predicted step (s)": 0.98, "speedup vs bf16 allreduce": 1.02})
+    assert recommendation(rows).startswith("do not compress")
+
+
+def _advise(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "gc_strategy.advise", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "0", "--configs", "compressor=none"], "--nodes = 0 is invalid"),
+        (["--inter", "fast", "--configs", "compressor=none"], "--inter = 'fast' is invalid"),
+        (["--configs", "compressor=zip"], "unknown compressor 'zip'"),
+        (["--configs", "compressor=none,hierarchy=ring"], "hierarchy = 'ring' is invalid"),
+        (["--project", "--configs", "compressor=none"], "--project: --model = 'resnet18' is invalid"),
+        (["--model", "resnet50", "--project", "--configs", "compressor=sidco"], "compressor = 'sidco' has no GPU"),
+        (["--intra", "measure", "--ranks-per-node", "1", "--configs", "compressor=none"], "--ranks-per-node >= 2"),
+    ],
+)
+def test_bad_input_is_refused_before_any_measurement(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(advise, "measure_compute", None)  # any measurement would fail differently
+    with pytest.raises(SystemExit) as stop:
+        advise.main(args)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_line_prints_the_table_and_a_recommendation():
+    topk = "compressor=topk,memory=residual,density=0.01"
+    done = _advise(
+        "--batch", "2", "--size", "16", "--nodes", "2", "--ranks-per-node", "2", "--inter", "100mbit",
+        "--configs", topk, f"{topk},hierarchy=node",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "2 node(s) x 2 rank(s)" in lines[0] and "| compressor=bf16 |" in done.stdout
+    assert lines[-1].startswith("compress: compressor=topk")  # at 100 Mbit/s a 1% payload must win
