@@ -31,7 +31,9 @@ of the buckets, ``1/L`` of them, for the ``N`` nodes.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,7 +94,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
     """Measure one configuration (``GCFusedStrategy`` options) on buckets cut from ``shapes``
     (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes)."""
     components = build_components(**_roles(options))
-    compressor, memory = components.compressor, components.memory
+    compressor, memory, sums = components.compressor, components.memory, components.communicator.sums
     compressor.bind(world_size, 0)
     compressor.begin_step(1 << 30)  # steady state: past start_iter and warm-ups
     names = list(shapes)
@@ -107,7 +109,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
         bucket = Bucket(index, names[a:b], [shapes[name] for name in names[a:b]], torch.float32, torch.device("cpu"))
         runs = []
         for run in range(RUNS + 1):
-            replicas = Replicas(world_size, components.communicator.sums)
+            replicas = Replicas(world_size, sums)
             flat = gradient[offsets[a] : offsets[b]].clone()
             running = RunningExchange(memory.exchange(compressor, flat, bucket, replicas))
             running.finish()
@@ -116,7 +118,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
             rounds = replicas.rounds
         rows.append((bucket.numel, *(statistics.median(column) for column in zip(*runs))))
     sizes, encode, between, decode, payload = zip(*rows)
-    return Profile(options, sizes, encode, between, decode, payload, rounds, replicas.sums)
+    return Profile(options, sizes, encode, between, decode, payload, rounds, sums)
 
 
 @dataclass(frozen=True)
@@ -250,9 +252,6 @@ def measure_intra(nodes: int, ranks_per_node: int) -> Link:
     each node's ranks broadcasting in their gloo group at once (all nodes share this machine, as in
     the emulated cluster of ``benchmarks/bench.py``); latency from 4 bytes, bandwidth from 4 MB and
     32 MB. Run on one node of a real cluster with ``nodes = 1``."""
-    import os
-    import tempfile
-
     import torch.multiprocessing as mp
 
     sizes = [4, 4 << 20, 32 << 20]
