@@ -10,11 +10,13 @@ keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -109,6 +111,16 @@ class GCFusedStrategy(DDPStrategy):
         self.synchronizer: GradientSynchronizer | None = None
         self._pending_state: tuple[dict[str, Any], str] | None = None  # (saved state, its folder)
         self._announced_plan: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- process group
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning destroys only NCCL groups at exit. A gloo group left to the interpreter's
+        # shutdown can abort the process ("terminate called without an active exception") after
+        # training succeeded; registering once keeps a second fit from stacking handlers.
+        atexit.unregister(_destroy_process_group)
+        atexit.register(_destroy_process_group)
 
     # ---------------------------------------------------------------- model set-up
     def configure_ddp(self) -> None:
@@ -291,3 +303,8 @@ class GCFusedStrategy(DDPStrategy):
                         start_method=start_method,
                         find_unused_parameters=find_unused,
                     )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -242,13 +242,19 @@ def test_spawn_launcher():
 
 SCRIPT = textwrap.dedent(
     """
+    import atexit
+    import os
     import sys
     import lightning.pytorch as pl
     import torch
+    import torch.distributed as dist
     sys.path.insert(0, {tests!r})
     import gc_strategy  # registers "gc_fused"
     from models import ParityModule, fit, flat_params
 
+    # atexit runs last-in first-out: this runs after every handler that training registers
+    rank = os.environ.get("LOCAL_RANK", "0")
+    atexit.register(lambda: print("RANK", rank, "GROUP LEFT AT EXIT", dist.is_initialized(), flush=True))
     pl.seed_everything(0, verbose=False)
     module = ParityModule()
     trainer = fit(module, "gc_fused")
@@ -266,6 +272,11 @@ def test_popen_launcher_from_a_script(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # a gloo group left to the interpreter's shutdown can abort a rank after training succeeded
+    assert sorted(line for line in done.stdout.splitlines() if "GROUP LEFT" in line) == [
+        "RANK 0 GROUP LEFT AT EXIT False",
+        "RANK 1 GROUP LEFT AT EXIT False",
+    ]
     checksum = float(done.stdout.split("CHECKSUM")[1].split()[0])
     reference = flat_params(_train("ddp_fork")).double().sum()
     assert abs(checksum - float(reference)) < 1e-6 * max(1.0, abs(float(reference)))
