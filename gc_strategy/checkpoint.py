@@ -37,7 +37,7 @@ def save_rank_states(synchronizer: GradientSynchronizer, folder: str) -> dict[st
     """Write this rank's state to ``folder`` (call it on every rank); returns the manifest."""
     fs = get_filesystem(folder)
     fs.makedirs(folder, exist_ok=True)
-    with fs.open(_rank_file(folder, synchronizer.communicator.rank), "wb") as f:
+    with fs.open(_rank_file(folder, synchronizer.rank), "wb") as f:
         torch.save(synchronizer.state_dict(), f)
     return {"format": MANIFEST_FORMAT, "world_size": synchronizer.world_size}
 
@@ -49,7 +49,7 @@ def load_rank_states(synchronizer: GradientSynchronizer, saved: dict[str, Any], 
         return
     old_world_size = saved["world_size"]
     if old_world_size == synchronizer.world_size:
-        synchronizer.load_state_dict(_read(folder, synchronizer.communicator.rank))
+        synchronizer.load_state_dict(_read(folder, synchronizer.rank))
     else:
         synchronizer.load_state_dict(resharded(_read(folder, rank) for rank in range(old_world_size)))
 

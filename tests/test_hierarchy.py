@@ -9,6 +9,7 @@ from distributed import run_ranks
 from models import SmallCNN
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
+from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.hierarchy import bucket_owners
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
@@ -169,8 +170,11 @@ def test_an_unknown_hierarchy_is_refused_before_any_work():
         GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, hierarchy="rack")
 
 
-def _resume(rank, world_size, ranks_per_node):
+def _resume(rank, world_size, ranks_per_node, folder):
     import copy
+    import os
+
+    import torch.distributed as dist
 
     def train(model, engine, optimizer, steps):
         for step in steps:
@@ -186,23 +190,28 @@ def _resume(rank, world_size, ranks_per_node):
     local = rank % ranks_per_node
     owned = {b for b, owner in enumerate(engine.owners) if owner == local}
     holds_only_its_share = set(engine.memory.buffers["residual"]) == owned
-    saved = copy.deepcopy((model.state_dict(), engine.state_dict(), optimizer.state_dict()))
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    manifest = save_rank_states(engine, folder)  # what a Lightning or Accelerate checkpoint writes
+    dist.barrier()
+    files = sorted(os.listdir(folder))
     train(model, engine, optimizer, range(3, 6))
     resumed = SmallCNN()
     resumed.load_state_dict(saved[0])
     engine = _engine(resumed, "topk", ranks_per_node)
-    engine.load_state_dict(saved[1])
+    load_rank_states(engine, manifest, folder)
     optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
-    optimizer.load_state_dict(saved[2])
+    optimizer.load_state_dict(saved[1])
     train(resumed, engine, optimizer, range(3, 6))
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
-    return holds_only_its_share, bool(owned), same
+    return holds_only_its_share, bool(owned), same, files
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_with_each_ranks_share_of_the_state():
+def test_resume_continues_exactly_with_each_ranks_share_of_the_state(tmp_path):
     """top-k + residual on 2 nodes of 2: each rank keeps residuals for the buckets it compresses
     only; a run restored from a state saved after 3 steps ends 3 steps later where the
-    uninterrupted run does, bit for bit."""
-    for holds_only_its_share, owns_some, same in run_ranks(_resume, 4, 2):
+    uninterrupted run does, bit for bit. The state goes through the per-rank checkpoint files: one
+    file per rank, although two ranks share each rank of the node exchange."""
+    for holds_only_its_share, owns_some, same, files in run_ranks(_resume, 4, 2, str(tmp_path)):
         assert holds_only_its_share and owns_some and same
+        assert files == ["rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]
