@@ -1,6 +1,6 @@
 """Train a recipe with compressed gradient synchronisation: ``python train.py compressor=dgc fusion=auto``.
 
-A Hydra app over ``conf/``: groups compressor/ memory/ communicator/ fusion/ model/ data/ trainer/ logger/.
+A Hydra app over ``conf/``: groups compressor/ memory/ communicator/ fusion/ sync/ model/ data/ trainer/ logger/.
 Every option of a compressor or memory is a key of its group (``compressor.density=0.001``) and is
 validated before any work starts. Outputs (W&B offline run, checkpoints, ``summary.json``) go to
 Hydra's run directory, a new one per run.
@@ -75,6 +75,8 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
         find_unused_parameters=cfg.trainer.find_unused_parameters,
         hierarchy=cfg.trainer.hierarchy,
         broadcast_buffers=cfg.trainer.broadcast_buffers,
+        sync=cfg.sync.name,
+        **_options(cfg.sync),
         **options,
     )
 

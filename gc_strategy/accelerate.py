@@ -32,10 +32,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states
 from .communicators import Communicator
 from .components import build_components
+from .diloco import DILOCO_DEFAULTS, DiLoCo, diloco_options
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 
@@ -52,7 +55,7 @@ class CompressionState:
     saves as a custom checkpoint; a load-state pre-hook names the folder that ``load_state_dict``
     reads this rank's state from (the old ranks' mean where the world size changed)."""
 
-    def __init__(self, synchronizer: GradientSynchronizer) -> None:
+    def __init__(self, synchronizer: GradientSynchronizer | DiLoCo) -> None:
         self.synchronizer = synchronizer
         self.manifest: dict[str, Any] | None = None
         self.folder: str | None = None
@@ -81,6 +84,7 @@ def prepare(
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
     hierarchy: str = "flat",
+    sync: str = "every_step",
     **options: Any,
 ) -> Any:
     """Like ``accelerator.prepare(model, *objects)``, with compressed fused gradient synchronisation
@@ -88,7 +92,9 @@ def prepare(
     ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
     else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"``: a dense
     reduction inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`), the
-    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks."""
+    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks. ``sync="diloco"`` with DiLoCo's options
+    (``inner_steps=...``, see :class:`~gc_strategy.strategy.GCFusedStrategy`): the one optimizer among
+    ``objects`` takes the inner steps, and each of its steps counts towards the next outer step."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if kind not in SUPPORTED:
         raise ValueError(
@@ -98,25 +104,37 @@ def prepare(
         )
     if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
         raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
+    given = {key: options.pop(key) for key in list(options) if key in DILOCO_DEFAULTS}
     components = build_components(compressor, memory, communicator, fusion, **options)
+    diloco = diloco_options(components, sync, {**DILOCO_DEFAULTS, **given})
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if diloco is not None and len(optimizers) != 1:
+        raise ValueError(
+            f"sync='diloco' counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
+        )
     handler = getattr(accelerator, "ddp_handler", None)
     if find_unused_parameters is None:
         find_unused_parameters = getattr(handler, "find_unused_parameters", False)
     if broadcast_buffers is None:
         broadcast_buffers = getattr(handler, "broadcast_buffers", True)
     model = model.to(accelerator.device)
-    synchronizer = GradientSynchronizer(
-        model,
-        components.compressor,
-        components.memory,
-        components.communicator,
-        components.fusion,
-        find_unused_parameters=find_unused_parameters,
-        broadcast_buffers=broadcast_buffers,
-        hierarchy=hierarchy,
-    )
-    model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
-    model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
+    if diloco is not None:
+        synchronizer = DiLoCo(model, components, **diloco, broadcast_buffers=broadcast_buffers, hierarchy=hierarchy)
+        synchronizer.inner_optimizers = optimizers
+        optimizers[0].register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_inner_step())
+    else:
+        synchronizer = GradientSynchronizer(
+            model,
+            components.compressor,
+            components.memory,
+            components.communicator,
+            components.fusion,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+            hierarchy=hierarchy,
+        )
+        model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
+        model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
     if accelerator.mixed_precision in ("fp16", "bf16"):
         forward = model.forward
 

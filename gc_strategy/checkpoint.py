@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
+from .diloco import DiLoCo
 from .engine import GradientSynchronizer, load_rank_state, resharded
 
 MANIFEST_FORMAT = "per_rank_files"
@@ -33,7 +34,7 @@ def state_folder(checkpoint_path: Any, saved: bool = False) -> str:
     return f"{path}.gc_state"
 
 
-def save_rank_states(synchronizer: GradientSynchronizer, folder: str) -> dict[str, Any]:
+def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -> dict[str, Any]:
     """Write this rank's state to ``folder`` (call it on every rank); returns the manifest."""
     fs = get_filesystem(folder)
     fs.makedirs(folder, exist_ok=True)
@@ -42,7 +43,7 @@ def save_rank_states(synchronizer: GradientSynchronizer, folder: str) -> dict[st
     return {"format": MANIFEST_FORMAT, "world_size": synchronizer.world_size}
 
 
-def load_rank_states(synchronizer: GradientSynchronizer, saved: dict[str, Any], folder: str) -> None:
+def load_rank_states(synchronizer: GradientSynchronizer | DiLoCo, saved: dict[str, Any], folder: str) -> None:
     """Restore this rank's state from a manifest and its ``folder``, or from gathered states."""
     if saved.get("format") != MANIFEST_FORMAT:
         load_rank_state(synchronizer, saved)
@@ -50,6 +51,11 @@ def load_rank_states(synchronizer: GradientSynchronizer, saved: dict[str, Any], 
     old_world_size = saved["world_size"]
     if old_world_size == synchronizer.world_size:
         synchronizer.load_state_dict(_read(folder, synchronizer.rank))
+    elif not isinstance(synchronizer, GradientSynchronizer):
+        raise ValueError(
+            f"the checkpoint was saved by {old_world_size} ranks and this run has {synchronizer.world_size}; "
+            "sync='diloco' resumes on the same number of ranks only"
+        )
     else:
         synchronizer.load_state_dict(resharded(_read(folder, rank) for rank in range(old_world_size)))
 

@@ -190,7 +190,10 @@ class GradientSynchronizer:
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
     stream, after backward's kernels: for measuring what the overlap gains).
     ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
-    ``DistributedDataParallel`` (see the module's docstring).
+    ``DistributedDataParallel`` (see the module's docstring). ``parameters`` (names) limits it to
+    some of the trainable parameters. With ``on_backward=False`` backward does nothing: the
+    caller averages the current ``.grad`` with :meth:`synchronize` (or its two halves, to overlap
+    the exchange with other work), as DiLoCo's outer step does (:mod:`gc_strategy.diloco`).
     """
 
     def __init__(
@@ -209,6 +212,8 @@ class GradientSynchronizer:
         ranks_per_node: int | None = None,
         node_rank: int | None = None,
         local_rank: int | None = None,
+        parameters: Iterable[str] | None = None,
+        on_backward: bool = True,
     ) -> None:
         if hierarchy not in HIERARCHIES:
             raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
@@ -229,6 +234,12 @@ class GradientSynchronizer:
         communicator.bind(process_group if self.nodes is None else self.nodes.inter)
         compressor.bind(communicator.world_size, communicator.rank)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if parameters is not None:
+            chosen = set(parameters)
+            unknown = sorted(chosen - {name for name, _ in named})
+            if unknown:
+                raise ValueError(f"parameters: {unknown[:5]} are not trainable parameters of the module")
+            named = [(name, p) for name, p in named if name in chosen]
         if not named:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
         self.names = [name for name, _ in named]
@@ -248,10 +259,16 @@ class GradientSynchronizer:
             self._build(self.ready_order)
         else:
             self._build(list(reversed(self.names)))
+            if not on_backward:  # no backward to record an order in
+                self.ready_order = list(self.order)
         self._enabled = True
         self._accumulated = [False] * len(self.params)  # got a gradient inside no_sync since the last synchronisation
         self._reset_step()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+            if on_backward
+            else []
+        )
 
     # ------------------------------------------------------------------ set-up
     def _node_groups(
@@ -280,22 +297,8 @@ class GradientSynchronizer:
         self._broadcast([*self.module.parameters(), *self.module.buffers()])
 
     def _broadcast(self, tensors: list[Tensor]) -> None:
-        """Rank 0's values of ``tensors`` to every rank: one broadcast per dtype and device, of the
-        tensors flattened into one buffer (like DDP's coalesced broadcast)."""
-        if self.world_size == 1 or not tensors:
-            return
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for tensor in tensors:
-            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
-        with torch.no_grad():
-            for same in groups.values():
-                flat = torch.cat([t.reshape(-1) for t in same])
-                dist.broadcast(flat, src, group=self.process_group)
-                start = 0
-                for t in same:
-                    t.copy_(flat[start : start + t.numel()].view_as(t))
-                    start += t.numel()
+        if self.world_size > 1:
+            broadcast_from_rank0(tensors, self.process_group)
 
     def _build(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
         """Cut ``order`` (parameter names in gradient-ready order) into buckets of
@@ -458,31 +461,40 @@ class GradientSynchronizer:
 
     def _finish_backward(self) -> None:
         try:
-            self._usage = _Usage(self)
-            for b in range(self._next_launch, len(self.buckets)):
-                self._usage.prepare_bucket(b)
-                self._launch(b)
-            self._usage.start_exchange()
-            with self._side_stream():
-                self._advance_eager()  # the last bucket's next round travels while the others finish
-                for job in self._jobs:
-                    job.running.finish()
-            if self.stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            unused = self._usage.unused_by_all()
-            self._apply_results(unused)
-            self._usage.restore_state(unused)
-            self._accumulated = [False] * len(self.params)
-            self.step += 1
-            self._record_telemetry()
-            self.telemetry.record(self._step_telemetry)
-            if self.ready_order is None:
-                self._adopt_recorded_order()
-            if self.tuner is not None and self.tuner.recording:
-                self.tuner.on_step_end()
-            self._usage.check(unused)
+            self._launch_rest()
+            self._complete()
         finally:
             self._reset_step()
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket not launched yet (see :class:`_Usage` for the missing gradients)."""
+        self._usage = _Usage(self)
+        for b in range(self._next_launch, len(self.buckets)):
+            self._usage.prepare_bucket(b)
+            self._launch(b)
+        self._next_launch = len(self.buckets)
+        self._usage.start_exchange()
+
+    def _complete(self) -> None:
+        """Run every launched exchange to completion and make each ``.grad`` the average."""
+        with self._side_stream():
+            self._advance_eager()  # the last bucket's next round travels while the others finish
+            for job in self._jobs:
+                job.running.finish()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        unused = self._usage.unused_by_all()
+        self._apply_results(unused)
+        self._usage.restore_state(unused)
+        self._accumulated = [False] * len(self.params)
+        self.step += 1
+        self._record_telemetry()
+        self.telemetry.record(self._step_telemetry)
+        if self.ready_order is None:
+            self._adopt_recorded_order()
+        if self.tuner is not None and self.tuner.recording:
+            self.tuner.on_step_end()
+        self._usage.check(unused)
 
     def _record_telemetry(self) -> None:
         tel = self._step_telemetry
@@ -548,6 +560,36 @@ class GradientSynchronizer:
         finally:
             self._enabled = previous
 
+    def synchronize(self) -> None:
+        """Average every synchronised parameter's current ``.grad`` now, outside backward, through
+        the same roles and buckets (for ``on_backward=False``; DiLoCo's outer exchange). A
+        parameter whose ``.grad`` is None contributes zeros."""
+        self.start_synchronize()
+        self.finish_synchronize()
+
+    def start_synchronize(self) -> None:
+        """The first half of :meth:`synchronize`: copy each ``.grad`` into its bucket and launch
+        every exchange; the ``.grad`` tensors may change afterwards. Every rank calls it at the
+        same point of its collective order."""
+        if self._in_backward or self._jobs:
+            raise RuntimeError("start_synchronize: an exchange is already running; finish it first")
+        self._accumulated = [p.grad is not None for p in self.params]
+        try:
+            self._launch_rest()
+        except BaseException:
+            self._reset_step()
+            raise
+
+    def finish_synchronize(self) -> None:
+        """The second half of :meth:`synchronize`: wait for the exchanges, decode, and make each
+        ``.grad`` the average."""
+        if not self._jobs:
+            raise RuntimeError("finish_synchronize: no exchange was started (call start_synchronize first)")
+        try:
+            self._complete()
+        finally:
+            self._reset_step()
+
     def close(self) -> None:
         """Remove the hooks; the module trains locally afterwards."""
         for handle in self._hooks:
@@ -610,6 +652,25 @@ class GradientSynchronizer:
         self.compressor.load_extra_state(state["compressor_extra"])
         self._keep_owned_state()
         self._reset_step()
+
+
+def broadcast_from_rank0(tensors: list[Tensor], group: Any = None) -> None:
+    """Rank 0's (of ``group``) values of ``tensors`` to every rank: one broadcast per dtype and
+    device, of the tensors flattened into one buffer (like DDP's coalesced broadcast)."""
+    if not tensors:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    same_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        same_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
+    with torch.no_grad():
+        for same in same_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src, group=group)
+            start = 0
+            for t in same:
+                t.copy_(flat[start : start + t.numel()].view_as(t))
+                start += t.numel()
 
 
 def load_rank_state(synchronizer: GradientSynchronizer, states: dict[str, Any]) -> None:

@@ -44,6 +44,7 @@ class ThroughputMonitor(pl.Callback):
         self.summary: dict[str, Any] = {}
         self._configured = None
         self._start = 0.0
+        self._seen: tuple[Any, int] = (None, 0)  # the synchroniser and its exchange count after the last step
 
     def _phase(self, step: int) -> str:
         return "baseline" if step < self.baseline_steps else "compressed"
@@ -65,10 +66,15 @@ class ThroughputMonitor(pl.Callback):
         step = trainer.global_step - 1  # the step that just ran
         phase = self._phase(step)
         first = 0 if phase == "baseline" else self.baseline_steps
+        synchronizer = getattr(trainer.strategy, "synchronizer", None)
+        # whether an exchange ran in this step (every step; every few with sync="diloco")
+        exchanged = synchronizer is not None and (
+            synchronizer is not self._seen[0] or synchronizer.telemetry.steps > self._seen[1]
+        )
+        self._seen = (synchronizer, synchronizer.telemetry.steps if synchronizer is not None else 0)
         if step - first >= self.warmup_steps:
             self.times[phase].append(elapsed)
-            synchronizer = getattr(trainer.strategy, "synchronizer", None)
-            if phase == "compressed" and synchronizer is not None:
+            if phase == "compressed" and exchanged:
                 self.telemetry.append(replace(synchronizer.telemetry.last))
         samples = self.batch_size * trainer.world_size
         pl_module.log_dict(
@@ -93,8 +99,9 @@ class ThroughputMonitor(pl.Callback):
         if self.telemetry:  # over the timed steps only (not the warm-up, e.g. PowerSGD's start_iter)
             raw, sent = (sum(getattr(t, key) for t in self.telemetry) for key in ("raw_bytes", "sent_bytes"))
             summary["compression_ratio"] = raw / sent if sent else float("inf")
-            summary["sent_bytes_per_step"] = sent / len(self.telemetry)
-            summary["breakdown"] = self._breakdown(median, self.telemetry)
+            summary["sent_bytes_per_step"] = sent / len(compressed)
+            if len(self.telemetry) == len(compressed):  # one exchange per step
+                summary["breakdown"] = self._breakdown(median, self.telemetry)
         strategy = trainer.strategy
         if isinstance(strategy, GCFusedStrategy) and strategy.synchronizer is not None:
             report = strategy.synchronizer.plan_report
@@ -112,7 +119,8 @@ class ThroughputMonitor(pl.Callback):
                     "bytes": b.nbytes,
                     "first": b.names[0],
                 }
-                for b in strategy.synchronizer.buckets
+                for synchronizer in getattr(strategy.synchronizer, "synchronizers", [strategy.synchronizer])
+                for b in synchronizer.buckets
             ]
         if self.times["baseline"]:
             baseline = statistics.median(self.times["baseline"])

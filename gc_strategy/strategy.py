@@ -28,6 +28,7 @@ from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, 
 from .communicators import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
+from .diloco import DiLoCo, diloco_options
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
 from .hierarchy import HIERARCHIES
@@ -52,6 +53,13 @@ class GCFusedStrategy(DDPStrategy):
         hierarchy: ``"flat"`` (every rank exchanges with every rank) or ``"node"``: a dense reduction
             inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`); the
             nodes are the Trainer's ``num_nodes`` of ``devices`` ranks each.
+        sync: ``"every_step"`` (every optimizer step's gradients) or ``"diloco"``: ``inner_steps``
+            local steps, then the compressed, error-corrected exchange of the pseudo-gradient and an
+            outer optimizer step (:mod:`gc_strategy.diloco`). DiLoCo's options: ``inner_steps``,
+            ``outer_lr`` and ``outer_momentum`` (of the default outer SGD with Nesterov momentum) or
+            ``outer_optimizer`` (a callable from a list of tensors to an optimizer), ``fragments``,
+            ``overlap_steps`` and ``mixing`` (Streaming DiLoCo), ``vectors`` (how 1-D tensors are sent:
+            ``"bf16"``, ``"fp32"`` or ``"compressed"``) and ``offload`` (outer state in CPU memory).
         **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
     """
 
@@ -76,6 +84,16 @@ class GCFusedStrategy(DDPStrategy):
         start_method: str = "popen",
         log_every_n_steps: int | None = None,
         hierarchy: str = "flat",
+        sync: str = "every_step",
+        inner_steps: int | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_optimizer: Callable[[list[Any]], Any] | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mixing: float = 0.5,
+        vectors: str = "bf16",
+        offload: bool = False,
         **options: Any,
     ) -> None:
         refuse_ddp_arguments(options)
@@ -95,6 +113,22 @@ class GCFusedStrategy(DDPStrategy):
         )
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self.sync = sync
+        self.diloco_options = diloco_options(
+            self.components,
+            sync,
+            dict(
+                inner_steps=inner_steps,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                outer_optimizer=outer_optimizer,
+                fragments=fragments,
+                overlap_steps=overlap_steps,
+                mixing=mixing,
+                vectors=vectors,
+                offload=offload,
+            ),
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -108,7 +142,7 @@ class GCFusedStrategy(DDPStrategy):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps = {log_every_n_steps!r} is invalid; allowed: an integer >= 1 or None")
         self.log_every_n_steps = log_every_n_steps
-        self.synchronizer: GradientSynchronizer | None = None
+        self.synchronizer: GradientSynchronizer | DiLoCo | None = None
         self._pending_state: tuple[dict[str, Any], str] | None = None  # (saved state, its folder)
         self._announced_plan: dict[str, Any] | None = None
 
@@ -140,7 +174,18 @@ class GCFusedStrategy(DDPStrategy):
             self.synchronizer.close()
             self.synchronizer = self._synchronizer(components, broadcast_from_rank0)
 
-    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> GradientSynchronizer:
+    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> GradientSynchronizer | DiLoCo:
+        if self.diloco_options is not None:
+            return DiLoCo(
+                self.model,
+                c,
+                **self.diloco_options,
+                broadcast_buffers=self.broadcast_buffers,
+                hierarchy=self.hierarchy,
+                ranks_per_node=self.num_processes,
+                node_rank=self.node_rank,
+                local_rank=self.local_rank,
+            )
         return GradientSynchronizer(
             self.model,
             c.compressor,
@@ -222,6 +267,8 @@ class GCFusedStrategy(DDPStrategy):
     # ---------------------------------------------------------------- telemetry
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if isinstance(self.synchronizer, DiLoCo):
+            self.synchronizer.after_inner_step()
         self._log_telemetry()
         self._announce_plan()
         return output
@@ -265,9 +312,20 @@ class GCFusedStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its synchroniser state beside the checkpoint; rank 0's file holds the manifest."""
         if self.synchronizer is not None:
+            if isinstance(self.synchronizer, DiLoCo):
+                self.synchronizer.inner_optimizers = self.optimizers
             manifest = save_rank_states(self.synchronizer, state_folder(filepath))
             checkpoint = {**checkpoint, CHECKPOINT_KEY: manifest}
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Rank 0's optimizer states, as Lightning restores them; with DiLoCo then each rank's own
+        (inner phases let them differ)."""
+        super().load_optimizer_state_dict(checkpoint)
+        if isinstance(self.synchronizer, DiLoCo):
+            self.synchronizer.inner_optimizers = self.optimizers
+            self.synchronizer.restore_inner_optimizers()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -113,6 +113,47 @@ def test_save_state_and_load_state_resume_identically_with_residual_memory(tmp_p
     assert sorted(p.name for p in (tmp_path / "state" / "gc_state").iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
+def _diloco(out: str) -> None:
+    """sync='diloco', H=2, top-k + residual: replicas equal after each outer step; a state saved
+    after step 3 (mid-way through an inner phase) resumes bit for bit."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(accelerator.process_index)  # different initial weights: the broadcast must fix them
+    model = SmallCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = gc_accelerate.prepare(
+        accelerator, model, optimizer, compressor="topk", memory="residual", density=0.1, sync="diloco", inner_steps=2
+    )
+    identical = []
+
+    def train(steps):
+        for step in steps:
+            x, y = _batch(accelerator.process_index, step)
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 2 == 1:
+                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                identical.append(bool(torch.equal(accelerator.reduce(flat.clone(), "mean"), flat)))
+
+    train(range(3))
+    accelerator.save_state(str(Path(out, "state")))
+    train(range(3, 6))
+    first = [p.detach().clone() for p in model.parameters()]
+    accelerator.load_state(str(Path(out, "state")))
+    train(range(3, 6))
+    difference = max((a - b).abs().max().item() for a, b in zip(first, model.parameters()))
+    _write(out, accelerator, {"difference": difference, "identical": identical, "outer": model.gc_synchronizer.step})
+
+
+@pytest.mark.slow
+def test_diloco_keeps_replicas_identical_and_resumes_mid_inner_phase(tmp_path):
+    accelerate.debug_launcher(_diloco, args=(str(tmp_path),), num_processes=2)
+    for r in range(2):
+        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert result["difference"] == 0.0
+        assert result["identical"] == [True] * 5 and result["outer"] == 3
+
+
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM"])
 def test_unsupported_distributed_types_are_refused(kind):
     from accelerate.utils import DistributedType

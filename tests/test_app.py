@@ -56,7 +56,7 @@ def test_defaults():
 
 
 @pytest.mark.parametrize(
-    "group", ["compressor", "memory", "communicator", "fusion", "model", "data", "trainer", "logger"]
+    "group", ["compressor", "memory", "communicator", "fusion", "sync", "model", "data", "trainer", "logger"]
 )
 def test_every_group_member_composes(group):
     for member in _members(group):
@@ -87,6 +87,15 @@ def test_fusion_spec_and_strategy_from_config():
     assert strategy.components.compressor.options["density"] == 0.05
     assert strategy.hierarchy == "flat"
     assert build_strategy(_compose("trainer.hierarchy=node")).hierarchy == "node"
+
+
+def test_sync_diloco_from_config():
+    assert build_strategy(_compose()).diloco_options is None
+    cfg = _compose("compressor=topk", "memory=residual", "sync=diloco", "sync.inner_steps=20", "sync.fragments=4")
+    options = build_strategy(cfg).diloco_options
+    assert (options["inner_steps"], options["fragments"], options["vectors"]) == (20, 4, "bf16")
+    with pytest.raises(ValueError, match="overlap_steps = 20 is invalid with inner_steps = 20"):
+        build_strategy(_compose("sync=diloco", "sync.inner_steps=20", "sync.overlap_steps=20"))
 
 
 # ---------------------------------------------------------------- real loaders on tiny files
@@ -321,6 +330,7 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
         (["model=lstm"], "model 'lstm' needs text data"),
         (["fusion=file"], "fusion.path"),
+        (["sync=diloco", "sync.inner_steps=0"], "inner_steps = 0 is invalid; allowed: an integer >= 1"),
         (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
         (
             ["lowrank_model=pufferfish", "lowrank_model.ratio=1.5"],

@@ -43,7 +43,8 @@ class Compressor(BucketState):
 
     **Flags** (class attributes): ``summable``, ``variable_size`` (payload lengths may differ
     between ranks), ``allreduce_only`` (its own rounds need a summing communicator),
-    ``applies_momentum`` (the optimizer's should be off), ``keeps_error_feedback`` (it keeps its own,
+    ``applies_momentum`` (the optimizer's should be off), ``per_step_schedule`` (its payloads
+    alternate from step to step, so it needs consecutive steps' gradients), ``keeps_error_feedback`` (it keeps its own,
     so an error-feedback memory on top of it is refused).
 
     **Binding**: the engine calls :meth:`bind` once with its process group's size and this rank, and
@@ -58,6 +59,7 @@ class Compressor(BucketState):
     variable_size: ClassVar[bool] = False
     allreduce_only: ClassVar[bool] = False
     applies_momentum: ClassVar[bool] = False
+    per_step_schedule: ClassVar[bool] = False
     keeps_error_feedback: bool = False
 
     def __init__(self, **options: Any) -> None:

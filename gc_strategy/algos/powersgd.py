@@ -397,6 +397,7 @@ class ACPSGD(_LowRank):
     """
 
     OPTIONS = dict(LOWRANK_OPTIONS)
+    per_step_schedule = True
 
     def is_p_step(self) -> bool:
         return (self.step - self.options["start_iter"]) % 2 == 0

@@ -1,0 +1,419 @@
+"""DiLoCo and Streaming DiLoCo: ``H`` local optimizer steps, then a compressed, error-corrected outer step.
+
+DiLoCo (Douillard et al., 2023, "DiLoCo: Distributed Low-Communication Training of Language
+Models") synchronises every ``H`` inner steps instead of every step. With ``θ`` the outer
+parameters, identical on every rank, and ``θ_r`` replica ``r``'s after ``H`` inner steps:
+
+    Δ_r = θ − θ_r                                     (the pseudo-gradient)
+    Δ̄  = (1/W) Σ_r D(C(Δ_r + e_r))                     (compressor C, error feedback e_r: as for gradients)
+    θ  ← OuterOpt(θ, Δ̄)                               (SGD with Nesterov momentum, lr 0.7, momentum 0.9)
+    θ_r ← θ                                           (every rank continues from the same values)
+
+The exchange of ``Δ`` is a :class:`~gc_strategy.engine.GradientSynchronizer` with
+``on_backward=False``: the configured compressor, memory and communicator over fused buckets, and
+the hierarchy where on. Error feedback therefore acts on ``Δ``: what compression dropped from one
+outer step's pseudo-gradient is added to the next one's.
+
+Streaming DiLoCo (Douillard et al., 2025, "Streaming DiLoCo with overlapping communication") splits
+the parameters into ``k`` fragments of about equal bytes (the fusion planner's ``groups:k``), in the
+module's order. Fragment ``j`` is exchanged after inner steps ``t ≡ (j + 1)·H/k (mod H)``, so each
+fragment is exchanged once every ``H`` steps and the exchanges are spread over the ``H`` steps. With
+``overlap_steps = τ > 0`` the exchange started after step ``t`` runs during inner steps
+``t+1 … t+τ`` and is applied after step ``t + τ``, mixing the fragment's local and outer values:
+``θ_r ← α θ_r + (1 − α) θ`` (``mixing = α``, 0.5 in the paper). With ``τ = 0`` the replicas
+continue from ``θ`` itself and are identical after each outer step.
+
+1-D tensors (biases, norms' scales) are few bytes and compress poorly; by default their ``Δ`` is
+sent at bf16 with no error feedback (``vectors="bf16"``; ``"fp32"``: uncompressed;
+``"compressed"``: with the configured compressor like the rest).
+
+The outer state (``θ``, the outer optimizer's momentum) is kept in fp32, on the parameters' device
+or, with ``offload=True``, in CPU memory, so that accelerator memory does not hold a second copy
+of the model. The error-feedback memories stay beside the buckets they correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .components import Components, build_components
+from .engine import GradientSynchronizer, broadcast_from_rank0
+from .fusion import parse_fusion
+from .telemetry import StepTelemetry, TelemetryLog
+
+SYNC_MODES = ("every_step", "diloco")
+VECTOR_POLICIES = ("bf16", "fp32", "compressed")
+STATE_FORMAT = "diloco-1"
+
+
+def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD where ``momentum`` is 0)."""
+    return partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def check_diloco_options(
+    components: Components,
+    inner_steps: Any,
+    fragments: Any = 1,
+    overlap_steps: Any = 0,
+    mixing: Any = 0.5,
+    vectors: Any = "bf16",
+) -> None:
+    """Refuse a bad DiLoCo configuration before any work, naming the option."""
+
+    def whole(name: str, value: Any, low: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= {low}")
+
+    whole("inner_steps", inner_steps, 1)
+    whole("fragments", fragments, 1)
+    whole("overlap_steps", overlap_steps, 0)
+    if fragments > inner_steps:
+        raise ValueError(
+            f"fragments = {fragments} is invalid with inner_steps = {inner_steps}; allowed: 1 to inner_steps "
+            "(each fragment is exchanged at its own inner step)"
+        )
+    if overlap_steps >= inner_steps:
+        raise ValueError(
+            f"overlap_steps = {overlap_steps} is invalid with inner_steps = {inner_steps}; allowed: 0 to "
+            f"{inner_steps - 1} (a fragment's exchange must end before its next one starts)"
+        )
+    if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0.0 <= mixing <= 1.0:
+        raise ValueError(f"mixing = {mixing!r} is invalid; allowed: a number in [0, 1]")
+    if vectors not in VECTOR_POLICIES:
+        raise ValueError(f"vectors = {vectors!r} is invalid; allowed: {', '.join(map(repr, VECTOR_POLICIES))}")
+    compressor, memory = components.compressor, components.memory
+    if compressor.applies_momentum or memory.applies_momentum:
+        role = f"compressor '{compressor.name}'" if compressor.applies_momentum else f"memory '{memory.name}'"
+        raise ValueError(
+            f"sync='diloco' with {role}: it applies momentum to each step's gradient, and the outer optimizer "
+            "already applies momentum to the pseudo-gradient; use a compressor and memory without momentum"
+        )
+    if compressor.per_step_schedule:
+        raise ValueError(
+            f"sync='diloco' with compressor '{compressor.name}': it alternates its payloads step by step and "
+            "needs consecutive steps' gradients; use e.g. 'powersgd', 'topk' or 'qsgd' for the outer exchange"
+        )
+    fusion = components.fusion.describe()
+    if fusion.startswith(("auto", "file")):
+        raise ValueError(
+            f"sync='diloco' with fusion={fusion!r}: automatic and file plans are made for the backward's "
+            "gradients of the whole model; use a fixed plan (e.g. fusion='bucket_mb:25')"
+        )
+
+
+#: DiLoCo's options and their defaults (``inner_steps`` has none: it must be given)
+DILOCO_DEFAULTS: dict[str, Any] = dict(
+    inner_steps=None,
+    outer_lr=0.7,
+    outer_momentum=0.9,
+    outer_optimizer=None,
+    fragments=1,
+    overlap_steps=0,
+    mixing=0.5,
+    vectors="bf16",
+    offload=False,
+)
+
+
+def diloco_options(components: Components, sync: str, options: dict[str, Any]) -> dict[str, Any] | None:
+    """Check ``sync`` and DiLoCo's ``options`` (the keys of :data:`DILOCO_DEFAULTS`) before any work;
+    the keyword arguments of :class:`DiLoCo` for ``sync="diloco"``, None for ``"every_step"``."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync = {sync!r} is invalid; allowed: {', '.join(map(repr, SYNC_MODES))}")
+    if sync == "every_step":
+        changed = sorted(key for key, value in options.items() if value != DILOCO_DEFAULTS[key])
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: option(s) of sync='diloco', but sync = 'every_step'")
+        return None
+    if options["inner_steps"] is None:
+        raise ValueError("sync='diloco' needs inner_steps (the local optimizer steps between outer steps), e.g. 100")
+    lr, momentum = options["outer_lr"], options["outer_momentum"]
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"outer_lr = {lr!r} is invalid; allowed: a number > 0")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"outer_momentum = {momentum!r} is invalid; allowed: a number in [0, 1)")
+    if options["outer_optimizer"] is not None and not callable(options["outer_optimizer"]):
+        raise ValueError(
+            f"outer_optimizer = {options['outer_optimizer']!r} is invalid; allowed: None or a callable that "
+            "builds an optimizer from a list of tensors"
+        )
+    if not isinstance(options["offload"], bool):
+        raise ValueError(f"offload = {options['offload']!r} is invalid; allowed: True or False")
+    kept = {key: options[key] for key in ("inner_steps", "fragments", "overlap_steps", "mixing", "vectors")}
+    check_diloco_options(components, **kept)
+    return {
+        **kept,
+        "offload": options["offload"],
+        "outer_optimizer": options["outer_optimizer"] or nesterov_sgd(float(lr), float(momentum)),
+    }
+
+
+class _Fragment:
+    """Parameters exchanged together at one inner step of every ``H``: their outer values and the
+    synchronisers that average their ``Δ`` (matrices with the configured roles, vectors apart)."""
+
+    def __init__(self, index: int, offset: int, names: list[str], params: list[nn.Parameter], outer: list[Tensor]):
+        self.index = index
+        self.offset = offset
+        self.names = names
+        self.params = params
+        self.outer = outer
+        self.synchronizers: list[GradientSynchronizer] = []
+        #: the inner step after which the running exchange started (None: none is running)
+        self.started: int | None = None
+        #: the averaged Δ of a finished exchange not applied yet (a checkpoint was taken meanwhile)
+        self.averaged: list[Tensor] | None = None
+
+
+class DiLoCo:
+    """Synchronise ``module`` every ``inner_steps`` optimizer steps (see the module's docstring).
+
+    Call :meth:`after_inner_step` after every inner optimizer step on every rank (the Lightning
+    strategy and the Accelerate integration do). ``outer_optimizer`` builds the outer optimizer
+    from the list of outer tensors (default :func:`nesterov_sgd`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        components: Components,
+        inner_steps: int,
+        outer_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mixing: float = 0.5,
+        vectors: str = "bf16",
+        offload: bool = False,
+        broadcast_buffers: bool = True,
+        process_group: Any = None,
+        **engine_options: Any,
+    ) -> None:
+        check_diloco_options(components, inner_steps, fragments, overlap_steps, mixing, vectors)
+        self.module = module
+        self.inner_steps = inner_steps
+        self.overlap_steps = overlap_steps
+        self.mixing = float(mixing)
+        self.broadcast_buffers = broadcast_buffers
+        self.process_group = process_group
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
+        outer_device = torch.device("cpu") if offload else named[0][1].device
+        sizes = [p.numel() * p.element_size() for _, p in named]
+        per_fragment = parse_fusion(f"groups:{fragments}").plan(sizes)
+        self.fragments: list[_Fragment] = []
+        broadcast = True  # the first synchroniser copies rank 0's parameters and buffers to every rank
+        start = 0
+        for j, count in enumerate(per_fragment):
+            chunk = named[start : start + count]
+            start += count
+            params = [p for _, p in chunk]
+            fragment = _Fragment(j, (j + 1) * inner_steps // len(per_fragment), [n for n, _ in chunk], params, [])
+            for names, roles in self._split(chunk, components, vectors):
+                fragment.synchronizers.append(
+                    GradientSynchronizer(
+                        module,
+                        roles.compressor,
+                        roles.memory,
+                        roles.communicator,
+                        roles.fusion,
+                        process_group=process_group,
+                        broadcast_from_rank0=broadcast,
+                        broadcast_buffers=False,
+                        parameters=names,
+                        on_backward=False,
+                        **engine_options,
+                    )
+                )
+                broadcast = False
+            fragment.outer = [p.detach().to(outer_device, torch.float32, copy=True) for p in params]
+            self.fragments.append(fragment)
+        first = self.fragments[0].synchronizers[0]
+        self.world_size, self.rank = first.world_size, first.rank
+        self.outer_optimizer = (outer_optimizer or nesterov_sgd())([t for f in self.fragments for t in f.outer])
+        #: inner optimizer steps taken
+        self.inner_step = 0
+        #: outer exchanges completed (one per fragment exchange)
+        self.step = 0
+        self.telemetry = TelemetryLog()
+        #: the inner optimizers whose per-rank state a checkpoint keeps (the strategies set them)
+        self.inner_optimizers: list[torch.optim.Optimizer] = []
+        self.loaded_inner_optimizers: list[dict[str, Any]] = []
+
+    @staticmethod
+    def _split(
+        chunk: list[tuple[str, nn.Parameter]], components: Components, vectors: str
+    ) -> Iterator[tuple[list[str], Components]]:
+        """The fragment's parameters by the roles that exchange their Δ: 1-D tensors apart unless
+        ``vectors="compressed"``."""
+        if vectors == "compressed":
+            yield [n for n, _ in chunk], components.fresh()
+            return
+        matrices = [n for n, p in chunk if p.dim() > 1]
+        others = [n for n, p in chunk if p.dim() <= 1]
+        fusion = components.fusion.describe()
+        if matrices:
+            yield matrices, components.fresh()
+        if others:
+            yield others, build_components("bf16" if vectors == "bf16" else "none", "none", "auto", fusion)
+
+    # ------------------------------------------------------------------ the schedule
+    def after_inner_step(self) -> None:
+        """After each inner optimizer step: start the exchanges due now, and apply those that have
+        overlapped ``overlap_steps`` inner steps (at once where it is 0)."""
+        self.inner_step += 1
+        for fragment in self.fragments:
+            if self.inner_step % self.inner_steps == fragment.offset % self.inner_steps:
+                self._start(fragment)
+        for fragment in self.fragments:
+            if fragment.started is not None and self.inner_step == fragment.started + self.overlap_steps:
+                self._apply(fragment)
+
+    def _start(self, fragment: _Fragment) -> None:
+        """Launch the exchange of ``Δ_r = θ − θ_r`` for the fragment's parameters."""
+        kept = [p.grad for p in fragment.params]
+        with torch.no_grad():
+            for p, outer in zip(fragment.params, fragment.outer):
+                p.grad = outer.to(p.device, p.dtype, non_blocking=True) - p
+        try:
+            for synchronizer in fragment.synchronizers:
+                synchronizer.start_synchronize()
+        finally:
+            for p, grad in zip(fragment.params, kept):
+                p.grad = grad
+        fragment.started = self.inner_step
+
+    def _collect(self, fragment: _Fragment) -> list[Tensor]:
+        """Wait for the fragment's exchange; its averaged ``Δ̄`` (kept until applied)."""
+        if fragment.averaged is None:
+            kept = [p.grad for p in fragment.params]
+            try:
+                for synchronizer in fragment.synchronizers:
+                    synchronizer.finish_synchronize()
+                fragment.averaged = [p.grad.detach().clone() for p in fragment.params]
+            finally:
+                for p, grad in zip(fragment.params, kept):
+                    p.grad = grad
+            self._record_telemetry(fragment)
+        return fragment.averaged
+
+    def _apply(self, fragment: _Fragment) -> None:
+        """The outer optimizer's step on the fragment, then its parameters from the outer values."""
+        averaged = self._collect(fragment)
+        for outer, delta in zip(fragment.outer, averaged):
+            outer.grad = delta.to(outer.device, torch.float32)
+        self.outer_optimizer.step()
+        with torch.no_grad():
+            for p, outer in zip(fragment.params, fragment.outer):
+                outer.grad = None
+                value = outer.to(p.device, p.dtype, non_blocking=True)
+                if self.overlap_steps == 0:
+                    p.copy_(value)
+                else:
+                    p.mul_(self.mixing).add_(value, alpha=1.0 - self.mixing)
+        fragment.started, fragment.averaged = None, None
+        self.step += 1
+        if self.broadcast_buffers and self.world_size > 1:
+            broadcast_from_rank0(list(self.module.buffers()), self.process_group)
+
+    def _record_telemetry(self, fragment: _Fragment) -> None:
+        merged = StepTelemetry()
+        for synchronizer in fragment.synchronizers:
+            for item in fields(merged):
+                if item.name != "extra":
+                    setattr(
+                        merged, item.name, getattr(merged, item.name) + getattr(synchronizer.telemetry.last, item.name)
+                    )
+        self.telemetry.record(merged)
+
+    @property
+    def synchronizers(self) -> list[GradientSynchronizer]:
+        """Every fragment's synchronisers, in fragment order."""
+        return [s for f in self.fragments for s in f.synchronizers]
+
+    # ------------------------------------------------------------------ what the strategies call
+    @contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """Inner forwards need nothing (buffers are rank 0's after each outer step)."""
+        yield
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inner steps never synchronise; gradient accumulation needs nothing more."""
+        yield
+
+    plan_report = None
+
+    def close(self) -> None:
+        """Wait for exchanges still running, so that no collective is left in flight."""
+        for fragment in self.fragments:
+            if fragment.started is not None:
+                self._collect(fragment)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's DiLoCo state: the schedule, the outer values and optimizer, the roles' state
+        of every synchroniser, the averaged Δ of exchanges not applied yet (collected now, so
+        that a resume mid-way through the overlap applies the same values), and this replica's own
+        module state and inner optimizer states, which differ between ranks inside an inner phase."""
+        running = {f.index: (f.started, self._collect(f)) for f in self.fragments if f.started is not None}
+        return {
+            "format": STATE_FORMAT,
+            "world_size": self.world_size,
+            "inner_step": self.inner_step,
+            "step": self.step,
+            "outer": {name: t.detach().cpu().clone() for f in self.fragments for name, t in zip(f.names, f.outer)},
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "synchronizers": [s.state_dict() for s in self.synchronizers],
+            "running": {j: (started, [t.cpu() for t in delta]) for j, (started, delta) in running.items()},
+            # mid-way through an inner phase each replica's own values differ from rank 0's
+            "local": {name: t.detach().cpu().clone() for name, t in self.module.state_dict().items()},
+            "inner_optimizers": [o.state_dict() for o in self.inner_optimizers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"the checkpoint's synchroniser state has format {state.get('format')!r}; sync='diloco' needs "
+                f"{STATE_FORMAT!r} (was it saved with sync='every_step'?)"
+            )
+        synchronizers = self.synchronizers
+        names = [n for f in self.fragments for n in f.names]
+        if len(state["synchronizers"]) != len(synchronizers) or sorted(state["outer"]) != sorted(names):
+            raise ValueError(
+                "the checkpoint's DiLoCo state does not match this configuration (other fragments, vectors "
+                "policy or parameters)"
+            )
+        for synchronizer, saved in zip(synchronizers, state["synchronizers"]):
+            synchronizer.load_state_dict(saved)
+        with torch.no_grad():
+            for fragment in self.fragments:
+                for name, outer in zip(fragment.names, fragment.outer):
+                    outer.copy_(state["outer"][name])
+                fragment.started, fragment.averaged = None, None
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        for j, (started, delta) in state["running"].items():
+            fragment = self.fragments[int(j)]
+            fragment.started = started
+            fragment.averaged = [t.to(p.device) for t, p in zip(delta, fragment.params)]
+        self.inner_step = int(state["inner_step"])
+        self.step = int(state["step"])
+        self.module.load_state_dict(state["local"])
+        self.loaded_inner_optimizers = state["inner_optimizers"]
+        self.restore_inner_optimizers()
+
+    def restore_inner_optimizers(self) -> None:
+        """This rank's inner optimizer states from the loaded state, once the optimizers exist
+        (Lightning restores rank 0's into every rank first)."""
+        if self.loaded_inner_optimizers and self.inner_optimizers:
+            for optimizer, saved in zip(self.inner_optimizers, self.loaded_inner_optimizers):
+                optimizer.load_state_dict(saved)
+            self.loaded_inner_optimizers = []

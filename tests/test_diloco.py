@@ -1,0 +1,265 @@
+"""sync="diloco" on 2 gloo ranks: the outer step against the paper's formulas written out here, per-step
+DDP as the limit H=1, identical replicas for every compressor, streaming fragments, exact resume and
+refused options."""
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from compressor_helpers import SMALL_MODEL_OPTIONS
+from distributed import run_ranks
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import ParityModule, SmallCNN, fit, flat_params
+
+from gc_strategy import COMPRESSORS, GCFusedStrategy, build_components
+from gc_strategy.diloco import DiLoCo, nesterov_sgd
+
+OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=0)}
+REFUSED = {"acpsgd": "alternates its payloads", "signum": "applies momentum"}
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def _inner_step(model, optimizer, rank, step):
+    optimizer.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def _diloco(model, compressor="none", memory="none", **options):
+    c = build_components(compressor, memory, "auto", "groups:2", **OPTIONS.get(compressor, {}))
+    return DiLoCo(model, c, **options)
+
+
+def _gathered(model):
+    flat = flat_params(model).detach()
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+def _outer_step_by_hand(rank, world_size):
+    """H=3 inner steps of SGD, then θ ← θ − lr (Δ̄ + μ m), m ← μ m + Δ̄, with Δ̄ = θ − mean_r θ_r
+    computed from every replica's parameters (all_gather), not through the library."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    sync = _diloco(model, inner_steps=3, vectors="fp32", outer_optimizer=nesterov_sgd(0.7, 0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    theta = flat_params(model).detach().clone()
+    m = torch.zeros_like(theta)
+    worst = 0.0
+    for outer in range(2):
+        for step in range(3 * outer, 3 * outer + 3):
+            _inner_step(model, optimizer, rank, step)
+            if step % 3 != 2:
+                sync.after_inner_step()
+        delta = theta - torch.stack(_gathered(model)).mean(0)
+        sync.after_inner_step()  # the outer step
+        m = 0.9 * m + delta
+        theta = theta - 0.7 * (delta + 0.9 * m)
+        worst = max(worst, float((flat_params(model).detach() - theta).abs().max()))
+    return worst
+
+
+def test_the_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient():
+    for worst in run_ranks(_outer_step_by_hand, 2):
+        assert worst < 1e-6
+
+
+def _against_ddp(rank, world_size):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    reference = copy.deepcopy(model)
+    sync = _diloco(model, inner_steps=1, vectors="fp32", outer_optimizer=nesterov_sgd(1.0, 0.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        _inner_step(model, optimizer, rank, step)
+        sync.after_inner_step()
+        _inner_step(ddp, ddp_optimizer, rank, step)
+    return float((flat_params(model) - flat_params(reference)).abs().max())
+
+
+def test_one_inner_step_with_outer_sgd_at_lr_1_is_torch_ddp():
+    """H=1, outer SGD lr 1, no momentum: θ − (θ − θ_r averaged) is the per-step average (SGD with
+    momentum is linear in the gradients, so its momentum averages too); equal to torch's
+    DistributedDataParallel within fp32 rounding of θ − θ_r (1e-6)."""
+    for gap in run_ranks(_against_ddp, 2):
+        assert gap < 1e-6
+
+
+def _every_compressor(rank, world_size):
+    results = {}
+    for name in COMPRESSORS.names():
+        keeps_own = COMPRESSORS.get(name).OPTIONS.get("use_error_feedback") is not None
+        memory = "none" if keeps_own or name == "none" else "residual"
+        torch.manual_seed(0)
+        model = SmallCNN()
+        try:
+            sync = _diloco(model, name, memory, inner_steps=2)
+        except ValueError as error:
+            results[name] = str(error)
+            continue
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        same, moved = [], []
+        for step in range(6):
+            before = flat_params(model).detach().clone()
+            _inner_step(model, optimizer, rank, step)
+            sync.after_inner_step()
+            if step % 2 == 1:
+                replicas = _gathered(model)
+                same.append(all(torch.equal(r, replicas[0]) for r in replicas))
+                moved.append(bool((replicas[0] != before).any()))
+        results[name] = (all(same), all(moved), sync.step)
+    return results
+
+
+@pytest.mark.slow
+def test_replicas_are_identical_after_each_outer_step_for_every_compressor():
+    for results in run_ranks(_every_compressor, 2):
+        for name, result in results.items():
+            if name in REFUSED:
+                assert REFUSED[name] in result, result
+            else:
+                assert result == (True, True, 3), name
+
+
+def _streaming_schedule(rank, world_size):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    sync = _diloco(model, inner_steps=6, fragments=3, overlap_steps=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    exchanged = []  # (inner step, names) of each exchange when it starts
+    for step in range(12):
+        _inner_step(model, optimizer, rank, step)
+        running = {f.index for f in sync.fragments if f.started is not None}
+        sync.after_inner_step()
+        for f in sync.fragments:
+            if f.started == sync.inner_step and f.index not in running:
+                exchanged.append((sync.inner_step, f.names))
+    names = [n for n, p in model.named_parameters()]
+    return exchanged, names, sync.step
+
+
+def test_streaming_fragments_cover_every_parameter_once_per_period():
+    for exchanged, names, outer_steps in run_ranks(_streaming_schedule, 2):
+        assert [step for step, _ in exchanged] == [2, 4, 6, 8, 10, 12]
+        for period in (exchanged[:3], exchanged[3:]):
+            covered = [n for _, fragment in period for n in fragment]
+            assert sorted(covered) == sorted(names)  # each parameter exactly once
+        assert outer_steps == 5  # the exchange started after step 12 is applied after step 13
+
+
+def _resume(rank, world_size):
+    """Streaming DiLoCo with top-k + residual: a copy restored from a state saved after inner step 4
+    (fragment 1's exchange running, fragment 0 half-way through its inner phase) ends where the
+    uninterrupted run does, bit for bit."""
+
+    def build(model):
+        sync = _diloco(model, "topk", "residual", inner_steps=4, fragments=2, overlap_steps=1)
+        return sync, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def train(model, sync, optimizer, steps):
+        for step in steps:
+            _inner_step(model, optimizer, rank, step)
+            sync.after_inner_step()
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    sync, optimizer = build(model)
+    train(model, sync, optimizer, range(4))
+    running = [f.index for f in sync.fragments if f.started is not None]
+    saved = copy.deepcopy((model.state_dict(), sync.state_dict(), optimizer.state_dict()))
+    train(model, sync, optimizer, range(4, 11))
+    resumed = SmallCNN()
+    resumed.load_state_dict(saved[0])
+    resumed_sync, resumed_optimizer = build(resumed)
+    resumed_sync.load_state_dict(saved[1])
+    resumed_optimizer.load_state_dict(saved[2])
+    train(resumed, resumed_sync, resumed_optimizer, range(4, 11))
+    return running, torch.equal(flat_params(model), flat_params(resumed))
+
+
+def test_resume_mid_inner_phase_is_exact():
+    for running, same in run_ranks(_resume, 2):
+        assert running == [1]  # fragment 1 started after step 4 and is applied after step 5
+        assert same
+
+
+def test_lightning_diloco_keeps_replicas_identical_and_moves_the_weights():
+    """Through Trainer: 4 optimizer steps, H=2, top-k + residual; ParityModule checks at the end
+    that every rank holds rank 0's parameters."""
+    torch.manual_seed(0)
+    module = ParityModule()
+    before = flat_params(module).detach().clone()
+    strategy = GCFusedStrategy(
+        compressor="topk", memory="residual", density=0.1, sync="diloco", inner_steps=2, start_method="fork"
+    )
+    fit(module, strategy)
+    assert not torch.equal(flat_params(module), before)
+
+
+class StopsMidPhase(ParityModule):
+    def on_train_end(self):
+        pass  # mid-way through an inner phase the replicas differ by design
+
+
+def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
+    """H=3 over 3 epochs of 4 steps; the checkpoint after epoch 1 falls one step into an inner phase,
+    where the replicas' parameters and inner momenta differ. Each rank's own come back from its
+    file, so the resumed run ends bit for bit where the uninterrupted one does."""
+
+    def strategy():
+        return GCFusedStrategy(
+            compressor="topk", memory="residual", density=0.1, sync="diloco", inner_steps=3, start_method="fork"
+        )
+
+    pl.seed_everything(0, verbose=False)
+    straight = ParityModule()
+    fit(straight, strategy(), max_epochs=3)
+    checkpoints = tmp_path / "ckpt"
+    pl.seed_everything(0, verbose=False)
+    fit(
+        StopsMidPhase(),
+        strategy(),
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
+    )
+    ranks = [torch.load(checkpoints / "last.ckpt.gc_state" / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["inner_step"] == 4
+    assert not torch.equal(ranks[0]["local"]["net.head.weight"], ranks[1]["local"]["net.head.weight"])
+    pl.seed_everything(0, verbose=False)
+    resumed = ParityModule()
+    fit(resumed, strategy(), max_epochs=3, ckpt_path=str(checkpoints / "last.ckpt"))
+    assert torch.equal(flat_params(resumed), flat_params(straight))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(inner_steps=5), r"inner_steps: option\(s\) of sync='diloco', but sync = 'every_step'"),
+        (dict(sync="local"), "sync = 'local' is invalid; allowed: 'every_step', 'diloco'"),
+        (dict(sync="diloco"), "sync='diloco' needs inner_steps"),
+        (dict(sync="diloco", inner_steps=0), "inner_steps = 0 is invalid; allowed: an integer >= 1"),
+        (dict(sync="diloco", inner_steps=4, overlap_steps=4), "overlap_steps = 4 is invalid with inner_steps = 4"),
+        (dict(sync="diloco", inner_steps=4, fragments=5), "fragments = 5 is invalid with inner_steps = 4"),
+        (dict(sync="diloco", inner_steps=4, mixing=1.5), r"mixing = 1.5 is invalid; allowed: a number in \[0, 1\]"),
+        (dict(sync="diloco", inner_steps=4, vectors="int8"), "vectors = 'int8' is invalid"),
+        (dict(sync="diloco", inner_steps=4, outer_lr=0), "outer_lr = 0 is invalid; allowed: a number > 0"),
+        (dict(sync="diloco", inner_steps=4, outer_momentum=1.0), "outer_momentum = 1.0 is invalid"),
+        (dict(sync="diloco", inner_steps=4, compressor="acpsgd"), "compressor 'acpsgd': it alternates"),
+        (dict(sync="diloco", inner_steps=4, compressor="topk", memory="dgc"), "memory 'dgc': it applies momentum"),
+        (dict(sync="diloco", inner_steps=4, fusion="auto"), "sync='diloco' with fusion='auto'"),
+    ],
+)
+def test_bad_diloco_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        GCFusedStrategy(**options)
