@@ -87,52 +87,16 @@ def run_config(
     0's summary, with the bytes that crossed node boundaries per measured step when the links are
     shaped, or ``{"failed": why}``."""
     rank_count = ranks(name, cfg.world_size)
-    per_node = cfg.world_size // cfg.nodes
     results = [out / "runs" / (f"{tag}.json" if r == 0 else f"{tag}-rank{r}.json") for r in range(rank_count)]
     logs = [out / "logs" / f"{tag}-rank{r}.log" for r in range(rank_count)]
-    processes = []
-    for r in range(rank_count):
-        node = network[r // per_node]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(cfg.threads_per_rank),
-            "PYTHONPATH": str(ROOT),
-            "GLOO_SOCKET_IFNAME": node.interface,
-        }
-        if name not in ALONE:
-            env.update(
-                MASTER_ADDR=network[0].address,
-                MASTER_PORT=str(port),
-                NODE_RANK=str(r // per_node),
-                WORLD_SIZE=str(rank_count),
-                LOCAL_RANK=str(r % per_node),
-            )
-        command = node.command + [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_worker.py"),
-            str(config_file),
-            name,
-            str(results[r]),
-        ]
-        with open(logs[r], "w") as log:
-            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        if not _wait_for_ranks(processes, cfg.timeout_s):
-            return {"failed": f"timed out after {cfg.timeout_s} s"}
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failed = [r for r, process in enumerate(processes) if process.returncode != 0]
-    if failed or not results[0].is_file():
-        on_their_own = [r for r in failed if processes[r].returncode != -signal.SIGKILL]
-        reasons = [(r, _reason(logs[r])) for r in on_their_own or failed or [0]]
-        # a rank that lost its peer only reports the peer's failure: prefer the peer's own error
-        rank, reason = next(
-            ((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0]
-        )
-        return {"failed": f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"}
+    worker = [str(ROOT / "benchmarks" / "bench_worker.py"), str(config_file), name]
+    arguments = [[*worker, str(path)] for path in results]
+    per_node = cfg.world_size // cfg.nodes
+    why = run_ranks(arguments, network, per_node, port, cfg.threads_per_rank, logs, cfg.timeout_s, name not in ALONE)
+    if why is not None:
+        return {"failed": why}
+    if not results[0].is_file():
+        return {"failed": f"rank 0 wrote no result: {failure_reason(logs[0])[:300]}"}
     per_rank = [json.loads(path.read_text()) for path in results]
     summary = per_rank[0]
     if cfg.net.rate:  # one rank per node counts its node's interface
@@ -141,7 +105,78 @@ def run_config(
     return summary
 
 
-def _wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool:
+def run_ranks(
+    arguments: list[list[str]],
+    network: list,
+    per_node: int,
+    port: int,
+    threads: int,
+    logs: list[Path],
+    timeout_s: float,
+    distributed: bool = True,
+) -> str | None:
+    """Run ``python *arguments[r]`` for every rank ``r`` (see :func:`start_ranks`) to the end; None
+    when every rank exited cleanly, else why not."""
+    processes = start_ranks(arguments, network, per_node, port, threads, logs, distributed)
+    try:
+        if not wait_for_ranks(processes, timeout_s):
+            return f"timed out after {timeout_s} s"
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    failed = [r for r, process in enumerate(processes) if process.returncode != 0]
+    if not failed:
+        return None
+    on_their_own = [r for r in failed if processes[r].returncode != -signal.SIGKILL]
+    reasons = [(r, failure_reason(logs[r])) for r in on_their_own or failed]
+    # a rank that lost its peer only reports the peer's failure: prefer the peer's own error
+    rank, reason = next(
+        ((r, why) for r, why in reasons if not re.search(r"Connection (reset|closed)", why)), reasons[0]
+    )
+    return f"rank {rank} exited with {processes[rank].returncode}: {reason[:300]}"
+
+
+def start_ranks(
+    arguments: list[list[str]],
+    network: list,
+    per_node: int,
+    port: int,
+    threads: int,
+    logs: list[Path],
+    distributed: bool = True,
+) -> list[subprocess.Popen]:
+    """Start one Python process per rank, ``python *arguments[r]``, rank ``r`` in node
+    ``r // per_node`` of ``network``, with the rendezvous in its environment (``distributed``) and
+    its output in ``logs[r]``."""
+    processes = []
+    for r, args in enumerate(arguments):
+        node = network[r // per_node]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": str(ROOT),
+            "GLOO_SOCKET_IFNAME": node.interface,
+        }
+        if distributed:
+            env.update(
+                MASTER_ADDR=network[0].address,
+                MASTER_PORT=str(port),
+                NODE_RANK=str(r // per_node),
+                WORLD_SIZE=str(len(arguments)),
+                LOCAL_RANK=str(r % per_node),
+            )
+        with open(logs[r], "w") as log:
+            processes.append(
+                subprocess.Popen(
+                    [*node.command, sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
+    return processes
+
+
+def wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool:
     """Wait until every rank has exited (True) or ``timeout_s`` has passed (False). Once a rank has
     failed, its peers, which would wait on it in their next collective for ever, get
     ``PEER_GRACE_S`` to exit on their own (True after it; the caller kills what still runs)."""
@@ -156,7 +191,7 @@ def _wait_for_ranks(processes: list[subprocess.Popen], timeout_s: float) -> bool
     return True
 
 
-def _reason(log: Path) -> str:
+def failure_reason(log: Path) -> str:
     """The last line of a rank's output that reports an error (or its last line)."""
     lines = log.read_text(errors="replace").strip().splitlines() or ["no output"]
     marked = [line for line in lines if re.search(r"error|what\(\)|exception", line, re.IGNORECASE)]

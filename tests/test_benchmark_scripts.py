@@ -61,3 +61,63 @@ def test_a_bad_or_missing_device_is_an_argparse_error(script, monkeypatch, capsy
         assert "argument --device: no CUDA device is available here" in _run(
             script, monkeypatch, capsys, "--device", "cuda"
         )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--configs", "ddp", "--target", "1.5"], "--target 1.5 is invalid; allowed: a number in (0, 1]"),
+        (["--configs", "ddp", "ddp"], "repeats a configuration"),
+        (["--configs", "ddp+fp16"], "'ddp+fp16' is invalid; allowed: ddp, or gc_fused"),
+        (["--configs", "gc_fused:sync=diloco"], "sync='diloco' needs inner_steps"),
+        (["--configs", "ddp", "--eval-every", "0"], "0 is invalid; allowed: an integer >= 1"),
+    ],
+)
+def test_time_to_accuracy_refuses_bad_settings_before_any_run(args, message, monkeypatch, capsys):
+    assert message in _run("time_to_accuracy.py", monkeypatch, capsys, "--rate", "none", *args)
+
+
+@pytest.mark.slow
+def test_time_to_accuracy_reports_every_configuration_on_loopback(tmp_path):
+    """Two configurations, one epoch each, on loopback: a row per configuration with its accuracy,
+    measurements every 5 steps against growing training time, and the plot."""
+    import json
+    import subprocess
+
+    configs = ["ddp", "gc_fused:sync=diloco,inner_steps=5,vectors=fp32"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "time_to_accuracy.py",
+            "--rate",
+            "none",
+            "--epochs",
+            "1",
+            "--eval-every",
+            "5",
+            "--hidden",
+            "64",
+            "--target",
+            "0.3",
+            "--out",
+            str(tmp_path),
+            "--configs",
+            *configs,
+        ],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "results.md").read_text()
+    for name in configs:
+        assert f"| {name} |" in table
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    for name in configs:
+        points = runs[name][0]["points"]
+        assert [p["step"] for p in points] == [5, 10, 15, 20, 23]  # 719 samples per rank, batch 32
+        times = [p["train_s"] for p in points]
+        assert times == sorted(times) and times[0] > 0
+        assert 0 <= points[-1]["accuracy"] <= 1 and runs[name][0]["sent_bytes"] > 0
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
