@@ -355,13 +355,32 @@ def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
 
 def test_summary_bytes_and_breakdown_cover_the_timed_steps_only(tmp_path):
     """PowerSGD-like: the first steps (start_iter) send everything, the timed ones a little."""
+    summary = _monitored(tmp_path, [1000, 1000, 10, 10, 10])
+    assert len(summary["step_times_s"]) == 3
+    assert summary["sent_bytes_per_step"] == 10 and summary["compression_ratio"] == 100
+    assert summary["breakdown"]["encode+decode"] == pytest.approx(0.03)
+    assert summary["breakdown"]["exposed communication"] == pytest.approx(0.001)
+
+
+def test_summary_bytes_per_step_with_an_exchange_every_few_steps(tmp_path):
+    """sync="diloco"-like: an exchange after every second step; its bytes spread over the timed
+    steps, and no per-step breakdown (there is no exchange in most steps)."""
+    summary = _monitored(tmp_path, [None, 1000, None, 10, None, 10])
+    assert len(summary["step_times_s"]) == 4
+    assert summary["sent_bytes_per_step"] == 20 / 4 and summary["compression_ratio"] == 100
+    assert "breakdown" not in summary
+
+
+def _monitored(tmp_path, sent_per_step):
+    """ThroughputMonitor over fake steps; ``None``: no exchange in that step."""
     from types import SimpleNamespace
 
     from gc_strategy import StepTelemetry
     from gc_strategy.monitor import ThroughputMonitor
+    from gc_strategy.telemetry import TelemetryLog
 
     monitor = ThroughputMonitor(batch_size=4, output_dir=str(tmp_path), warmup_steps=2)
-    synchronizer = SimpleNamespace(telemetry=SimpleNamespace(last=None))
+    synchronizer = SimpleNamespace(telemetry=TelemetryLog())
     trainer = SimpleNamespace(
         global_step=0,
         world_size=2,
@@ -370,16 +389,13 @@ def test_summary_bytes_and_breakdown_cover_the_timed_steps_only(tmp_path):
         loggers=[],
     )
     module = SimpleNamespace(log_dict=lambda *a, **k: None)
-    for step, sent in enumerate([1000, 1000, 10, 10, 10]):
-        synchronizer.telemetry.last = StepTelemetry(
-            raw_bytes=1000, sent_bytes=sent, encode_s=0.01 * step, exposed_wait_s=0.001
-        )
+    for step, sent in enumerate(sent_per_step):
         monitor.on_train_batch_start(trainer, module, None, step)
+        if sent is not None:
+            synchronizer.telemetry.record(
+                StepTelemetry(raw_bytes=1000, sent_bytes=sent, encode_s=0.01 * step, exposed_wait_s=0.001)
+            )
         trainer.global_step = step + 1
         monitor.on_train_batch_end(trainer, module, None, None, step)
     monitor.on_train_end(trainer, module)
-    summary = monitor.summary
-    assert len(summary["step_times_s"]) == 3
-    assert summary["sent_bytes_per_step"] == 10 and summary["compression_ratio"] == 100
-    assert summary["breakdown"]["encode+decode"] == pytest.approx(0.03)
-    assert summary["breakdown"]["exposed communication"] == pytest.approx(0.001)
+    return monitor.summary
