@@ -4,7 +4,7 @@
 
 The rank and rendezvous come from the environment, as for ``bench_worker.py``; every rank is its own
 emulated node. The task: an MLP (64 → hidden → hidden → 10) on scikit-learn's handwritten digits,
-the last 360 images held out. Rank 0 measures the held-out accuracy every ``eval_every`` optimizer
+the last 360 images held out, trained with SGD (momentum 0.9) and a cosine learning-rate decay. Rank 0 measures the held-out accuracy every ``eval_every`` optimizer
 steps and at the end, against the training wall time so far (the evaluations excluded); every rank
 writes the bytes its node's interface sent during training.
 """
@@ -38,7 +38,11 @@ class DigitsMLP(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        """SGD with momentum, the learning rate decayed to 0 over the run along a cosine."""
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        steps = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def train_dataloader(self):
         return DataLoader(digits("train"), batch_size=self.batch_size, shuffle=True)
