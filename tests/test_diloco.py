@@ -263,3 +263,27 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
 def test_bad_diloco_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         GCFusedStrategy(**options)
+
+
+def _hierarchical(rank, world_size):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    sync = _diloco(model, "topk", "residual", inner_steps=2, hierarchy="node", ranks_per_node=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    same = []
+    for step in range(4):
+        _inner_step(model, optimizer, rank, step)
+        sync.after_inner_step()
+        if step % 2 == 1:
+            replicas = _gathered(model)
+            same.append(all(torch.equal(r, replicas[0]) for r in replicas))
+    hierarchical = all(s.nodes is not None and s.nodes.ranks_per_node == 2 for s in sync.synchronizers)
+    return same, sync.step, hierarchical
+
+
+@pytest.mark.slow
+def test_diloco_over_the_node_hierarchy_keeps_replicas_identical():
+    """2 nodes x 2 ranks, top-k + residual on Δ across nodes, dense inside each node."""
+    for same, outer_steps, hierarchical in run_ranks(_hierarchical, 4):
+        assert same == [True, True] and outer_steps == 2
+        assert hierarchical  # every synchroniser exchanges through the node groups
