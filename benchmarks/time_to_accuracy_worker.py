@@ -4,9 +4,10 @@
 
 The rank and rendezvous come from the environment, as for ``bench_worker.py``; every rank is its own
 emulated node. The task: an MLP (64 → hidden → hidden → 10) on scikit-learn's handwritten digits,
-the last 360 images held out, trained with SGD (momentum 0.9) and a cosine learning-rate decay. Rank 0 measures the held-out accuracy every ``eval_every`` optimizer
-steps and at the end, against the training wall time so far (the evaluations excluded); every rank
-writes the bytes its node's interface sent during training.
+the last 360 images held out, trained with SGD (momentum 0.9) and a cosine learning-rate decay.
+Rank 0 measures the held-out accuracy every ``eval_every`` optimizer steps and at the end, against
+the training wall time so far (the evaluations excluded); every rank writes the bytes its node's
+interface sent during training.
 """
 
 from __future__ import annotations

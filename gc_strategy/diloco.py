@@ -34,18 +34,22 @@ of the model. The error-feedback memories stay beside the buckets they correct.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .components import Components, build_components
 from .engine import GradientSynchronizer, broadcast_from_rank0
 from .fusion import parse_fusion
+from .fusion.fragments import fragments_to_overlap
 from .telemetry import StepTelemetry, TelemetryLog
 
 SYNC_MODES = ("every_step", "diloco")
@@ -73,9 +77,16 @@ def check_diloco_options(
             raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= {low}")
 
     whole("inner_steps", inner_steps, 1)
-    whole("fragments", fragments, 1)
     whole("overlap_steps", overlap_steps, 0)
-    if fragments > inner_steps:
+    if fragments == "auto":
+        if overlap_steps < 1:
+            raise ValueError(
+                "fragments = 'auto' sizes the fragments to hide each exchange behind overlap_steps inner steps; "
+                f"overlap_steps = {overlap_steps} is invalid with it; allowed: 1 to {inner_steps - 1}"
+            )
+    elif not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
+        raise ValueError(f"fragments = {fragments!r} is invalid; allowed: an integer >= 1, or 'auto'")
+    elif fragments > inner_steps:
         raise ValueError(
             f"fragments = {fragments} is invalid with inner_steps = {inner_steps}; allowed: 1 to inner_steps "
             "(each fragment is exchanged at its own inner step)"
@@ -187,7 +198,7 @@ class DiLoCo:
         components: Components,
         inner_steps: int,
         outer_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
-        fragments: int = 1,
+        fragments: int | str = 1,
         overlap_steps: int = 0,
         mixing: float = 0.5,
         vectors: str = "bf16",
@@ -198,47 +209,34 @@ class DiLoCo:
     ) -> None:
         check_diloco_options(components, inner_steps, fragments, overlap_steps, mixing, vectors)
         self.module = module
+        self.components = components
+        self.vectors = vectors
+        self.engine_options = engine_options
         self.inner_steps = inner_steps
         self.overlap_steps = overlap_steps
         self.mixing = float(mixing)
         self.broadcast_buffers = broadcast_buffers
         self.process_group = process_group
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if not named:
+        self.named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not self.named:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
-        outer_device = torch.device("cpu") if offload else named[0][1].device
-        sizes = [p.numel() * p.element_size() for _, p in named]
-        per_fragment = parse_fusion(f"groups:{fragments}").plan(sizes)
+        outer_device = torch.device("cpu") if offload else self.named[0][1].device
+        #: θ, by parameter name: fp32, where the outer state lives
+        self.outer = {n: p.detach().to(outer_device, torch.float32, copy=True) for n, p in self.named}
+        #: fragments="auto": the count is chosen from the first outer exchange (see :meth:`_choose_fragments`)
+        self.auto_fragments = fragments == "auto"
+        self._step_times: list[float] = []
+        self._clock: float | None = None
+        #: fragments="auto": the count chosen, and the timings it was chosen from (None until then)
+        self.chosen_fragments: int | None = None
+        self.fragment_timings: dict[str, float] | None = None
         self.fragments: list[_Fragment] = []
-        broadcast = True  # the first synchroniser copies rank 0's parameters and buffers to every rank
-        start = 0
-        for j, count in enumerate(per_fragment):
-            chunk = named[start : start + count]
-            start += count
-            params = [p for _, p in chunk]
-            fragment = _Fragment(j, (j + 1) * inner_steps // len(per_fragment), [n for n, _ in chunk], params, [])
-            for names, roles in self._split(chunk, components, vectors):
-                fragment.synchronizers.append(
-                    GradientSynchronizer(
-                        module,
-                        roles.compressor,
-                        roles.memory,
-                        roles.communicator,
-                        roles.fusion,
-                        process_group=process_group,
-                        broadcast_from_rank0=broadcast,
-                        broadcast_buffers=False,
-                        parameters=names,
-                        on_backward=False,
-                        **engine_options,
-                    )
-                )
-                broadcast = False
-            fragment.outer = [p.detach().to(outer_device, torch.float32, copy=True) for p in params]
-            self.fragments.append(fragment)
+        self._build_fragments(1 if self.auto_fragments else fragments, broadcast=True)
+        for name, outer in self.outer.items():  # after the broadcast of rank 0's parameters
+            outer.copy_(dict(self.named)[name].detach())
         first = self.fragments[0].synchronizers[0]
         self.world_size, self.rank = first.world_size, first.rank
-        self.outer_optimizer = (outer_optimizer or nesterov_sgd())([t for f in self.fragments for t in f.outer])
+        self.outer_optimizer = (outer_optimizer or nesterov_sgd())(list(self.outer.values()))
         #: inner optimizer steps taken
         self.inner_step = 0
         #: outer exchanges completed (one per fragment exchange)
@@ -247,6 +245,46 @@ class DiLoCo:
         #: the inner optimizers whose per-rank state a checkpoint keeps (the strategies set them)
         self.inner_optimizers: list[torch.optim.Optimizer] = []
         self.loaded_inner_optimizers: list[dict[str, Any]] = []
+
+    def _build_fragments(self, count: int, broadcast: bool = False) -> None:
+        """Cut the parameters into ``count`` fragments of about equal bytes, each with its
+        synchronisers, carrying the roles' state over by parameter name from the fragments before
+        (``broadcast``: the first synchroniser copies rank 0's parameters and buffers to every rank)."""
+        previous = self.synchronizers
+        states = [
+            _merged(s.memory.state_by_parameter(s.buckets) for s in previous),
+            _merged(s.compressor.state_by_parameter(s.buckets) for s in previous),
+        ]
+        sizes = [p.numel() * p.element_size() for _, p in self.named]
+        per_fragment = parse_fusion(f"groups:{count}").plan(sizes)
+        self.fragments = []
+        start = 0
+        for j, size in enumerate(per_fragment):
+            chunk = self.named[start : start + size]
+            start += size
+            names = [n for n, _ in chunk]
+            offset = (j + 1) * self.inner_steps // len(per_fragment)
+            fragment = _Fragment(j, offset, names, [p for _, p in chunk], [self.outer[n] for n in names])
+            for group, roles in self._split(chunk, self.components, self.vectors):
+                synchronizer = GradientSynchronizer(
+                    self.module,
+                    roles.compressor,
+                    roles.memory,
+                    roles.communicator,
+                    roles.fusion,
+                    process_group=self.process_group,
+                    broadcast_from_rank0=broadcast,
+                    broadcast_buffers=False,
+                    parameters=group,
+                    on_backward=False,
+                    **self.engine_options,
+                )
+                if previous:
+                    synchronizer.memory.load_state_by_parameter(states[0], synchronizer.buckets)
+                    synchronizer.compressor.load_state_by_parameter(states[1], synchronizer.buckets)
+                fragment.synchronizers.append(synchronizer)
+                broadcast = False
+            self.fragments.append(fragment)
 
     @staticmethod
     def _split(
@@ -270,12 +308,47 @@ class DiLoCo:
         """After each inner optimizer step: start the exchanges due now, and apply those that have
         overlapped ``overlap_steps`` inner steps (at once where it is 0)."""
         self.inner_step += 1
+        choosing = self.auto_fragments and self.step == 0
+        if choosing:  # time the inner steps of the first period (the exchanges left out)
+            now = time.perf_counter()
+            if self._clock is not None:
+                self._step_times.append(now - self._clock)
         for fragment in self.fragments:
-            if self.inner_step % self.inner_steps == fragment.offset % self.inner_steps:
+            if self._due(fragment):
                 self._start(fragment)
+                if choosing:
+                    self._choose_fragments(fragment)
         for fragment in self.fragments:
             if fragment.started is not None and self.inner_step == fragment.started + self.overlap_steps:
                 self._apply(fragment)
+                if choosing and self.chosen_fragments is not None:
+                    self._build_fragments(self.chosen_fragments)
+                    for new in self.fragments:  # a new fragment due at this very step
+                        if self._due(new):
+                            self._start(new)
+        if choosing:
+            self._clock = time.perf_counter()
+
+    def _due(self, fragment: _Fragment) -> bool:
+        """Whether the fragment's exchange starts after the current inner step."""
+        return self.inner_step % self.inner_steps == fragment.offset % self.inner_steps
+
+    def _choose_fragments(self, fragment: _Fragment) -> None:
+        """``fragments="auto"``: time the first outer exchange (all parameters, run to completion
+        now; it is still applied ``overlap_steps`` later) and choose the fragment count with
+        :func:`~gc_strategy.fusion.fragments.fragments_to_overlap`, from the slowest rank's
+        timings, so that every rank chooses the same."""
+        started = time.perf_counter()
+        self._collect(fragment)
+        timings = torch.tensor(
+            [time.perf_counter() - started, statistics.median(self._step_times or [float("inf")])],
+            dtype=torch.float64,
+        )
+        if self.world_size > 1:
+            dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
+        exchange_s, step_s = timings.tolist()
+        self.chosen_fragments = fragments_to_overlap(exchange_s, step_s, self.overlap_steps, self.inner_steps)
+        self.fragment_timings = {"exchange_s": exchange_s, "inner_step_s": step_s}
 
     def _start(self, fragment: _Fragment) -> None:
         """Launch the exchange of ``Δ_r = θ − θ_r`` for the fragment's parameters."""
@@ -370,7 +443,8 @@ class DiLoCo:
             "world_size": self.world_size,
             "inner_step": self.inner_step,
             "step": self.step,
-            "outer": {name: t.detach().cpu().clone() for f in self.fragments for name, t in zip(f.names, f.outer)},
+            "fragments": len(self.fragments),
+            "outer": {name: t.detach().cpu().clone() for name, t in self.outer.items()},
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "synchronizers": [s.state_dict() for s in self.synchronizers],
             "running": {j: (started, [t.cpu() for t in delta]) for j, (started, delta) in running.items()},
@@ -385,6 +459,8 @@ class DiLoCo:
                 f"the checkpoint's synchroniser state has format {state.get('format')!r}; sync='diloco' needs "
                 f"{STATE_FORMAT!r} (was it saved with sync='every_step'?)"
             )
+        if self.auto_fragments and state["fragments"] != len(self.fragments):
+            self._build_fragments(state["fragments"])  # the count chosen before the checkpoint
         synchronizers = self.synchronizers
         names = [n for f in self.fragments for n in f.names]
         if len(state["synchronizers"]) != len(synchronizers) or sorted(state["outer"]) != sorted(names):
@@ -395,10 +471,10 @@ class DiLoCo:
         for synchronizer, saved in zip(synchronizers, state["synchronizers"]):
             synchronizer.load_state_dict(saved)
         with torch.no_grad():
-            for fragment in self.fragments:
-                for name, outer in zip(fragment.names, fragment.outer):
-                    outer.copy_(state["outer"][name])
-                fragment.started, fragment.averaged = None, None
+            for name, outer in self.outer.items():
+                outer.copy_(state["outer"][name])
+        for fragment in self.fragments:
+            fragment.started, fragment.averaged = None, None
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         for j, (started, delta) in state["running"].items():
             fragment = self.fragments[int(j)]
@@ -417,3 +493,12 @@ class DiLoCo:
             for optimizer, saved in zip(self.inner_optimizers, self.loaded_inner_optimizers):
                 optimizer.load_state_dict(saved)
             self.loaded_inner_optimizers = []
+
+
+def _merged(states: Iterable[dict[str, dict[str, Tensor]]]) -> dict[str, dict[str, Tensor]]:
+    """Per-parameter role states of several synchronisers (disjoint parameters) as one."""
+    merged: dict[str, dict[str, Tensor]] = {}
+    for state in states:
+        for name, tensors in state.items():
+            merged.setdefault(name, {}).update(tensors)
+    return merged

@@ -57,9 +57,10 @@ class GCFusedStrategy(DDPStrategy):
             local steps, then the compressed, error-corrected exchange of the pseudo-gradient and an
             outer optimizer step (:mod:`gc_strategy.diloco`). DiLoCo's options: ``inner_steps``,
             ``outer_lr`` and ``outer_momentum`` (of the default outer SGD with Nesterov momentum) or
-            ``outer_optimizer`` (a callable from a list of tensors to an optimizer), ``fragments``,
-            ``overlap_steps`` and ``mixing`` (Streaming DiLoCo), ``vectors`` (how 1-D tensors are sent:
-            ``"bf16"``, ``"fp32"`` or ``"compressed"``) and ``offload`` (outer state in CPU memory).
+            ``outer_optimizer`` (a callable from a list of tensors to an optimizer), ``fragments`` (a
+            count, or ``"auto"``), ``overlap_steps`` and ``mixing`` (Streaming DiLoCo), ``vectors``
+            (how 1-D tensors are sent: ``"bf16"``, ``"fp32"`` or ``"compressed"``) and ``offload``
+            (outer state in CPU memory).
         **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
     """
 
@@ -89,7 +90,7 @@ class GCFusedStrategy(DDPStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_optimizer: Callable[[list[Any]], Any] | None = None,
-        fragments: int = 1,
+        fragments: int | str = 1,
         overlap_steps: int = 0,
         mixing: float = 0.5,
         vectors: str = "bf16",

@@ -251,6 +251,8 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
         (dict(sync="diloco", inner_steps=0), "inner_steps = 0 is invalid; allowed: an integer >= 1"),
         (dict(sync="diloco", inner_steps=4, overlap_steps=4), "overlap_steps = 4 is invalid with inner_steps = 4"),
         (dict(sync="diloco", inner_steps=4, fragments=5), "fragments = 5 is invalid with inner_steps = 4"),
+        (dict(sync="diloco", inner_steps=4, fragments="many"), "fragments = 'many' is invalid; allowed: an integer"),
+        (dict(sync="diloco", inner_steps=4, fragments="auto"), "overlap_steps = 0 is invalid with it"),
         (dict(sync="diloco", inner_steps=4, mixing=1.5), r"mixing = 1.5 is invalid; allowed: a number in \[0, 1\]"),
         (dict(sync="diloco", inner_steps=4, vectors="int8"), "vectors = 'int8' is invalid"),
         (dict(sync="diloco", inner_steps=4, outer_lr=0), "outer_lr = 0 is invalid; allowed: a number > 0"),
@@ -287,3 +289,80 @@ def test_diloco_over_the_node_hierarchy_keeps_replicas_identical():
     for same, outer_steps, hierarchical in run_ranks(_hierarchical, 4):
         assert same == [True, True] and outer_steps == 2
         assert hierarchical  # every synchroniser exchanges through the node groups
+
+
+def test_fragments_to_overlap_hides_each_exchange_behind_the_overlapped_steps():
+    from gc_strategy.fusion.fragments import fragments_to_overlap
+
+    assert fragments_to_overlap(exchange_s=1.0, step_s=0.1, overlap_steps=2, inner_steps=20) == 5  # 1 / 0.2
+    assert fragments_to_overlap(exchange_s=1.01, step_s=0.1, overlap_steps=2, inner_steps=20) == 6
+    assert fragments_to_overlap(exchange_s=0.01, step_s=0.1, overlap_steps=1, inner_steps=20) == 1
+    assert fragments_to_overlap(exchange_s=100.0, step_s=0.1, overlap_steps=1, inner_steps=20) == 20
+    with pytest.raises(ValueError, match="overlap_steps = 0"):
+        fragments_to_overlap(1.0, 0.1, 0, 20)
+
+
+def _auto_fragments(rank, world_size, forced):
+    """fragments="auto", H=6, τ=1: the first period has one fragment; its exchange is timed and the
+    count chosen from the slowest rank's timings (``forced`` replaces the choice, to exercise a cut
+    into several fragments whatever this machine measures)."""
+    import gc_strategy.diloco as diloco
+
+    if forced is not None:
+        diloco.fragments_to_overlap = lambda *args: forced
+
+    def build(model):
+        sync = _diloco(model, "topk", "residual", inner_steps=6, fragments="auto", overlap_steps=1)
+        return sync, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def train(model, sync, optimizer, steps, log=None):
+        for step in steps:
+            _inner_step(model, optimizer, rank, step)
+            before = {f.index for f in sync.fragments if f.started is not None}
+            sync.after_inner_step()
+            for f in sync.fragments:
+                if log is not None and f.started == sync.inner_step and f.index not in before:
+                    log.append((sync.inner_step, f.names))
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    sync, optimizer = build(model)
+    exchanges = []
+    train(model, sync, optimizer, range(9), exchanges)
+    saved = copy.deepcopy((model.state_dict(), sync.state_dict(), optimizer.state_dict()))
+    train(model, sync, optimizer, range(9, 14), exchanges)
+    resumed = SmallCNN()
+    resumed.load_state_dict(saved[0])
+    resumed_sync, resumed_optimizer = build(resumed)
+    resumed_sync.load_state_dict(saved[1])
+    resumed_optimizer.load_state_dict(saved[2])
+    train(resumed, resumed_sync, resumed_optimizer, range(9, 14))
+    names = sorted(n for n, _ in model.named_parameters())
+    second_period = sorted(n for step, fragment in exchanges if 7 < step <= 13 for n in fragment)
+    return (
+        sync.chosen_fragments,
+        len(sync.fragments),
+        sync.fragment_timings,
+        exchanges[0][0],
+        second_period == names,
+        torch.equal(flat_params(model), flat_params(resumed)),
+    )
+
+
+def test_auto_fragments_are_chosen_alike_on_every_rank_from_the_measured_timings():
+    from gc_strategy.fusion.fragments import fragments_to_overlap
+
+    results = run_ranks(_auto_fragments, 2, None)
+    assert results[0][0] == results[1][0] and results[0][2] == results[1][2]  # the slowest rank's timings
+    chosen, count, timings, first, _, same = results[0]
+    assert chosen == count == fragments_to_overlap(timings["exchange_s"], timings["inner_step_s"], 1, 6)
+    assert first == 6 and same
+
+
+def test_auto_fragments_cut_the_parameters_and_cover_each_once_per_period_after():
+    """Forced to 3 fragments: after the first period (one exchange of everything after step 6,
+    applied after step 7) every parameter is exchanged exactly once in steps 8..13, and a resume
+    from a state saved after step 9 (3 fragments) is exact."""
+    for chosen, count, _, first, covered, same in run_ranks(_auto_fragments, 2, 3):
+        assert chosen == count == 3 and first == 6
+        assert covered and same
