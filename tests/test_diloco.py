@@ -44,6 +44,30 @@ def _gathered(model):
     return out
 
 
+def _train(model, sync, optimizer, rank, steps, log=None):
+    """Inner steps ``steps``, each followed by ``sync.after_inner_step()``; ``log`` receives
+    (inner step, parameter names) of each exchange as it starts."""
+    for step in steps:
+        _inner_step(model, optimizer, rank, step)
+        running = {f.index for f in sync.fragments if f.started is not None}
+        sync.after_inner_step()
+        for f in sync.fragments:
+            if log is not None and f.started == sync.inner_step and f.index not in running:
+                log.append((sync.inner_step, f.names))
+
+
+def _resumes_exactly(build, model, rank, saved, steps):
+    """A new SmallCNN with the ``saved`` (module, DiLoCo, optimizer) states, trained over ``steps``,
+    ends bit for bit where ``model`` did."""
+    resumed = SmallCNN()
+    resumed.load_state_dict(saved[0])
+    sync, optimizer = build(resumed)
+    sync.load_state_dict(saved[1])
+    optimizer.load_state_dict(saved[2])
+    _train(resumed, sync, optimizer, rank, steps)
+    return torch.equal(flat_params(model), flat_params(resumed))
+
+
 def _outer_step_by_hand(rank, world_size):
     """H=3 inner steps of SGD, then θ ← θ − lr (Δ̄ + μ m), m ← μ m + Δ̄, with Δ̄ = θ − mean_r θ_r
     computed from every replica's parameters (all_gather), not through the library."""
@@ -135,15 +159,8 @@ def _streaming_schedule(rank, world_size):
     torch.manual_seed(0)
     model = SmallCNN()
     sync = _diloco(model, inner_steps=6, fragments=3, overlap_steps=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     exchanged = []  # (inner step, names) of each exchange when it starts
-    for step in range(12):
-        _inner_step(model, optimizer, rank, step)
-        running = {f.index for f in sync.fragments if f.started is not None}
-        sync.after_inner_step()
-        for f in sync.fragments:
-            if f.started == sync.inner_step and f.index not in running:
-                exchanged.append((sync.inner_step, f.names))
+    _train(model, sync, torch.optim.SGD(model.parameters(), lr=0.05), rank, range(12), exchanged)
     names = [n for n, p in model.named_parameters()]
     return exchanged, names, sync.step
 
@@ -166,25 +183,14 @@ def _resume(rank, world_size):
         sync = _diloco(model, "topk", "residual", inner_steps=4, fragments=2, overlap_steps=1)
         return sync, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    def train(model, sync, optimizer, steps):
-        for step in steps:
-            _inner_step(model, optimizer, rank, step)
-            sync.after_inner_step()
-
     torch.manual_seed(0)
     model = SmallCNN()
     sync, optimizer = build(model)
-    train(model, sync, optimizer, range(4))
+    _train(model, sync, optimizer, rank, range(4))
     running = [f.index for f in sync.fragments if f.started is not None]
     saved = copy.deepcopy((model.state_dict(), sync.state_dict(), optimizer.state_dict()))
-    train(model, sync, optimizer, range(4, 11))
-    resumed = SmallCNN()
-    resumed.load_state_dict(saved[0])
-    resumed_sync, resumed_optimizer = build(resumed)
-    resumed_sync.load_state_dict(saved[1])
-    resumed_optimizer.load_state_dict(saved[2])
-    train(resumed, resumed_sync, resumed_optimizer, range(4, 11))
-    return running, torch.equal(flat_params(model), flat_params(resumed))
+    _train(model, sync, optimizer, rank, range(4, 11))
+    return running, _resumes_exactly(build, model, rank, saved, range(4, 11))
 
 
 def test_resume_mid_inner_phase_is_exact():
@@ -315,28 +321,14 @@ def _auto_fragments(rank, world_size, forced):
         sync = _diloco(model, "topk", "residual", inner_steps=6, fragments="auto", overlap_steps=1)
         return sync, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    def train(model, sync, optimizer, steps, log=None):
-        for step in steps:
-            _inner_step(model, optimizer, rank, step)
-            before = {f.index for f in sync.fragments if f.started is not None}
-            sync.after_inner_step()
-            for f in sync.fragments:
-                if log is not None and f.started == sync.inner_step and f.index not in before:
-                    log.append((sync.inner_step, f.names))
-
     torch.manual_seed(0)
     model = SmallCNN()
     sync, optimizer = build(model)
     exchanges = []
-    train(model, sync, optimizer, range(9), exchanges)
+    _train(model, sync, optimizer, rank, range(9), exchanges)
     saved = copy.deepcopy((model.state_dict(), sync.state_dict(), optimizer.state_dict()))
-    train(model, sync, optimizer, range(9, 14), exchanges)
-    resumed = SmallCNN()
-    resumed.load_state_dict(saved[0])
-    resumed_sync, resumed_optimizer = build(resumed)
-    resumed_sync.load_state_dict(saved[1])
-    resumed_optimizer.load_state_dict(saved[2])
-    train(resumed, resumed_sync, resumed_optimizer, range(9, 14))
+    _train(model, sync, optimizer, rank, range(9, 14), exchanges)
+    same = _resumes_exactly(build, model, rank, saved, range(9, 14))
     names = sorted(n for n, _ in model.named_parameters())
     second_period = sorted(n for step, fragment in exchanges if 7 < step <= 13 for n in fragment)
     return (
@@ -345,7 +337,7 @@ def _auto_fragments(rank, world_size, forced):
         sync.fragment_timings,
         exchanges[0][0],
         second_period == names,
-        torch.equal(flat_params(model), flat_params(resumed)),
+        same,
     )
 
 
