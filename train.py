@@ -143,6 +143,11 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     t = cfg.trainer
     torch.set_num_threads(t.threads_per_rank)
     strategy = build_strategy(cfg)
+    if cfg.sync.name == "diloco" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
+        raise ValueError(
+            "sync=diloco runs one set of roles on one model from start to end; set speedup.baseline_steps=0 "
+            f"(is {cfg.speedup.baseline_steps}) and lowrank_model=none (is enabled: {cfg.lowrank_model.enabled})"
+        )
     pl.seed_everything(cfg.seed, verbose=False)
     module, data = build_recipe(cfg, cfg.seed)
     run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"

@@ -170,6 +170,11 @@ class GCFusedStrategy(DDPStrategy):
         parameters of a converted model). Call it on every rank between the same two steps; the new
         roles start with fresh state, cover the module's current parameters and record the gradient
         order again; ``broadcast_from_rank0`` first copies rank 0's parameters and buffers to all."""
+        if self.diloco_options is not None:
+            raise ValueError(
+                "switch_components (a baseline phase, a Pufferfish conversion) is not supported with sync='diloco': "
+                "the outer parameters and momentum are those of the model and roles DiLoCo started with"
+            )
         self.components = components
         if self.synchronizer is not None:
             self.synchronizer.close()

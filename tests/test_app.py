@@ -331,6 +331,7 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["model=lstm"], "model 'lstm' needs text data"),
         (["fusion=file"], "fusion.path"),
         (["sync=diloco", "sync.inner_steps=0"], "inner_steps = 0 is invalid; allowed: an integer >= 1"),
+        (["sync=diloco", "speedup.baseline_steps=2"], "set speedup.baseline_steps=0 (is 2)"),
         (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
         (
             ["lowrank_model=pufferfish", "lowrank_model.ratio=1.5"],

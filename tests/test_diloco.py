@@ -248,6 +248,12 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
     assert torch.equal(flat_params(resumed), flat_params(straight))
 
 
+def test_switching_roles_is_refused_under_diloco():
+    strategy = GCFusedStrategy(sync="diloco", inner_steps=4)
+    with pytest.raises(ValueError, match="switch_components .* is not supported with sync='diloco'"):
+        strategy.switch_components(build_components("fp16"))
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
