@@ -166,6 +166,14 @@ class BucketState:
             per_bucket[bucket.index] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
         return per_bucket[bucket.index]
 
+    def move_state(self, device: torch.device) -> None:
+        """Move the per-element state to ``device`` and drop the scratch workspaces: for state
+        kept in CPU memory between uses (DiLoCo's ``offload=True``)."""
+        for per_bucket in self.buffers.values():
+            for index, tensor in per_bucket.items():
+                per_bucket[index] = tensor.to(device)
+        self._workspaces.clear()
+
     def state_by_parameter(self, buckets: list[Bucket]) -> dict[str, dict[str, Tensor]]:
         return {name: split_by_parameter(buckets, flats) for name, flats in self.buffers.items()}
 

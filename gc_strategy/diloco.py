@@ -29,7 +29,8 @@ sent at bf16 with no error feedback (``vectors="bf16"``; ``"fp32"``: uncompresse
 
 The outer state (``θ``, the outer optimizer's momentum) is kept in fp32, on the parameters' device
 or, with ``offload=True``, in CPU memory, so that accelerator memory does not hold a second copy
-of the model. The error-feedback memories stay beside the buckets they correct.
+of the model; with ``offload=True`` the error-feedback and compressor state also waits in CPU
+memory between its fragment's exchanges.
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ class DiLoCo:
         self.named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not self.named:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
+        self.offload = offload
         outer_device = torch.device("cpu") if offload else self.named[0][1].device
         #: θ, by parameter name: fp32, where the outer state lives
         self.outer = {n: p.detach().to(outer_device, torch.float32, copy=True) for n, p in self.named}
@@ -353,6 +355,7 @@ class DiLoCo:
     def _start(self, fragment: _Fragment) -> None:
         """Launch the exchange of ``Δ_r = θ − θ_r`` for the fragment's parameters."""
         kept = [p.grad for p in fragment.params]
+        self._move_role_state(fragment, fragment.params[0].device)
         with torch.no_grad():
             for p, outer in zip(fragment.params, fragment.outer):
                 p.grad = outer.to(p.device, p.dtype, non_blocking=True) - p
@@ -363,6 +366,14 @@ class DiLoCo:
             for p, grad in zip(fragment.params, kept):
                 p.grad = grad
         fragment.started = self.inner_step
+
+    def _move_role_state(self, fragment: _Fragment, device: torch.device) -> None:
+        """``offload=True``: the fragment's error-feedback and compressor state lives in CPU memory
+        between its exchanges, on the parameters' device during one."""
+        if self.offload:
+            for synchronizer in fragment.synchronizers:
+                synchronizer.memory.move_state(device)
+                synchronizer.compressor.move_state(device)
 
     def _collect(self, fragment: _Fragment) -> list[Tensor]:
         """Wait for the fragment's exchange; its averaged ``Δ̄`` (kept until applied)."""
@@ -375,6 +386,7 @@ class DiLoCo:
             finally:
                 for p, grad in zip(fragment.params, kept):
                     p.grad = grad
+            self._move_role_state(fragment, torch.device("cpu"))
             self._record_telemetry(fragment)
         return fragment.averaged
 

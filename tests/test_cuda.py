@@ -123,3 +123,28 @@ def test_dgc_on_cuda_sends_about_its_density():
     average = _exchange("dgc", "cuda", [g])[0][0]
     assert average.isfinite().all()
     assert 0.2 * 0.01 * g.numel() <= int(average.count_nonzero()) <= 5 * 0.01 * g.numel()
+
+
+def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_between_exchanges():
+    from gc_strategy.diloco import DiLoCo
+
+    torch.manual_seed(0)
+    model = SmallCNN().cuda()
+    reference = SmallCNN().cuda()
+    reference.load_state_dict(model.state_dict())
+    results = []
+    for net, offload in ((model, True), (reference, False)):
+        c = build_components("topk", "residual", density=0.1, fusion="groups:2")
+        sync = DiLoCo(net, c, inner_steps=2, offload=offload)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        for step in range(4):
+            x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step)).cuda()
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            optimizer.step()
+            sync.after_inner_step()
+        residuals = [t for s in sync.synchronizers for t in s.memory.buffers.get("residual", {}).values()]
+        results.append({t.device.type for t in [*sync.outer.values(), *residuals]})
+    assert results == [{"cpu"}, {"cuda"}]
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

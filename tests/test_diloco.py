@@ -248,6 +248,27 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
     assert torch.equal(flat_params(resumed), flat_params(straight))
 
 
+def _offloaded(rank, world_size):
+    """offload=True against offload=False: the same weights, bit for bit, with the outer state and
+    the residuals in CPU memory (on a GPU the residuals wait there between exchanges; see
+    tests/test_cuda.py)."""
+    weights = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = SmallCNN()
+        sync = _diloco(model, "topk", "residual", inner_steps=2, fragments=2, overlap_steps=1, offload=offload)
+        _train(model, sync, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), rank, range(7))
+        weights.append(flat_params(model))
+    residuals = [t for s in sync.synchronizers for t in s.memory.buffers.get("residual", {}).values()]
+    on_cpu = all(t.device.type == "cpu" for t in [*sync.outer.values(), *residuals]) and bool(residuals)
+    return torch.equal(*weights), on_cpu
+
+
+def test_offloading_the_outer_state_changes_no_result():
+    for same, on_cpu in run_ranks(_offloaded, 2):
+        assert same and on_cpu
+
+
 def test_switching_roles_is_refused_under_diloco():
     strategy = GCFusedStrategy(sync="diloco", inner_steps=4)
     with pytest.raises(ValueError, match="switch_components .* is not supported with sync='diloco'"):
