@@ -169,6 +169,16 @@ def main(config_path: str, name: str, result_path: str) -> None:
         result["ranks"] = ranks(name, cfg.world_size)
     with open(result_path, "w") as f:
         json.dump(result, f)
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the process group Lightning leaves behind: left to the interpreter's shutdown, a gloo
+    group can abort the process after its work is done (Lightning destroys only NCCL groups)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from bench_worker import make_strategy
+from bench_worker import end_process_group, make_strategy
 from convergence_digits import digits
 from netns import sent_bytes
 from torch import nn
@@ -109,6 +109,7 @@ def main(settings_path: str, name: str, result_path: str) -> None:
     trainer.fit(module)
     with open(result_path, "w") as f:
         json.dump({"points": clock.points, "sent_bytes": clock.sent, "steps": trainer.global_step}, f)
+    end_process_group()
 
 
 if __name__ == "__main__":

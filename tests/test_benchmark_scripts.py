@@ -115,6 +115,7 @@ def test_time_to_accuracy_reports_every_configuration_on_loopback(tmp_path):
         assert f"| {name} |" in table
     runs = json.loads((tmp_path / "runs.json").read_text())
     for name in configs:
+        assert "failed" not in runs[name][0], runs[name][0]
         points = runs[name][0]["points"]
         assert [p["step"] for p in points] == [5, 10, 15, 20, 23]  # 719 samples per rank, batch 32
         times = [p["train_s"] for p in points]
