@@ -39,7 +39,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from functools import partial
 from typing import Any
 
@@ -51,7 +50,7 @@ from .components import Components, build_components
 from .engine import GradientSynchronizer, broadcast_from_rank0
 from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
-from .telemetry import StepTelemetry, TelemetryLog
+from .telemetry import StepTelemetry, TelemetryLog, add_into
 
 SYNC_MODES = ("every_step", "diloco")
 VECTOR_POLICIES = ("bf16", "fp32", "compressed")
@@ -234,8 +233,8 @@ class DiLoCo:
         self.fragment_timings: dict[str, float] | None = None
         self.fragments: list[_Fragment] = []
         self._build_fragments(1 if self.auto_fragments else fragments, broadcast=True)
-        for name, outer in self.outer.items():  # after the broadcast of rank 0's parameters
-            outer.copy_(dict(self.named)[name].detach())
+        for outer, (_, p) in zip(self.outer.values(), self.named):  # after the broadcast of rank 0's parameters
+            outer.copy_(p.detach())
         first = self.fragments[0].synchronizers[0]
         self.world_size, self.rank = first.world_size, first.rank
         self.outer_optimizer = (outer_optimizer or nesterov_sgd())(list(self.outer.values()))
@@ -412,11 +411,7 @@ class DiLoCo:
     def _record_telemetry(self, fragment: _Fragment) -> None:
         merged = StepTelemetry()
         for synchronizer in fragment.synchronizers:
-            for item in fields(merged):
-                if item.name != "extra":
-                    setattr(
-                        merged, item.name, getattr(merged, item.name) + getattr(synchronizer.telemetry.last, item.name)
-                    )
+            add_into(merged, synchronizer.telemetry.last)
         self.telemetry.record(merged)
 
     @property

@@ -192,8 +192,8 @@ class GradientSynchronizer:
     ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
     ``DistributedDataParallel`` (see the module's docstring). ``parameters`` (names) limits it to
     some of the trainable parameters. With ``on_backward=False`` backward does nothing: the
-    caller averages the current ``.grad`` with :meth:`synchronize` (or its two halves, to overlap
-    the exchange with other work), as DiLoCo's outer step does (:mod:`gc_strategy.diloco`).
+    caller averages the current ``.grad`` with :meth:`start_synchronize` and
+    :meth:`finish_synchronize`, as DiLoCo's outer step does (:mod:`gc_strategy.diloco`).
     """
 
     def __init__(
@@ -560,17 +560,12 @@ class GradientSynchronizer:
         finally:
             self._enabled = previous
 
-    def synchronize(self) -> None:
-        """Average every synchronised parameter's current ``.grad`` now, outside backward, through
-        the same roles and buckets (for ``on_backward=False``; DiLoCo's outer exchange). A
-        parameter whose ``.grad`` is None contributes zeros."""
-        self.start_synchronize()
-        self.finish_synchronize()
-
     def start_synchronize(self) -> None:
-        """The first half of :meth:`synchronize`: copy each ``.grad`` into its bucket and launch
-        every exchange; the ``.grad`` tensors may change afterwards. Every rank calls it at the
-        same point of its collective order."""
+        """Average every synchronised parameter's current ``.grad`` outside backward, through the
+        same roles and buckets (for ``on_backward=False``; DiLoCo's outer exchange), in two halves
+        so that other work can overlap the exchange. This first half copies each ``.grad`` into its
+        bucket (zeros where it is None) and launches every exchange; the ``.grad`` tensors may
+        change afterwards. Every rank calls it at the same point of its collective order."""
         if self._in_backward or self._jobs:
             raise RuntimeError("start_synchronize: an exchange is already running; finish it first")
         self._accumulated = [p.grad is not None for p in self.params]
@@ -581,8 +576,8 @@ class GradientSynchronizer:
             raise
 
     def finish_synchronize(self) -> None:
-        """The second half of :meth:`synchronize`: wait for the exchanges, decode, and make each
-        ``.grad`` the average."""
+        """The second half of :meth:`start_synchronize`: wait for the exchanges, decode, and make
+        each ``.grad`` the average."""
         if not self._jobs:
             raise RuntimeError("finish_synchronize: no exchange was started (call start_synchronize first)")
         try:

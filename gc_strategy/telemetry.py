@@ -57,6 +57,11 @@ class TelemetryLog:
     def record(self, step: StepTelemetry) -> None:
         self.last = step
         self.steps += 1
-        for item in fields(step):
-            if item.name != "extra":
-                setattr(self.total, item.name, getattr(self.total, item.name) + getattr(step, item.name))
+        add_into(self.total, step)
+
+
+def add_into(total: StepTelemetry, step: StepTelemetry) -> None:
+    """``total += step``, field by field (``extra`` is per step and left out)."""
+    for item in fields(step):
+        if item.name != "extra":
+            setattr(total, item.name, getattr(total, item.name) + getattr(step, item.name))

@@ -73,6 +73,28 @@ def test_compressor_none_equals_accelerate_ddp_and_accumulation_skips_sync(tmp_p
         assert result["synchronised_steps"] == 4  # one collective round per optimizer step, none on micro-steps
 
 
+def _difference_after_resume(out: str, accelerator, model, optimizer, after_step=None) -> float:
+    """Train steps 0-2, ``save_state``, steps 3-5; ``load_state`` and steps 3-5 again: the largest
+    difference between the weights at the two ends (``after_step(step)`` runs after each step)."""
+
+    def train(steps):
+        for step in steps:
+            x, y = _batch(accelerator.process_index, step)
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            if after_step is not None:
+                after_step(step)
+
+    train(range(3))
+    accelerator.save_state(str(Path(out, "state")))
+    train(range(3, 6))
+    first = [p.detach().clone() for p in model.parameters()]
+    accelerator.load_state(str(Path(out, "state")))
+    train(range(3, 6))
+    return max((a - b).abs().max().item() for a, b in zip(first, model.parameters()))
+
+
 def _resume(out: str) -> None:
     accelerator = accelerate.Accelerator(cpu=True)
     torch.manual_seed(0)
@@ -82,20 +104,7 @@ def _resume(out: str) -> None:
         accelerator, model, optimizer, compressor="topk", memory="residual", density=0.1
     )
 
-    def train(steps):
-        for step in steps:
-            x, y = _batch(accelerator.process_index, step)
-            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-
-    train(range(3))
-    accelerator.save_state(str(Path(out, "state")))
-    train(range(3, 6))
-    first = [p.detach().clone() for p in model.parameters()]
-    accelerator.load_state(str(Path(out, "state")))
-    train(range(3, 6))
-    difference = max((a - b).abs().max().item() for a, b in zip(first, model.parameters()))
+    difference = _difference_after_resume(out, accelerator, model, optimizer)
     residual = model.gc_synchronizer.memory.state_by_parameter(model.gc_synchronizer.buckets)
     _write(
         out,
@@ -125,23 +134,12 @@ def _diloco(out: str) -> None:
     )
     identical = []
 
-    def train(steps):
-        for step in steps:
-            x, y = _batch(accelerator.process_index, step)
-            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-            if step % 2 == 1:
-                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                identical.append(bool(torch.equal(accelerator.reduce(flat.clone(), "mean"), flat)))
+    def check_replicas(step):
+        if step % 2 == 1:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            identical.append(bool(torch.equal(accelerator.reduce(flat.clone(), "mean"), flat)))
 
-    train(range(3))
-    accelerator.save_state(str(Path(out, "state")))
-    train(range(3, 6))
-    first = [p.detach().clone() for p in model.parameters()]
-    accelerator.load_state(str(Path(out, "state")))
-    train(range(3, 6))
-    difference = max((a - b).abs().max().item() for a, b in zip(first, model.parameters()))
+    difference = _difference_after_resume(out, accelerator, model, optimizer, check_replicas)
     _write(out, accelerator, {"difference": difference, "identical": identical, "outer": model.gc_synchronizer.step})
 
 
