@@ -74,6 +74,7 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         find_unused_parameters=cfg.trainer.find_unused_parameters,
         hierarchy=cfg.trainer.hierarchy,
+        node_precision=cfg.trainer.node_precision,
         broadcast_buffers=cfg.trainer.broadcast_buffers,
         sync=cfg.sync.name,
         **_options(cfg.sync),

@@ -41,6 +41,7 @@ from .components import build_components
 from .diloco import DILOCO_DEFAULTS, DiLoCo, diloco_options
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
+from .hierarchy import check_hierarchy
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
 STATE_FOLDER = "gc_state"
@@ -84,6 +85,7 @@ def prepare(
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
     hierarchy: str = "flat",
+    node_precision: str = "full",
     sync: str = "every_step",
     **options: Any,
 ) -> Any:
@@ -92,7 +94,8 @@ def prepare(
     ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
     else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"``: a dense
     reduction inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`), the
-    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks. ``sync="diloco"`` with DiLoCo's options
+    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks, reduced inside at ``node_precision`` (``"full"``
+    or ``"bf16"``). ``sync="diloco"`` with DiLoCo's options
     (``inner_steps=...``, see :class:`~gc_strategy.strategy.GCFusedStrategy`): the one optimizer among
     ``objects`` takes the inner steps, and each of its steps counts towards the next outer step."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
@@ -104,6 +107,8 @@ def prepare(
         )
     if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
         raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
+    check_hierarchy(hierarchy, node_precision)
+    nodes = dict(hierarchy=hierarchy, node_precision=node_precision)
     given = {key: options.pop(key) for key in list(options) if key in DILOCO_DEFAULTS}
     components = build_components(compressor, memory, communicator, fusion, **options)
     diloco = diloco_options(components, sync, {**DILOCO_DEFAULTS, **given})
@@ -119,7 +124,7 @@ def prepare(
         broadcast_buffers = getattr(handler, "broadcast_buffers", True)
     model = model.to(accelerator.device)
     if diloco is not None:
-        synchronizer = DiLoCo(model, components, **diloco, broadcast_buffers=broadcast_buffers, hierarchy=hierarchy)
+        synchronizer = DiLoCo(model, components, **diloco, broadcast_buffers=broadcast_buffers, **nodes)
         synchronizer.inner_optimizers = optimizers
         optimizers[0].register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_inner_step())
     else:
@@ -131,7 +136,7 @@ def prepare(
             components.fusion,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
-            hierarchy=hierarchy,
+            **nodes,
         )
         model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
         model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())

@@ -48,7 +48,7 @@ from .communicators import Communicator, Exchange, Payload, Round, RunningExchan
 from .components import build_components, parse_options
 from .fusion.timeline import Cost, CostModel, simulate
 from .fusion.topology import Link, Topology, exchange_seconds, parse_rate
-from .hierarchy import HIERARCHIES
+from .hierarchy import check_hierarchy
 
 #: timed runs of each sample bucket after one warm-up run; the median is kept
 RUNS = 3
@@ -178,8 +178,9 @@ def predict(
     ``groups`` (tensors per bucket), with encode and decode times times ``codec_scale``."""
     hierarchy = profile.options.get("hierarchy", "flat")
     share = codec_scale / (topology.ranks_per_node if hierarchy == "node" else 1)
+    dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
     network = [
-        exchange_seconds(topology, hierarchy, profile.sums, 4 * n, payload, profile.rounds)
+        exchange_seconds(topology, hierarchy, profile.sums, dense_bytes_per_element * n, payload, profile.rounds)
         for n, payload in zip(profile.sizes, profile.payload_bytes)
     ]
     model = CostModel(
@@ -353,16 +354,17 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
 def check_config(spec: str) -> dict[str, Any]:
     """The options of one ``--configs`` item, checked (raises ``ValueError`` naming what is wrong)."""
     options = parse_options(spec)
-    hierarchy = options.get("hierarchy", "flat")
-    if hierarchy not in HIERARCHIES:
-        raise ValueError(f"configs: {spec!r}: hierarchy = {hierarchy!r} is invalid; allowed: 'flat', 'node'")
+    try:
+        check_hierarchy(options.get("hierarchy", "flat"), options.get("node_precision", "full"))
+    except ValueError as error:
+        raise ValueError(f"configs: {spec!r}: {error}") from None
     build_components(**_roles(options))
     return options
 
 
 def _roles(options: dict[str, Any]) -> dict[str, Any]:
-    """The options that build the roles (all but ``hierarchy``)."""
-    return {k: v for k, v in options.items() if k != "hierarchy"}
+    """The options that build the roles (all but ``hierarchy`` and ``node_precision``)."""
+    return {k: v for k, v in options.items() if k not in ("hierarchy", "node_precision")}
 
 
 def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callable[[], Any], Callable]:

@@ -64,7 +64,7 @@ from .bucket import Bucket
 from .communicators import Communicator, RunningExchange
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.plans import write_plan_file
-from .hierarchy import HIERARCHIES, NodeGroups, bucket_owners, node_exchange, node_groups
+from .hierarchy import NodeGroups, bucket_owners, check_hierarchy, node_exchange, node_groups
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
@@ -190,7 +190,9 @@ class GradientSynchronizer:
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
     stream, after backward's kernels: for measuring what the overlap gains).
     ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
-    ``DistributedDataParallel`` (see the module's docstring). ``parameters`` (names) limits it to
+    ``DistributedDataParallel`` (see the module's docstring). ``hierarchy="node"`` reduces inside each
+    node of ``ranks_per_node`` ranks, at ``node_precision`` (``"full"`` or ``"bf16"``), and compresses
+    only across nodes (:mod:`gc_strategy.hierarchy`). ``parameters`` (names) limits it to
     some of the trainable parameters. With ``on_backward=False`` backward does nothing: the
     caller averages the current ``.grad`` with :meth:`start_synchronize` and
     :meth:`finish_synchronize`, as DiLoCo's outer step does (:mod:`gc_strategy.diloco`).
@@ -212,11 +214,12 @@ class GradientSynchronizer:
         ranks_per_node: int | None = None,
         node_rank: int | None = None,
         local_rank: int | None = None,
+        node_precision: str = "full",
         parameters: Iterable[str] | None = None,
         on_backward: bool = True,
     ) -> None:
-        if hierarchy not in HIERARCHIES:
-            raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
+        check_hierarchy(hierarchy, node_precision)
+        self.node_precision = node_precision
         self.module = module
         self.compressor = compressor
         self.memory = memory
@@ -430,7 +433,7 @@ class GradientSynchronizer:
                 exchange = self.memory.exchange(self.compressor, flat, bucket, self.communicator)
             else:
                 roles = (self.memory, self.compressor, self.communicator)
-                exchange = node_exchange(self.nodes, self.owners[b], *roles, flat, bucket)
+                exchange = node_exchange(self.nodes, self.owners[b], *roles, flat, bucket, self.node_precision)
             running = RunningExchange(exchange)
             if bucket.nbytes >= EAGER_AFTER_BYTES:
                 self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in

@@ -6,13 +6,22 @@ With ``L`` ranks on each of ``N`` nodes (``W = N L``), each bucket ``b`` has an 
 rank; buckets are dealt to the local ranks by bytes, whole buckets of whole tensors, so every rank of
 a node compresses a share and low-rank methods keep their matrices. One bucket's exchange:
 
-1. inside the node, the bucket's gradients are summed onto its owner (a reduce, full precision);
+1. inside the node, the bucket's gradients are summed onto its owner (a reduce, at full precision,
+   or in bf16 with ``node_precision="bf16"``);
 2. across nodes, the owner exchanges the node's mean ``(1/L) Σ_local g`` with the owners of ``b``
    on the other nodes, through the memory and the compressor: a process group of the same local
    rank on every node, so all of a node's links work at once. The compressor divides by ``N``:
    ``(1/N) Σ_nodes (1/L) Σ_local g = (1/W) Σ_ranks g``. Error-feedback state lives on the owner and
    covers its share;
 3. inside the node, the owner broadcasts the average.
+
+``node_precision="bf16"`` halves the bytes of steps 1 and 3 for fp32 gradients, for nodes whose
+links inside are the bottleneck. Each rank's gradient is rounded to bf16 (8 significant bits: a
+relative error of at most 2⁻⁸) and the node's sum accumulates in bf16; the owner divides and
+compresses in full precision, then rounds the average to bf16 for the broadcast and keeps that
+rounded value itself, so every replica applies the same bits. The rounding inside the node is not
+error-corrected: the error-feedback memory covers what the compressor drops across nodes, from the
+node mean it receives. It is the precision that DDP's ``bf16_compress_hook`` gives every gradient.
 
 Every rank of a node issues the node's collectives in bucket order, and the owners of a bucket on
 every node issue its exchange in the same order, so the collective order is the same on every rank
@@ -25,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -33,6 +43,23 @@ from .bucket import Bucket
 from .communicators import Communicator, Exchange, Round
 
 HIERARCHIES = ("flat", "node")
+#: the precision of the reduce and the broadcast inside a node (``hierarchy="node"``)
+NODE_PRECISIONS = ("full", "bf16")
+
+
+def check_hierarchy(hierarchy: str, node_precision: str = "full") -> None:
+    """Refuse an unknown ``hierarchy`` or ``node_precision``, or a precision inside nodes without them."""
+    if hierarchy not in HIERARCHIES:
+        raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
+    if node_precision not in NODE_PRECISIONS:
+        raise ValueError(
+            f"node_precision = {node_precision!r} is invalid; allowed: {', '.join(map(repr, NODE_PRECISIONS))}"
+        )
+    if node_precision != "full" and hierarchy != "node":
+        raise ValueError(
+            f"node_precision = {node_precision!r} applies to the reduction inside nodes; it needs hierarchy='node' "
+            f"(got hierarchy = {hierarchy!r})"
+        )
 
 
 @dataclass
@@ -110,22 +137,29 @@ def node_exchange(
     communicator: Communicator,
     flat: Tensor,
     bucket: Bucket,
+    precision: str = "full",
 ) -> Exchange:
     """One bucket's hierarchical exchange (the module's steps 1–3); returns ``(average, finite)``
     like :meth:`~gc_strategy.algos.base.Memory.exchange`, ``finite`` None except on the owner. The
-    communicator is bound to ``groups.inter``, the compressor to the nodes."""
-    nbytes = flat.numel() * flat.element_size()
+    communicator is bound to ``groups.inter``, the compressor to the nodes. ``precision`` is that of
+    the collectives inside the node: ``"full"`` (the gradients' dtype) or ``"bf16"``."""
     source = groups.rank_of(owner)
     local = groups.ranks_per_node > 1
-    works = [dist.reduce(flat, source, group=groups.intra, async_op=True)] if local else []
-    yield Round(works, lambda: None, nbytes if local else 0, inside_node=True)
+    wire = flat.to(torch.bfloat16) if precision == "bf16" and local else flat
+    nbytes = wire.numel() * wire.element_size() if local else 0
+    works = [dist.reduce(wire, source, group=groups.intra, async_op=True)] if local else []
+    yield Round(works, lambda: None, nbytes, inside_node=True)
     finite = None
     if groups.local_rank == owner:
+        if wire is not flat:
+            flat.copy_(wire)
         if local:
             flat.div_(groups.ranks_per_node)
         average, finite = yield from memory.exchange(compressor, flat, bucket, communicator)
-        if average is not flat:
-            flat.copy_(average)
-    works = [dist.broadcast(flat, source, group=groups.intra, async_op=True)] if local else []
-    yield Round(works, lambda: None, nbytes if local else 0, inside_node=True)
+        if average is not wire:
+            wire.copy_(average)
+    works = [dist.broadcast(wire, source, group=groups.intra, async_op=True)] if local else []
+    yield Round(works, lambda: None, nbytes, inside_node=True)
+    if wire is not flat:
+        flat.copy_(wire)
     return flat, finite

@@ -31,7 +31,7 @@ from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .diloco import DiLoCo, diloco_options
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner
-from .hierarchy import HIERARCHIES
+from .hierarchy import check_hierarchy
 
 CHECKPOINT_KEY = "gc_strategy"
 
@@ -53,6 +53,8 @@ class GCFusedStrategy(DDPStrategy):
         hierarchy: ``"flat"`` (every rank exchanges with every rank) or ``"node"``: a dense reduction
             inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`); the
             nodes are the Trainer's ``num_nodes`` of ``devices`` ranks each.
+        node_precision: with ``hierarchy="node"``, the precision of the reduction inside each node:
+            ``"full"`` (the gradients' dtype) or ``"bf16"`` (half the bytes of fp32 gradients).
         sync: ``"every_step"`` (every optimizer step's gradients) or ``"diloco"``: ``inner_steps``
             local steps, then the compressed, error-corrected exchange of the pseudo-gradient and an
             outer optimizer step (:mod:`gc_strategy.diloco`). DiLoCo's options: ``inner_steps``,
@@ -85,6 +87,7 @@ class GCFusedStrategy(DDPStrategy):
         start_method: str = "popen",
         log_every_n_steps: int | None = None,
         hierarchy: str = "flat",
+        node_precision: str = "full",
         sync: str = "every_step",
         inner_steps: int | None = None,
         outer_lr: float = 0.7,
@@ -98,9 +101,9 @@ class GCFusedStrategy(DDPStrategy):
         **options: Any,
     ) -> None:
         refuse_ddp_arguments(options)
-        if hierarchy not in HIERARCHIES:
-            raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
+        check_hierarchy(hierarchy, node_precision)
         self.hierarchy = hierarchy
+        self.node_precision = node_precision
         for key in NO_OPS:
             options.pop(key, None)
         for key, value in (
@@ -188,6 +191,7 @@ class GCFusedStrategy(DDPStrategy):
                 **self.diloco_options,
                 broadcast_buffers=self.broadcast_buffers,
                 hierarchy=self.hierarchy,
+                node_precision=self.node_precision,
                 ranks_per_node=self.num_processes,
                 node_rank=self.node_rank,
                 local_rank=self.local_rank,
@@ -202,6 +206,7 @@ class GCFusedStrategy(DDPStrategy):
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.broadcast_buffers,
             hierarchy=self.hierarchy,
+            node_precision=self.node_precision,
             ranks_per_node=self.num_processes,
             node_rank=self.node_rank,
             local_rank=self.local_rank,

@@ -165,6 +165,8 @@ def test_bad_options_are_refused_before_anything_is_moved():
     accelerator = SimpleNamespace(distributed_type="NO")
     with pytest.raises(ValueError, match="option 'density' = 2 is invalid"):
         gc_accelerate.prepare(accelerator, SmallCNN(), compressor="topk", density=2)
+    with pytest.raises(ValueError, match="node_precision = 'bf16' applies to the reduction inside nodes"):
+        gc_accelerate.prepare(accelerator, SmallCNN(), node_precision="bf16")
 
 
 @pytest.mark.slow

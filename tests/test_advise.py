@@ -55,6 +55,10 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     inside = 2 * (2 * 1 * 4000 / (2 * 1e9))  # reduce onto the owner and broadcast back, dense fp32
     across = 2 * 1 * (2 * 1e-3 + 4000 / (2 * 1e6))  # allreduce over the 2 nodes, 2 rounds
     assert node_step == pytest.approx(0.05 + 0.2 + 0.02 + inside + across + 0.005 + 0.04)
+    # node_precision="bf16": the same, with half the bytes inside the node
+    bf16 = replace(measured, options={"hierarchy": "node", "node_precision": "bf16"})
+    bf16_step = predict(bf16, numels, [3], compute, topology, 2.0)
+    assert bf16_step == pytest.approx(node_step - inside / 2)
 
 
 def test_the_recommendation_is_the_fastest_only_where_it_pays():
@@ -80,6 +84,7 @@ def _advise(*args):
         (["--inter", "fast", "--configs", "compressor=none"], "--inter = 'fast' is invalid"),
         (["--configs", "compressor=zip"], "unknown compressor 'zip'"),
         (["--configs", "compressor=none,hierarchy=ring"], "hierarchy = 'ring' is invalid"),
+        (["--configs", "compressor=none,node_precision=bf16"], "node_precision = 'bf16' applies to the reduction"),
         (["--project", "--configs", "compressor=none"], "--project: --model = 'resnet18' is invalid"),
         (["--model", "resnet50", "--project", "--configs", "compressor=sidco"], "compressor = 'sidco' has no GPU"),
         (["--intra", "measure", "--ranks-per-node", "1", "--configs", "compressor=none"], "--ranks-per-node >= 2"),

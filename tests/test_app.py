@@ -87,6 +87,7 @@ def test_fusion_spec_and_strategy_from_config():
     assert strategy.components.compressor.options["density"] == 0.05
     assert strategy.hierarchy == "flat"
     assert build_strategy(_compose("trainer.hierarchy=node")).hierarchy == "node"
+    assert build_strategy(_compose("trainer.hierarchy=node", "trainer.node_precision=bf16")).node_precision == "bf16"
 
 
 def test_sync_diloco_from_config():

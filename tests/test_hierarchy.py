@@ -2,25 +2,34 @@
 compressor=none, the plain math for top-k, every compressor keeps the replicas identical, and a bad
 layout fails with an error that names it on every rank."""
 
+import re
+
 import pytest
 import torch
 from compressor_helpers import SMALL_MODEL_OPTIONS
 from distributed import run_ranks
 from models import SmallCNN
 
-from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
+from gc_strategy import COMPRESSORS, GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.hierarchy import bucket_owners
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 
 
-def _engine(model, name, ranks_per_node, hierarchy="node", memory=None, **options):
+def _engine(model, name, ranks_per_node, hierarchy="node", memory=None, node_precision="full", **options):
     keeps_own = COMPRESSORS.get(name).OPTIONS.get("use_error_feedback") is not None
     memory = memory or ("none" if keeps_own or name == "none" else "residual")
     c = build_components(name, memory, "auto", "groups:3", **{**OPTIONS.get(name, {}), **options})
     return GradientSynchronizer(
-        model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy=hierarchy, ranks_per_node=ranks_per_node
+        model,
+        c.compressor,
+        c.memory,
+        c.communicator,
+        c.fusion,
+        hierarchy=hierarchy,
+        ranks_per_node=ranks_per_node,
+        node_precision=node_precision,
     )
 
 
@@ -66,6 +75,78 @@ def test_none_averages_equal_the_flat_ones_on_two_nodes_of_two():
         assert sum(sent for *_, sent, _ in node) == node[0][2] > 0
 
 
+def _bf16_against_the_math(rank, world_size, ranks_per_node):
+    """compressor=none with node_precision="bf16": bf16(Σ_nodes bf16(Σ_local bf16(g)) / W), the sum of
+    a node's bf16 gradients rounded once more to bf16 and the average of the node means rounded for
+    the broadcast; computed here from every rank's local gradient."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    engine = _engine(model, "none", ranks_per_node, node_precision="bf16")
+    with engine.no_sync():
+        model(_batch(rank, 0)).square().mean().backward()
+    local = _grads(model)
+    everyone = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
+    model.zero_grad(set_to_none=True)
+    model(_batch(rank, 0)).square().mean().backward()
+    synced = _grads(model)
+    nodes = world_size // ranks_per_node
+    bf16 = [g.to(torch.bfloat16) for g in everyone]
+    first = [n * ranks_per_node for n in range(nodes)]
+    node_sums = [sum(bf16[start + 1 : start + ranks_per_node], bf16[start]) for start in first]
+    expected = (sum(s.float() for s in node_sums) / world_size).to(torch.bfloat16).float()
+    full = sum(everyone) / world_size
+    return (
+        float((synced - expected).abs().max() / full.abs().max()),
+        float((synced - full).abs().max() / full.abs().max()),
+        bool(torch.equal(synced, synced.to(torch.bfloat16).float())),
+        engine.telemetry.last.node_bytes,
+        engine.telemetry.last.raw_bytes,
+    )
+
+
+@pytest.mark.slow
+def test_bf16_inside_the_node_is_one_bf16_sum_and_one_rounding_of_the_average():
+    """2 nodes of 2: equal to the plain bf16 math within fp32 rounding of the division (1e-6 of max|g|,
+    and the node sum of 2 bf16 values is exact in bf16 up to one rounding, as gloo sums it); within
+    bf16 precision (3 · 2⁻⁸ of max|g|) of the full-precision average; every value representable in
+    bf16 (replicas apply the rounded value, the owner too); half the bytes inside the node of a
+    full-precision reduce and broadcast (2 × the fp32 bytes there, 1 × here)."""
+    for to_math, to_full, rounded, inside, raw in run_ranks(_bf16_against_the_math, 4, 2):
+        assert to_math <= 1e-6 and 0 < to_full <= 3 * 2**-8 and rounded
+        assert inside == raw
+
+
+def _bf16_against_torch_ddp(rank, world_size):
+    """One node of 2 ranks, 4 SGD steps: torch DDP with its ``bf16_compress_hook`` (each gradient
+    rounded to bf16 and halved, summed in bf16) against node_precision="bf16" (rounded, summed in
+    bf16, halved: the same bits, since halving is exact)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    reference, ours = SmallCNN(), SmallCNN()
+    ours.load_state_dict(reference.state_dict())
+    ddp = DistributedDataParallel(reference)
+    ddp.register_comm_hook(None, bf16_compress_hook)
+    engine = _engine(ours, "none", world_size, node_precision="bf16")
+    for model in (ddp, ours):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(4):
+            optimizer.zero_grad(set_to_none=True)
+            model(_batch(rank, step)).square().mean().backward()
+            optimizer.step()
+    return engine.step, max(float((a - b).abs().max()) for a, b in zip(reference.parameters(), ours.parameters()))
+
+
+@pytest.mark.slow
+def test_bf16_inside_one_node_trains_as_torch_ddp_with_its_bf16_compress_hook():
+    for steps, gap in run_ranks(_bf16_against_torch_ddp, 2):
+        assert steps == 4 and gap == 0.0
+
+
 def _topk_against_the_math(rank, world_size, ranks_per_node):
     """Top-k (no memory) hierarchical: (1/N) Σ_nodes decode(topk(node mean)), computed here from
     every rank's local gradient, per bucket."""
@@ -106,12 +187,12 @@ def test_topk_is_the_mean_over_nodes_of_each_nodes_compressed_mean():
     assert max(run_ranks(_topk_against_the_math, 4, 2)) <= 1e-6
 
 
-def _replicas(rank, world_size, ranks_per_node):
+def _replicas(rank, world_size, ranks_per_node, node_precision="full"):
     results = {}
     for name in COMPRESSORS.names():
         torch.manual_seed(0)
         model = SmallCNN()
-        engine = _engine(model, name, ranks_per_node)
+        engine = _engine(model, name, ranks_per_node, node_precision=node_precision)
         for step in range(3):
             model.zero_grad(set_to_none=True)
             model(_batch(rank, step)).square().mean().backward()
@@ -120,9 +201,13 @@ def _replicas(rank, world_size, ranks_per_node):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "2x4", "4x2"])
-def test_every_compressor_keeps_the_replicas_identical(world_size, ranks_per_node):
-    results = run_ranks(_replicas, world_size, ranks_per_node, timeout=600)
+@pytest.mark.parametrize(
+    "world_size, ranks_per_node, node_precision",
+    [(4, 2, "full"), (8, 4, "full"), (8, 2, "full"), (4, 2, "bf16")],
+    ids=["2x2", "2x4", "4x2", "2x2-bf16"],
+)
+def test_every_compressor_keeps_the_replicas_identical(world_size, ranks_per_node, node_precision):
+    results = run_ranks(_replicas, world_size, ranks_per_node, node_precision, timeout=600)
     for name in COMPRESSORS.names():
         first, steps = results[0][name]
         assert steps == 3 and bool(torch.isfinite(first).all()) and float(first.abs().max()) > 0, name
@@ -164,10 +249,20 @@ def test_a_bad_layout_is_an_error_on_every_rank(case, message):
     assert all(message in (error or "") for error in run_ranks(_bad_layout, 4, case))
 
 
-def test_an_unknown_hierarchy_is_refused_before_any_work():
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(hierarchy="rack"), "hierarchy = 'rack' is invalid; allowed: 'flat', 'node'"),
+        (dict(hierarchy="node", node_precision="fp8"), "node_precision = 'fp8' is invalid; allowed: 'full', 'bf16'"),
+        (dict(node_precision="bf16"), "node_precision = 'bf16' applies to the reduction inside nodes; it needs"),
+    ],
+)
+def test_an_unknown_hierarchy_or_node_precision_is_refused_before_any_work(options, message):
     c = build_components("none")
-    with pytest.raises(ValueError, match="hierarchy = 'rack' is invalid; allowed: 'flat', 'node'"):
-        GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, hierarchy="rack")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, **options)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GCFusedStrategy(**options)
 
 
 def _resume(rank, world_size, ranks_per_node, folder):
