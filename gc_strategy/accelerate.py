@@ -94,10 +94,10 @@ def prepare(
     ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
     else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"``: a dense
     reduction inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`), the
-    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks, reduced inside at ``node_precision`` (``"full"``
-    or ``"bf16"``). ``sync="diloco"`` with DiLoCo's options
-    (``inner_steps=...``, see :class:`~gc_strategy.strategy.GCFusedStrategy`): the one optimizer among
-    ``objects`` takes the inner steps, and each of its steps counts towards the next outer step."""
+    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks, reduced inside at ``node_precision``
+    (``"full"`` or ``"bf16"``). ``sync="diloco"`` with DiLoCo's options (``inner_steps=...``, see
+    :class:`~gc_strategy.strategy.GCFusedStrategy`): the one optimizer among ``objects`` takes the
+    inner steps, and each of its steps counts towards the next outer step."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if kind not in SUPPORTED:
         raise ValueError(
