@@ -36,6 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from netns import sent_bytes
 
 from gc_strategy.components import parse_options
+from gc_strategy.strategy import end_process_group
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
@@ -169,16 +170,7 @@ def main(config_path: str, name: str, result_path: str) -> None:
         result["ranks"] = ranks(name, cfg.world_size)
     with open(result_path, "w") as f:
         json.dump(result, f)
-    end_process_group()
-
-
-def end_process_group() -> None:
-    """Destroy the process group Lightning leaves behind: left to the interpreter's shutdown, a gloo
-    group can abort the process after its work is done (Lightning destroys only NCCL groups)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_group()  # also after Lightning's own ddp, which leaves its gloo group behind
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from bench_worker import end_process_group, make_strategy
+from bench_worker import make_strategy
 from convergence_digits import digits
 from netns import sent_bytes
 from torch import nn
 from torch.utils.data import DataLoader
+
+from gc_strategy.strategy import end_process_group
 
 
 class DigitsMLP(pl.LightningModule):

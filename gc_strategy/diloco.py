@@ -222,8 +222,8 @@ class DiLoCo:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
         self.offload = offload
         outer_device = torch.device("cpu") if offload else self.named[0][1].device
-        #: θ, by parameter name: fp32, where the outer state lives
-        self.outer = {n: p.detach().to(outer_device, torch.float32, copy=True) for n, p in self.named}
+        #: θ, by parameter name: fp32, where the outer state lives (filled after rank 0's broadcast)
+        self.outer = {n: torch.empty(p.shape, dtype=torch.float32, device=outer_device) for n, p in self.named}
         #: fragments="auto": the count is chosen from the first outer exchange (see :meth:`_choose_fragments`)
         self.auto_fragments = fragments == "auto"
         self._step_times: list[float] = []

@@ -157,8 +157,8 @@ class GCFusedStrategy(DDPStrategy):
         # Lightning destroys only NCCL groups at exit. A gloo group left to the interpreter's
         # shutdown can abort the process ("terminate called without an active exception") after
         # training succeeded; registering once keeps a second fit from stacking handlers.
-        atexit.unregister(_destroy_process_group)
-        atexit.register(_destroy_process_group)
+        atexit.unregister(end_process_group)
+        atexit.register(end_process_group)
 
     # ---------------------------------------------------------------- model set-up
     def configure_ddp(self) -> None:
@@ -374,6 +374,8 @@ class GCFusedStrategy(DDPStrategy):
                     )
 
 
-def _destroy_process_group() -> None:
+def end_process_group() -> None:
+    """Destroy the default process group where one is left: Lightning destroys only NCCL groups,
+    and a gloo group left to the interpreter's shutdown can abort the process after its work is done."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

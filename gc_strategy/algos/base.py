@@ -44,8 +44,8 @@ class Compressor(BucketState):
     **Flags** (class attributes): ``summable``, ``variable_size`` (payload lengths may differ
     between ranks), ``allreduce_only`` (its own rounds need a summing communicator),
     ``applies_momentum`` (the optimizer's should be off), ``per_step_schedule`` (its payloads
-    alternate from step to step, so it needs consecutive steps' gradients), ``keeps_error_feedback`` (it keeps its own,
-    so an error-feedback memory on top of it is refused).
+    alternate from step to step, so it needs consecutive steps' gradients), ``keeps_error_feedback``
+    (it keeps its own, so an error-feedback memory on top of it is refused).
 
     **Binding**: the engine calls :meth:`bind` once with its process group's size and this rank, and
     :meth:`begin_step` before each synchronised step with the number of steps so far (the same on
