@@ -23,10 +23,16 @@ rounded value itself, so every replica applies the same bits. The rounding insid
 error-corrected: the error-feedback memory covers what the compressor drops across nodes, from the
 node mean it receives. It is the precision that DDP's ``bf16_compress_hook`` gives every gradient.
 
-Every rank of a node issues the node's collectives in bucket order, and the owners of a bucket on
-every node issue its exchange in the same order, so the collective order is the same on every rank
-of each group. Ranks are numbered node by node (``rank = node · L + local rank``), as torchrun,
-SLURM and Lightning's launchers number them.
+The exchange across nodes overlaps backward. The reduce is an eager round
+(:class:`~gc_strategy.communicators.Round`): the engine advances it at the launch of a later large
+bucket, and the owner encodes and sends its share across nodes while backward goes on. The
+broadcasts wait for the end of backward: before step 3 every rank of the node yields a round that
+is never eager. So every rank issues the node's reduces in bucket order during backward and its
+broadcasts in bucket order after it, whichever rounds of the owner's exchange were eager. The owners
+of a bucket on every node advance its exchange at the same points (the engine's schedule is the
+same on every rank), so the collective order is the same on every rank of each group. Ranks are
+numbered node by node (``rank = node · L + local rank``), as torchrun, SLURM and Lightning's
+launchers number them.
 """
 
 from __future__ import annotations
@@ -148,7 +154,7 @@ def node_exchange(
     wire = flat.to(torch.bfloat16) if precision == "bf16" and local else flat
     nbytes = wire.numel() * wire.element_size() if local else 0
     works = [dist.reduce(wire, source, group=groups.intra, async_op=True)] if local else []
-    yield Round(works, lambda: None, nbytes, inside_node=True)
+    yield Round(works, lambda: None, nbytes, eager=True, inside_node=True)
     finite = None
     if groups.local_rank == owner:
         if wire is not flat:
@@ -158,6 +164,7 @@ def node_exchange(
         average, finite = yield from memory.exchange(compressor, flat, bucket, communicator)
         if average is not wire:
             wire.copy_(average)
+    yield Round([], lambda: None, 0, inside_node=True)  # the broadcasts: after backward, in bucket order
     works = [dist.broadcast(wire, source, group=groups.intra, async_op=True)] if local else []
     yield Round(works, lambda: None, nbytes, inside_node=True)
     if wire is not flat:

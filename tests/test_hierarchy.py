@@ -187,6 +187,43 @@ def test_topk_is_the_mean_over_nodes_of_each_nodes_compressed_mean():
     assert max(run_ranks(_topk_against_the_math, 4, 2)) <= 1e-6
 
 
+def _exchanges_across_during_backward(rank, world_size, ranks_per_node):
+    """Four 1 MB layers, a bucket each (buckets of >= 1 MB advance the earlier buckets' eager rounds);
+    the order of this rank's exchanges across nodes and the input's gradient, which backward computes
+    last, in the second step (the first records the order)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    c = build_components("topk", "residual", "auto", "groups:4", density=0.01)
+    events = []
+    exchange = c.communicator.exchange
+
+    def logged(payload, variable_size, eager=False):
+        events.append("across")
+        return (yield from exchange(payload, variable_size, eager))
+
+    c.communicator.exchange = logged
+    engine = GradientSynchronizer(
+        model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy="node", ranks_per_node=ranks_per_node
+    )
+    for step in range(2):
+        events.clear()
+        x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank), requires_grad=True)
+        x.register_hook(lambda grad: events.append("backward done"))
+        model(x).square().mean().backward()
+    return events, engine.owners
+
+
+@pytest.mark.slow
+def test_the_exchange_across_nodes_overlaps_backward():
+    """The reduce inside the node is an eager round: at the next large bucket's launch the owner encodes
+    and sends its first bucket across nodes while backward goes on; the broadcasts wait for its end."""
+    for rank, (events, owners) in enumerate(run_ranks(_exchanges_across_during_backward, 4, 2)):
+        owned = [b for b, owner in enumerate(owners) if owner == rank % 2]
+        assert len(owners) == 4 and events.count("across") == len(owned), events
+        if 0 in owned:
+            assert events.index("across") < events.index("backward done"), events
+
+
 def _replicas(rank, world_size, ranks_per_node, node_precision="full"):
     results = {}
     for name in COMPRESSORS.names():
