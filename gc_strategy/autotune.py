@@ -16,7 +16,8 @@ synchroniser. Once the gradient-ready order is known:
    collectives on buckets cut from the model's own tensors (real shapes, and the raw local gradients
    of the last settling step: what the compressor sees in training, not the averages that ``.grad``
    holds after a synchronised step) at sizes spread geometrically from one tensor to the whole model:
-   the *shape* of the cost curves.
+   the *shape* of the cost curves. With ``hierarchy="node"`` each sample runs the whole node
+   exchange (:func:`measure_costs`).
 3. **Trials**, ``S`` steps each with a few fixed plans of different granularity (:data:`TRIAL_PLANS`):
    real step times of real plans in this training run.
 4. **Fit and search**: the compression and communication curves are scaled by the two factors under
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,6 +51,7 @@ from .bucket import Bucket
 from .communicators import COMMUNICATORS, Communicator, RunningExchange
 from .fusion.plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .fusion.timeline import Cost, CostModel, best_plan, simulate
+from .hierarchy import NodeGroups, node_exchange
 from .registry import fresh_copy
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
@@ -69,6 +72,9 @@ class Synchronizer(Protocol):
     communicator: Communicator
     planner: AutoPlan
     process_group: Any
+    #: hierarchy="node": this rank's node groups (None for a flat exchange), and the precision inside
+    nodes: NodeGroups | None
+    node_precision: str
     device: torch.device
     world_size: int
     rank: int
@@ -102,7 +108,7 @@ class AutoTuner:
         self._first_wall: float | None = None
         self._model: CostModel | None = None  # the profiled cost model, before fitting
         self._fitted: CostModel | None = None  # after fitting its scales to the measured steps
-        self._fp32: Cost | None = None  # an fp32 allreduce's cost curve (the uncompressed baseline)
+        self._baselines: dict[str, Cost] = {}  # fp32 and bf16 allreduces' cost curves (uncompressed baselines)
         self._profile_s = 0.0
         self._gradients: dict[str, Tensor] = {}  # raw local gradients by parameter name, for the profile
         self._measured: dict[tuple[int, ...], float] = {}  # plan -> median step time (this rank)
@@ -188,11 +194,11 @@ class AutoTuner:
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
         ready, other = values[: len(numels)], values[len(numels)]
-        encode, communicator, decode, fp32 = (
-            Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(4, -1).tolist()
+        encode, communicator, decode, fp32, bf16 = (
+            Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(5, -1).tolist()
         )
         self._model = CostModel(tuple(ready), tuple(numels), encode, communicator, decode, other=max(other, 0.0))
-        self._fp32 = fp32
+        self._baselines = {"fp32": fp32, "bf16": bf16}
         nbytes = engine.tensor_nbytes(engine.order)
         self._names = {tuple(engine.tensors_per_bucket): engine.planner.default.describe()}
         for plan in TRIAL_PLANS:
@@ -218,8 +224,12 @@ class AutoTuner:
         search_s = time.perf_counter() - search
         groups = _broadcast_plan(engine, groups)
         free = Cost.linear(0.0, 0.0)
-        baseline = CostModel(model.ready, model.numels, free, self._fp32, free, other=model.other)
         nbytes = engine.tensor_nbytes(engine.order)
+        plan = SizeCapPlan(25).plan(nbytes)
+        baselines = {
+            precision: simulate(CostModel(model.ready, model.numels, free, cost, free, model.other), plan)
+            for precision, cost in self._baselines.items()
+        }
         self._measured = measured
         self.report = {
             "searched_groups": groups,
@@ -236,7 +246,8 @@ class AutoTuner:
                 for g, t in measured.items()
             ],
             "predicted_other_plans_s": {p.describe(): simulate(model, p.plan(nbytes)) for p in REFERENCE_PLANS},
-            "predicted_fp32_allreduce_s": simulate(baseline, SizeCapPlan(25).plan(nbytes)),
+            "predicted_fp32_allreduce_s": baselines["fp32"],
+            "predicted_bf16_allreduce_s": baselines["bf16"],
             "profile_s": self._profile_s + time.perf_counter() - start,
             "search_s": search_s,
             "cost_model": model.to_dict(),
@@ -271,6 +282,7 @@ class AutoTuner:
                 "measured_step_s": measured_s,
             }
         )
+        self.report["compression_pays"] = self.report["predicted_step_s"] < self.report["predicted_bf16_allreduce_s"]
 
     def restore(self, report: dict[str, Any]) -> None:
         """A plan restored from a checkpoint: nothing left to profile."""
@@ -350,15 +362,24 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
 def measure_costs(
     engine: Synchronizer, numels: list[int], gradients: dict[str, Tensor]
 ) -> tuple[list[int], torch.Tensor]:
-    """Bucket sizes (elements) and, on this rank, ``[4, sizes]`` median seconds of: encode (with the
+    """Bucket sizes (elements) and, on this rank, ``[5, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) of this synchroniser's
-    roles, and an fp32 allreduce of the same bucket (the uncompressed baseline), on samples cut from
-    ``gradients`` (flat local gradients by parameter name; zeros where one is missing)."""
+    roles, and an fp32 and a bf16 allreduce of the same bucket over all ranks (the uncompressed
+    baselines), on samples cut from ``gradients`` (flat local gradients by parameter name; zeros
+    where one is missing).
+
+    With ``hierarchy="node"`` each sample runs the whole :func:`~gc_strategy.hierarchy.node_exchange`,
+    owned by local rank 0 of every node. Its communication is the owner's time from the reduce inside
+    the node to the broadcast's end, the owner's coding between them included (the exchange across
+    nodes waits for it); its encode and decode are the owner's coding divided by the ranks per node,
+    since each rank codes its share of the buckets. The other ranks report zeros (their wait holds
+    the owner's coding), so the maximum across ranks is the owners'."""
     compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
     compressor.bind(engine.world_size, engine.rank)
     compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
-    plain = COMPRESSORS.build("none")
-    plain.bind(engine.world_size, engine.rank)
+    plain = {precision: COMPRESSORS.build(name) for precision, name in (("fp32", "none"), ("bf16", "bf16"))}
+    for baseline in plain.values():
+        baseline.bind(engine.world_size, engine.rank)
     allreduce = COMMUNICATORS.build("allreduce")
     allreduce.bind(engine.process_group)
     gradient = torch.cat(
@@ -375,15 +396,47 @@ def measure_costs(
         names = engine.order[a:b]
         bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
         samples.append((bucket, gradient[offsets[a] : offsets[b]]))
-    times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, fp32 comm]
+    times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, fp32, bf16 comm]
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
-            ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)[:3]
-            fp32 = time_exchange(plain, None, allreduce, flat, bucket)[1]
+            if engine.nodes is None:
+                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)[:3]
+            else:
+                ours = time_node_exchange(engine, compressor, memory, flat, bucket)
+            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[1] for p in ("fp32", "bf16")]
             if run:
-                timed.append([*ours, fp32])
+                timed.append([*ours, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
     return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T
+
+
+def time_node_exchange(
+    engine: Synchronizer, compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket
+) -> tuple[float, float, float]:
+    """hierarchy="node": (encode, communication, decode) seconds of one sample bucket's node exchange,
+    as :func:`measure_costs` counts them (zeros on a rank that does not own it)."""
+    nodes = engine.nodes
+    flat = flat.clone()
+    dist.barrier()
+    exchange = node_exchange(nodes, 0, memory, compressor, engine.communicator, flat, bucket, engine.node_precision)
+    running = RunningExchange(exchange, clock=_clock(flat))
+    running.finish()
+    if nodes.local_rank != 0:
+        return 0.0, 0.0, 0.0
+    coding = running.encode_s + running.between_s
+    share = 1 / nodes.ranks_per_node
+    return share * coding, coding + running.wait_s, share * running.decode_s
+
+
+def _clock(flat: Tensor) -> Callable[[], float]:
+    """A host clock that first waits for ``flat``'s device (so it measures the device's work too)."""
+
+    def now() -> float:
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        return time.perf_counter()
+
+    return now
 
 
 def time_exchange(
@@ -395,17 +448,10 @@ def time_exchange(
     driven by a :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
     compensation, communication every round and the work between rounds, decode the last combine
     and the memory's update. ``flat`` is left as it was."""
-    cuda = flat.is_cuda
-
-    def now() -> float:
-        if cuda:
-            torch.cuda.synchronize(flat.device)
-        return time.perf_counter()
-
     memory = memory if memory is not None else MEMORIES.build("none")
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
-    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=now)
+    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
     running.finish()
     return running.encode_s, running.between_s + running.wait_s, running.decode_s, running.sent_bytes

@@ -64,7 +64,7 @@ from .bucket import Bucket
 from .communicators import Communicator, RunningExchange
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.plans import write_plan_file
-from .hierarchy import NodeGroups, bucket_owners, check_hierarchy, node_exchange, node_groups
+from .hierarchy import NodeGroups, bucket_owners, check_hierarchy, gather_node_state, node_exchange, node_groups
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
@@ -285,11 +285,6 @@ class GradientSynchronizer:
             raise ValueError(
                 "hierarchy='node' forms its groups over the default process group; pass process_group=None"
             )
-        if isinstance(self.planner, AutoPlan):
-            raise ValueError(
-                "fusion='auto' profiles a flat exchange and cannot plan hierarchy='node'; use a fixed plan "
-                "(e.g. fusion='bucket_mb:25') or a plan file"
-            )
         if ranks_per_node is None:
             if "LOCAL_WORLD_SIZE" not in os.environ:
                 raise ValueError("hierarchy='node' needs ranks_per_node (or LOCAL_WORLD_SIZE, set by torchrun)")
@@ -349,18 +344,22 @@ class GradientSynchronizer:
         self._rebuild(self.order, tensors_per_bucket)
 
     def _rebuild(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
-        """New buckets, carrying per-element compression state across by parameter name."""
+        """New buckets, carrying per-element compression state across by parameter name (with
+        ``hierarchy="node"``, to the parameter's new owner in the node)."""
         memory_state = self.memory.state_by_parameter(self.buckets)
         compressor_state = self.compressor.state_by_parameter(self.buckets)
+        if self.nodes is not None:
+            shapes = {name: self.parameter(name).shape for name in self.names}
+            memory_state, compressor_state = (
+                gather_node_state(self.nodes, state, shapes, self.device) for state in (memory_state, compressor_state)
+            )
         self._build(order, tensors_per_bucket)
         self.memory.load_state_by_parameter(memory_state, self.buckets)
         self.compressor.load_state_by_parameter(compressor_state, self.buckets)
         self._keep_owned_state()
 
     def _keep_owned_state(self) -> None:
-        """hierarchy="node": per-element state only for the buckets this rank compresses (after new
-        buckets, the state of a bucket now owned by another local rank stays with the old owner's
-        tensors and is dropped: that share starts from zero)."""
+        """hierarchy="node": per-element state only for the buckets this rank compresses."""
         if self.nodes is None:
             return
         for role in (self.memory, self.compressor):

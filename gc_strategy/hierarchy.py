@@ -135,6 +135,34 @@ def bucket_owners(nbytes: list[int], ranks_per_node: int) -> list[int]:
     return owners
 
 
+def gather_node_state(
+    groups: NodeGroups, state: dict[str, dict[str, Tensor]], shapes: dict[str, torch.Size], device: torch.device
+) -> dict[str, dict[str, Tensor]]:
+    """Every parameter's per-element state (``{state name: {parameter: tensor}}``, as
+    :meth:`~gc_strategy.bucket.BucketState.state_by_parameter` gives it) on every rank of the node,
+    for new buckets whose owners differ from the old ones (a collective of the node). Each
+    parameter's state is on at most one rank of the node, its old owner, so one sum over the node
+    (zeros elsewhere: exact) gives it to every rank; the new owner keeps it. A parameter that no rank
+    holds state for gets zeros, which is what a fresh state holds."""
+    names: list[Any] = [None] * groups.ranks_per_node
+    dist.all_gather_object(names, sorted(state), group=groups.intra)
+    offsets, total = {}, 0
+    for parameter, shape in shapes.items():
+        offsets[parameter] = total
+        total += shape.numel()
+    gathered = {}
+    for name in sorted(set().union(*names)):
+        flat = torch.zeros(total, dtype=torch.float32, device=device)
+        for parameter, value in state.get(name, {}).items():
+            flat[offsets[parameter] : offsets[parameter] + value.numel()].copy_(value.reshape(-1))
+        dist.all_reduce(flat, group=groups.intra)
+        gathered[name] = {
+            parameter: flat[offsets[parameter] : offsets[parameter] + shape.numel()].view(shape)
+            for parameter, shape in shapes.items()
+        }
+    return gathered
+
+
 def node_exchange(
     groups: NodeGroups,
     owner: int,

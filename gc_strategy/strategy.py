@@ -290,19 +290,30 @@ class GCFusedStrategy(DDPStrategy):
         if report is None or report["measured_step_s"] is None or report is self._announced_plan:
             return
         self._announced_plan = report
+        verdict = ""
+        if "predicted_bf16_allreduce_s" in report:  # absent from a plan restored from an older checkpoint
+            pays = "pays" if report["compression_pays"] else "does not pay"
+            verdict = f"; bf16 allreduce predicted {report['predicted_bf16_allreduce_s']:.4f} s: compression {pays}"
         rank_zero_info(
             f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB) "
             f"by {report['chosen_by']}: predicted step {report['predicted_step_s']:.4f} s, measured "
             f"{report['measured_step_s']:.4f} s ({len(report['trials'])} plans tried; "
             f"profiling {report['profile_s']:.2f} s, "
-            f"search {1000 * report['search_s']:.1f} ms)"
+            f"search {1000 * report['search_s']:.1f} ms){verdict}"
         )
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not self.is_global_zero:
             return
         metrics = {
             f"gc/plan_{key}": float(report[key])
-            for key in ("buckets", "predicted_step_s", "measured_step_s", "predicted_fp32_allreduce_s")
+            for key in (
+                "buckets",
+                "predicted_step_s",
+                "measured_step_s",
+                "predicted_fp32_allreduce_s",
+                "predicted_bf16_allreduce_s",
+            )
+            if key in report
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
