@@ -13,7 +13,8 @@ number of ranks. The advisor predicts, for each configuration, the step time of 
 configuration beats it.
 
 What it measures here, on the model's own tensor shapes and random gradients, bucketed as the
-synchroniser buckets them (``fusion``, default 25 MB buckets):
+synchroniser buckets them (``fusion``, default 25 MB buckets; with ``fusion=auto``, the plan of the
+model's exact search, as the synchroniser's planner searches it):
 
 - **payload bytes and rounds** of each compressor's exchange, and its **encode and decode time** at
   the world size it will run at: the exchange runs through a :class:`Replicas` communicator, which
@@ -46,7 +47,8 @@ from .autotune import sample_ranges
 from .bucket import Bucket
 from .communicators import Communicator, Exchange, Payload, Round, RunningExchange
 from .components import build_components, parse_options
-from .fusion.timeline import Cost, CostModel, simulate
+from .fusion.plans import AutoPlan
+from .fusion.timeline import Cost, CostModel, best_plan, simulate
 from .fusion.topology import Link, Topology, exchange_seconds, parse_rate
 from .hierarchy import check_hierarchy
 
@@ -172,10 +174,16 @@ def measure_compute(
 
 
 def predict(
-    profile: Profile, numels: list[int], groups: list[int], compute: Compute, topology: Topology, codec_scale: float
+    profile: Profile,
+    numels: list[int],
+    groups: list[int] | None,
+    compute: Compute,
+    topology: Topology,
+    codec_scale: float,
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
-    ``groups`` (tensors per bucket), with encode and decode times times ``codec_scale``."""
+    ``groups`` (tensors per bucket; None: the plan that ``fusion="auto"`` searches, the model's best),
+    with encode and decode times times ``codec_scale``."""
     hierarchy = profile.options.get("hierarchy", "flat")
     share = codec_scale / (topology.ranks_per_node if hierarchy == "node" else 1)
     dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
@@ -191,7 +199,7 @@ def predict(
         Cost.measured(profile.sizes, [share * t for t in profile.decode_s]),
         compute.other,
     )
-    return simulate(model, groups)
+    return simulate(model, groups) if groups is not None else best_plan(model)[1]
 
 
 def advise(
@@ -206,9 +214,7 @@ def advise(
         hierarchy = options.get("hierarchy", "flat")
         world = topology.nodes if hierarchy == "node" else topology.world_size
         measured = profile(options, shapes, world)
-        nbytes = [4 * n for n in numels]
-        groups = build_components(**_roles(options)).fusion.plan(nbytes)
-        step = predict(measured, numels, groups, compute, topology, codec_scale)
+        step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale)
         whole = Cost.measured(measured.sizes, measured.payload_bytes)(sum(numels))
         rows.append({"configuration": spec, "predicted step (s)": step, "payload bytes / step": whole})
     for row in rows:
@@ -343,8 +349,7 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
                     profiled.rounds,
                     profiled.sums,
                 )
-                groups = build_components(**_roles(options)).fusion.plan([4 * n for n in numels])
-                times[spec] = predict(gpu, numels, groups, compute, topology, 1.0)
+                times[spec] = predict(gpu, numels, _plan(options, numels), compute, topology, 1.0)
             base = times[BASELINE]
             cells = [f"{base / times[spec]:.2f}" for spec in configs]
             lines.append(f"| {rate} | {count} | {base:.3f} | " + " | ".join(cells) + " |")
@@ -360,6 +365,13 @@ def check_config(spec: str) -> dict[str, Any]:
         raise ValueError(f"configs: {spec!r}: {error}") from None
     build_components(**_roles(options))
     return options
+
+
+def _plan(options: dict[str, Any], numels: list[int]) -> list[int] | None:
+    """Tensors per bucket as the configuration's fusion planner cuts fp32 gradients of ``numels``
+    elements; None for ``fusion=auto``, whose plan is the model's best (:func:`predict`)."""
+    planner = build_components(**_roles(options)).fusion
+    return None if isinstance(planner, AutoPlan) else planner.plan([4 * n for n in numels])
 
 
 def _roles(options: dict[str, Any]) -> dict[str, Any]:
