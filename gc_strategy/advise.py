@@ -324,6 +324,7 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
         "|" + "---|" * (3 + len(configs)),
     ]
     measured = {spec: profile(parse_options(spec), shapes, 2) for spec in [BASELINE, *configs]}
+    plans = {spec: _plan(profiled.options, numels) for spec, profiled in measured.items()}
     for rate in inter_rates:
         for count in gpus:
             nodes = max(1, count // per_node)
@@ -349,7 +350,7 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
                     profiled.rounds,
                     profiled.sums,
                 )
-                times[spec] = predict(gpu, numels, _plan(options, numels), compute, topology, 1.0)
+                times[spec] = predict(gpu, numels, plans[spec], compute, topology, 1.0)
             base = times[BASELINE]
             cells = [f"{base / times[spec]:.2f}" for spec in configs]
             lines.append(f"| {rate} | {count} | {base:.3f} | " + " | ".join(cells) + " |")

@@ -348,7 +348,7 @@ class GradientSynchronizer:
         ``hierarchy="node"``, to the parameter's new owner in the node)."""
         memory_state = self.memory.state_by_parameter(self.buckets)
         compressor_state = self.compressor.state_by_parameter(self.buckets)
-        if self.nodes is not None:
+        if self.nodes is not None and self.nodes.ranks_per_node > 1:  # owners can move within a node
             shapes = {name: self.parameter(name).shape for name in self.names}
             memory_state, compressor_state = (
                 gather_node_state(self.nodes, state, shapes, self.device) for state in (memory_state, compressor_state)
