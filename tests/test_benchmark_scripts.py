@@ -1,6 +1,8 @@
 """The benchmark scripts refuse bad counts and devices with argparse errors before any work."""
 
+import json
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +46,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("checkpoint_memory.py", "--world-sizes"),
         ("cpu_paths.py", "--repeats"),
         ("step_overhead.py", "--rounds"),
+        ("overlap_cost.py", "--runs"),
     ],
 )
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
@@ -81,8 +84,6 @@ def test_time_to_accuracy_refuses_bad_settings_before_any_run(args, message, mon
 def test_time_to_accuracy_reports_every_configuration_on_loopback(tmp_path):
     """Two configurations, one epoch each, on loopback: a row per configuration with its accuracy,
     measurements every 5 steps against growing training time, and the plot."""
-    import json
-    import subprocess
 
     configs = ["ddp", "gc_fused:sync=diloco,inner_steps=5,vectors=fp32"]
     done = subprocess.run(
@@ -122,3 +123,25 @@ def test_time_to_accuracy_reports_every_configuration_on_loopback(tmp_path):
         assert times == sorted(times) and times[0] > 0
         assert 0 <= points[-1]["accuracy"] <= 1 and runs[name][0]["sent_bytes"] > 0
     assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_a_layout_without_a_link_inside_the_node_is_an_argparse_error(monkeypatch, capsys):
+    assert "argument --layouts: '2x1' is invalid; allowed: NODESxRANKS" in _run(
+        "overlap_cost.py", monkeypatch, capsys, "--layouts", "2x1"
+    )
+
+
+def test_the_overlap_cost_times_each_collective_beside_the_step():
+    done = subprocess.run(
+        [sys.executable, "overlap_cost.py", "--layouts", "1x2", "--megabytes", "4", "--batch", "2", "--runs", "1"],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 1 x 2 |")]
+    assert [row[1].strip() for row in rows] == ["reduce", "broadcast", "allreduce"]
+    for row in rows:
+        step, collective, beside, lost = (float(cell) for cell in row[2:6])
+        assert step > 0 and collective > 0 and lost == pytest.approx(beside - step, abs=1e-3)
