@@ -22,6 +22,11 @@ model's exact search, as the synchroniser's planner searches it):
   gathered payload is decoded ``W`` times as in training;
 - **the backward's gradient-ready times** (one short run of the model).
 
+With ``--intra measure`` the cluster is one of CPU ranks like this machine's: the link inside a node
+is measured here, and so is what a node's reduce and broadcast take from the backward beside them
+(:mod:`gc_strategy.overlap`); ``hierarchy="node"`` is then priced with that compute instead of a
+link running beside it.
+
 The compute time of a step at the target (forward, backward, optimizer: everything but
 synchronisation) is given (``--compute-s``), or measured here. Encode and decode run on the same
 device as the compute and are scaled with it: by ``compute_s / (the step measured here)``, which is
@@ -43,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import overlap
 from .autotune import sample_ranges
 from .bucket import Bucket
 from .communicators import Communicator, Exchange, Payload, Round, RunningExchange
@@ -173,6 +179,28 @@ def measure_compute(
     return order, Compute(ready, step_s - ready[-1])
 
 
+@dataclass(frozen=True)
+class InsideNode:
+    """What the node's reduce and broadcast of a bucket take from the compute on CPU ranks, in
+    seconds as a function of the dense bucket's bytes (:mod:`gc_strategy.overlap`): the reduce before
+    the bucket's exchange across nodes, the broadcast after it."""
+
+    reduce: Cost
+    broadcast: Cost
+
+
+def measure_inside(nodes: int, ranks_per_node: int, step: Callable[[], Any], runs: int = 10) -> InsideNode:
+    """:class:`InsideNode` measured here beside ``step`` (the model's forward and backward), all
+    nodes' collectives at once, at 4 and 32 MB; a collective of no bytes takes nothing."""
+    sizes = [4 << 20, 32 << 20]
+    beside = overlap.measure(nodes, ranks_per_node, step, sizes, ("reduce", "broadcast"), runs)
+
+    def lost(collective: str) -> Cost:
+        return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
+
+    return InsideNode(lost("reduce"), lost("broadcast"))
+
+
 def predict(
     profile: Profile,
     numels: list[int],
@@ -180,33 +208,46 @@ def predict(
     compute: Compute,
     topology: Topology,
     codec_scale: float,
+    inside: InsideNode | None = None,
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
     ``groups`` (tensors per bucket; None: the plan that ``fusion="auto"`` searches, the model's best),
-    with encode and decode times times ``codec_scale``."""
+    with encode and decode times times ``codec_scale``. With ``inside`` (CPU ranks), the collectives
+    inside a node take the compute's time instead of running beside it: each bucket's reduce is
+    device time before its launch, its broadcast device time with the decodes."""
     hierarchy = profile.options.get("hierarchy", "flat")
     share = codec_scale / (topology.ranks_per_node if hierarchy == "node" else 1)
     dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
-    network = [
-        exchange_seconds(topology, hierarchy, profile.sums, dense_bytes_per_element * n, payload, profile.rounds)
-        for n, payload in zip(profile.sizes, profile.payload_bytes)
-    ]
+    on_device = inside is not None and hierarchy == "node"
+    network, reduce, broadcast = [], [], []
+    for n, payload in zip(profile.sizes, profile.payload_bytes):
+        dense = dense_bytes_per_element * n
+        network.append(
+            exchange_seconds(topology, hierarchy, profile.sums, dense, payload, profile.rounds, inside=not on_device)
+        )
+        reduce.append(inside.reduce(dense) if on_device else 0.0)
+        broadcast.append(inside.broadcast(dense) if on_device else 0.0)
     model = CostModel(
         compute.ready,
         tuple(numels),
-        Cost.measured(profile.sizes, [share * t for t in profile.encode_s]),
+        Cost.measured(profile.sizes, [r + share * t for r, t in zip(reduce, profile.encode_s)]),
         Cost.measured(profile.sizes, [n + share * t for n, t in zip(network, profile.between_s)]),
-        Cost.measured(profile.sizes, [share * t for t in profile.decode_s]),
+        Cost.measured(profile.sizes, [b + share * t for b, t in zip(broadcast, profile.decode_s)]),
         compute.other,
     )
     return simulate(model, groups) if groups is not None else best_plan(model)[1]
 
 
 def advise(
-    configs: list[str], shapes: dict[str, torch.Size], compute: Compute, topology: Topology, codec_scale: float
+    configs: list[str],
+    shapes: dict[str, torch.Size],
+    compute: Compute,
+    topology: Topology,
+    codec_scale: float,
+    inside: InsideNode | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per configuration, the bf16 allreduce first: predicted step time, speedup over bf16,
-    payload bytes per rank and step; sorted by predicted time after the baseline."""
+    """One row per configuration, the bf16 allreduce first: predicted step time (:func:`predict`),
+    speedup over bf16, payload bytes per rank and step; sorted by predicted time after the baseline."""
     numels = [shape.numel() for shape in shapes.values()]
     rows = []
     for spec in [BASELINE, *configs]:
@@ -214,7 +255,7 @@ def advise(
         hierarchy = options.get("hierarchy", "flat")
         world = topology.nodes if hierarchy == "node" else topology.world_size
         measured = profile(options, shapes, world)
-        step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale)
+        step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale, inside)
         whole = Cost.measured(measured.sizes, measured.payload_bytes)(sum(numels))
         rows.append({"configuration": spec, "predicted step (s)": step, "payload bytes / step": whole})
     for row in rows:
@@ -423,7 +464,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument(
-        "--intra", default="100gbit", help="bandwidth inside a node, e.g. 100gbit or 10GB, or 'measure' (gloo, here)"
+        "--intra",
+        default="100gbit",
+        help="bandwidth inside a node, e.g. 100gbit or 10GB (collectives beside the compute, as over NVLink), or "
+        "'measure': CPU ranks under gloo here, the link and what the node's collectives take from the backward",
     )
     parser.add_argument("--intra-latency-us", type=float, default=10.0)
     parser.add_argument("--inter", default="1gbit", help="bandwidth between nodes, per node")
@@ -466,6 +510,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     topology = Topology(args.nodes, args.ranks_per_node, intra or measure_intra(args.nodes, args.ranks_per_node), inter)
+    inside = None
+    if measure and not args.project:
+        inside = measure_inside(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.project:
@@ -475,8 +522,14 @@ def main(argv: list[str] | None = None) -> None:
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())
     shapes = {name: parameters[name].shape for name in order}
-    rows = advise(args.configs, shapes, compute, topology, compute.step_s / here.step_s)
+    rows = advise(args.configs, shapes, compute, topology, compute.step_s / here.step_s, inside)
     print(f"{args.model}, batch {args.batch}, size {args.size}; {topology.describe()}")
+    if inside is not None:
+        mb = 32 << 20
+        print(
+            f"measured beside the backward, a node's reduce and broadcast of 32 MB take {inside.reduce(mb):.3f} and "
+            f"{inside.broadcast(mb):.3f} s of compute: hierarchy='node' is priced with them (CPU ranks)"
+        )
     print(f"compute per step {compute.step_s:.3f} s ({'given' if args.compute_s else 'measured here'}); predicted:")
     print(table(rows))
     print(recommendation(rows))

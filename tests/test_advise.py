@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from gc_strategy import advise
-from gc_strategy.advise import Compute, Profile, Replicas, predict, profile, recommendation
+from gc_strategy.advise import Compute, InsideNode, Profile, Replicas, predict, profile, recommendation
 from gc_strategy.communicators import RunningExchange
+from gc_strategy.fusion.timeline import Cost
 from gc_strategy.fusion.topology import Link, Topology
 
 SHAPES = {"fc.weight": torch.Size([64, 300]), "fc.bias": torch.Size([64]), "conv.weight": torch.Size([32, 16, 3, 3])}
@@ -59,6 +60,12 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     bf16 = replace(measured, options={"hierarchy": "node", "node_precision": "bf16"})
     bf16_step = predict(bf16, numels, [3], compute, topology, 2.0)
     assert bf16_step == pytest.approx(node_step - inside / 2)
+    # CPU ranks: the node's reduce (10 µs per byte) is compute before the launch, its broadcast (2 µs
+    # per byte) compute with the decode; neither is on the link any more
+    on_cpu = InsideNode(reduce=Cost.linear(0.0, 1e-5), broadcast=Cost.linear(0.0, 2e-6))
+    cpu_step = predict(replace(measured, options={"hierarchy": "node"}), numels, [3], compute, topology, 2.0, on_cpu)
+    assert cpu_step == pytest.approx(0.05 + 0.2 + 0.02 + 1e-5 * 4000 + across + 0.005 + 0.04 + 2e-6 * 4000)
+    assert predict(measured, numels, [3], compute, topology, 2.0, on_cpu) == pytest.approx(step)  # flat: no node
 
 
 def test_fusion_auto_is_predicted_with_the_best_plan_of_every_cut():
@@ -123,3 +130,15 @@ def test_the_command_line_prints_the_table_and_a_recommendation():
     lines = done.stdout.splitlines()
     assert "2 node(s) x 2 rank(s)" in lines[0] and "| compressor=bf16 |" in done.stdout
     assert lines[-1].startswith("compress: compressor=topk")  # at 100 Mbit/s a 1% payload must win
+
+
+def test_measuring_inside_the_node_prices_the_hierarchy_with_the_compute_it_takes():
+    topk = "compressor=topk,memory=residual,density=0.01"
+    done = _advise(
+        "--batch", "2", "--size", "16", "--nodes", "1", "--ranks-per-node", "2", "--intra", "measure",
+        "--configs", f"{topk},hierarchy=node",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("measured beside the backward"))
+    reduce, broadcast = (float(word) for word in line.split() if word.replace(".", "", 1).isdigit() and "." in word)
+    assert reduce >= 0 and broadcast >= 0 and "| compressor=topk" in done.stdout

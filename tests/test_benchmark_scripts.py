@@ -144,4 +144,4 @@ def test_the_overlap_cost_times_each_collective_beside_the_step():
     assert [row[1].strip() for row in rows] == ["reduce", "broadcast", "allreduce"]
     for row in rows:
         step, collective, beside, lost = (float(cell) for cell in row[2:6])
-        assert step > 0 and collective > 0 and lost == pytest.approx(beside - step, abs=1e-3)
+        assert step > 0 and collective > 0 and lost == pytest.approx(beside - step, abs=1.5e-3)

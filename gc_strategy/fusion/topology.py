@@ -100,16 +100,23 @@ def ring_allgather(nbytes: float, ranks: int, link: Link, rounds: int = 1) -> fl
 
 
 def exchange_seconds(
-    topology: Topology, hierarchy: str, sums: bool, dense_bytes: float, payload_bytes: float, rounds: int = 1
+    topology: Topology,
+    hierarchy: str,
+    sums: bool,
+    dense_bytes: float,
+    payload_bytes: float,
+    rounds: int = 1,
+    inside: bool = True,
 ) -> float:
     """Network seconds of one bucket's exchange (see the module docstring): ``payload_bytes`` per rank
     summed (``sums``) or gathered, in ``rounds`` rounds; with ``hierarchy="node"`` the dense bucket of
-    ``dense_bytes`` is reduced and broadcast inside the node around it."""
+    ``dense_bytes`` is reduced and broadcast inside the node around it (left out with ``inside=False``,
+    for a caller that prices them otherwise)."""
     collective = ring_allreduce if sums else ring_allgather
     if hierarchy == "flat":
         link = topology.inter if topology.nodes > 1 else topology.intra
         return collective(payload_bytes, topology.world_size, link, rounds)
     if hierarchy != "node":
         raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: 'flat', 'node'")
-    inside = 2 * ring_allreduce(dense_bytes, topology.ranks_per_node, topology.intra)
-    return inside + collective(payload_bytes, topology.nodes, topology.inter, rounds)
+    node = 2 * ring_allreduce(dense_bytes, topology.ranks_per_node, topology.intra) if inside else 0.0
+    return node + collective(payload_bytes, topology.nodes, topology.inter, rounds)

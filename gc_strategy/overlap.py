@@ -1,0 +1,150 @@
+"""What a collective inside a node takes from the compute beside it, on CPU ranks.
+
+The synchroniser issues each bucket's collective while backward goes on, and the timeline model lets
+it run beside the compute: on GPU nodes NVLink and the NIC move the bytes while the SMs compute. CPU
+ranks under gloo move them with the cores that compute (socket copies, the reduction's additions),
+so the collective delays the backward instead. :func:`measure` times, on each rank of ``nodes`` ×
+``ranks_per_node`` processes on this machine (one thread each, every node's collectives at once, as
+in ``benchmarks/bench.py``'s emulated cluster):
+
+- ``step``: a training step's work (e.g. a forward and backward), alone;
+- the collective, in the node's gloo group, alone;
+- the step with the collective issued just before it, asynchronously, as the synchroniser issues it.
+
+``lost = step beside it − step`` is the compute that the collective took; ``hidden = 1 − lost /
+collective`` the share of it that ran beside the step (1 on an ideal overlap; 0 when the two might
+as well run one after the other). Medians over runs, then over ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: the collectives inside a node: the hierarchy's reduce onto the node's first rank and broadcast
+#: from it, and an allreduce
+COLLECTIVES = ("reduce", "broadcast", "allreduce")
+
+
+@dataclass(frozen=True)
+class Beside:
+    """Seconds of a step alone, a collective alone, and the step with the collective beside it."""
+
+    step_s: float
+    collective_s: float
+    beside_s: float
+
+    @property
+    def lost_s(self) -> float:
+        """The compute that the collective took."""
+        return self.beside_s - self.step_s
+
+    @property
+    def hidden(self) -> float:
+        """The share of the collective that ran beside the step."""
+        return 1 - self.lost_s / self.collective_s
+
+
+def _issue(collective: str, tensor: torch.Tensor, root: int, group: Any) -> Any:
+    if collective == "reduce":
+        return dist.reduce(tensor, root, group=group, async_op=True)
+    if collective == "broadcast":
+        return dist.broadcast(tensor, root, group=group, async_op=True)
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def _times(step: Callable[[], Any], collective: str, tensor: torch.Tensor, root: int, group: Any) -> tuple:
+    """One run on this rank: (step alone, collective alone, step beside the collective)."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    alone = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
+    _issue(collective, tensor, root, group).wait()
+    communication = time.perf_counter() - start
+    dist.barrier()
+    work = _issue(collective, tensor, root, group)
+    start = time.perf_counter()
+    step()
+    beside = time.perf_counter() - start
+    work.wait()
+    return alone, communication, beside
+
+
+def _rank(rank: int, world_size: int, per_node: int, init_file: str, plan: tuple, queue: Any) -> None:
+    step, sizes, collectives, runs = plan
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(world_size // per_node)]
+        group, _ = dist.new_subgroups_by_enumeration(nodes)
+        root = rank - rank % per_node
+        step()  # warm-up
+        medians = {}
+        for nbytes in sizes:
+            tensor = torch.zeros(max(1, nbytes // 4))
+            for collective in collectives:
+                runs_ = [_times(step, collective, tensor, root, group) for _ in range(runs)]
+                medians[collective, nbytes] = [statistics.median(column) for column in zip(*runs_)]
+        dist.destroy_process_group()
+        queue.put((rank, medians, None))
+    except Exception as error:  # noqa: BLE001 - handed to measure(), which raises it with the rank
+        queue.put((rank, None, repr(error)))
+
+
+def measure(
+    nodes: int,
+    ranks_per_node: int,
+    step: Callable[[], Any],
+    sizes: list[int],
+    collectives: tuple[str, ...] = COLLECTIVES,
+    runs: int = 15,
+) -> dict[tuple[str, int], Beside]:
+    """:class:`Beside` of each collective (of :data:`COLLECTIVES`) and size in bytes (fp32), on
+    ``nodes`` × ``ranks_per_node`` forked processes of this machine; ``step`` runs in each (a
+    closure over a model built before the call, which the fork copies)."""
+    if ranks_per_node < 2:
+        raise ValueError(f"ranks per node = {ranks_per_node} is invalid; allowed: an integer >= 2 (a link inside)")
+    unknown = [c for c in collectives if c not in COLLECTIVES]
+    if unknown:
+        raise ValueError(f"collectives = {unknown} are invalid; allowed: {', '.join(COLLECTIVES)}")
+    world_size = nodes * ranks_per_node
+    context = torch.multiprocessing.get_context("fork")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        plan = (step, sizes, collectives, runs)
+        processes = [
+            context.Process(target=_rank, args=(r, world_size, ranks_per_node, init_file, plan, queue))
+            for r in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        per_rank, failed = [], None
+        try:
+            for _ in processes:
+                rank, medians, error = queue.get(timeout=900)
+                if error is not None:
+                    failed = f"rank {rank} failed while measuring: {error}"
+                    break
+                per_rank.append(medians)
+        finally:  # a rank that failed leaves the others waiting in a collective: stop them
+            for process in processes:
+                process.join(60 if failed is None else 0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    if failed is not None:
+        raise RuntimeError(failed)
+    return {
+        key: Beside(*(statistics.median(rank[key][i] for rank in per_rank) for i in range(3))) for key in per_rank[0]
+    }

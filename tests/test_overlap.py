@@ -1,0 +1,38 @@
+"""What a collective inside a node takes from the compute beside it: the measurement and its errors."""
+
+import time
+
+import pytest
+import torch
+
+from gc_strategy import overlap
+
+
+def test_a_collective_takes_from_a_step_that_computes_and_not_from_one_that_sleeps():
+    matrix = torch.randn(384, 384)
+
+    def busy():  # one thread per rank, as the ranks of the netbed
+        for _ in range(40):
+            matrix @ matrix
+
+    size = 32 << 20
+    sleeping = overlap.measure(1, 2, lambda: time.sleep(0.03), [size], ("broadcast",), runs=7)["broadcast", size]
+    computing = overlap.measure(1, 2, busy, [size], ("broadcast",), runs=7)["broadcast", size]
+    assert sleeping.step_s == pytest.approx(0.03, abs=0.02) and sleeping.collective_s > 0
+    assert computing.lost_s > sleeping.lost_s
+    assert computing.hidden == pytest.approx(1 - computing.lost_s / computing.collective_s)
+
+
+def _fails():
+    raise ArithmeticError("no step here")
+
+
+def test_bad_input_and_a_failing_rank_are_errors_not_hangs():
+    with pytest.raises(ValueError, match="ranks per node = 1 is invalid; allowed: an integer >= 2"):
+        overlap.measure(2, 1, _fails, [4])
+    with pytest.raises(ValueError, match=r"collectives = \['gather'\] are invalid; allowed: reduce, broadcast"):
+        overlap.measure(1, 2, _fails, [4], ("gather",))
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="failed while measuring: ArithmeticError\\('no step here'\\)"):
+        overlap.measure(1, 2, _fails, [4])
+    assert time.perf_counter() - start < 60
