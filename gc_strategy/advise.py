@@ -37,15 +37,14 @@ of the buckets, ``1/L`` of them, for the ``N`` nodes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import overlap
@@ -271,52 +270,28 @@ def recommendation(rows: list[dict[str, Any]], margin: float = 1.05) -> str:
     return f"do not compress: no configuration beats the bf16 allreduce by {margin:.2f}x; use {BASELINE}"
 
 
-def _broadcast_times(rank: int, world_size: int, ranks_per_node: int, init_file: str, sizes, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    nodes = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world_size // ranks_per_node)]
-    group, _ = dist.new_subgroups_by_enumeration(nodes)
-    owner = rank - rank % ranks_per_node
-    medians = []
-    for nbytes in sizes:
-        tensor = torch.zeros(nbytes, dtype=torch.uint8)
-        times = []
-        for _ in range(RUNS + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.broadcast(tensor, owner, group=group)
-            dist.barrier(group=group)
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times[1:]))
-    if rank == 0:
-        results.put(medians)
-    dist.destroy_process_group()
-
-
 def measure_intra(nodes: int, ranks_per_node: int) -> Link:
     """The link inside a node, measured on this machine: ``nodes`` × ``ranks_per_node`` processes,
     each node's ranks broadcasting in their gloo group at once (all nodes share this machine, as in
     the emulated cluster of ``benchmarks/bench.py``); latency from 4 bytes, bandwidth from 4 MB and
     32 MB. Run on one node of a real cluster with ``nodes = 1``."""
-    import torch.multiprocessing as mp
-
     sizes = [4, 4 << 20, 32 << 20]
-    context = mp.get_context("fork")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "init")
-        world_size = nodes * ranks_per_node
-        processes = [
-            context.Process(target=_broadcast_times, args=(r, world_size, ranks_per_node, init_file, sizes, results))
-            for r in range(world_size)
-        ]
-        for process in processes:
-            process.start()
-        latency, small, large = results.get(timeout=300)
-        for process in processes:
-            process.join()
+
+    def broadcast_times(group: Any, root: int) -> list[float]:
+        medians = []
+        for nbytes in sizes:
+            tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            times = []
+            for _ in range(RUNS + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.broadcast(tensor, root, group=group)
+                dist.barrier(group=group)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[1:]))
+        return medians
+
+    latency, small, large = overlap.on_node_ranks(nodes, ranks_per_node, broadcast_times)[0]
     return Link((sizes[2] - sizes[1]) / max(large - small, 1e-9), latency)
 
 

@@ -80,24 +80,52 @@ def _times(step: Callable[[], Any], collective: str, tensor: torch.Tensor, root:
     return alone, communication, beside
 
 
-def _rank(rank: int, world_size: int, per_node: int, init_file: str, plan: tuple, queue: Any) -> None:
-    step, sizes, collectives, runs = plan
+def on_node_ranks(nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any]) -> list[Any]:
+    """``work(group, root)`` on each of ``nodes`` × ``ranks_per_node`` forked processes of this
+    machine, one thread each, in one gloo process group, ``group`` being its node's (ranks numbered
+    node by node) and ``root`` the node's first rank; the results in rank order. ``work`` may be a
+    closure over objects built before the call (a model): the fork copies them. The first rank that
+    fails raises here, and the others are stopped instead of left waiting in a collective."""
+    world_size = nodes * ranks_per_node
+    context = torch.multiprocessing.get_context("fork")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        processes = [
+            context.Process(target=_rank, args=(r, world_size, ranks_per_node, init_file, work, queue))
+            for r in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        results, failed = {}, None
+        try:
+            for _ in processes:
+                rank, result, error = queue.get(timeout=900)
+                if error is not None:
+                    failed = f"rank {rank} failed while measuring: {error}"
+                    break
+                results[rank] = result
+        finally:
+            for process in processes:
+                process.join(60 if failed is None else 0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    if failed is not None:
+        raise RuntimeError(failed)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _rank(rank: int, world_size: int, per_node: int, init_file: str, work: Callable, queue: Any) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(world_size // per_node)]
         group, _ = dist.new_subgroups_by_enumeration(nodes)
-        root = rank - rank % per_node
-        step()  # warm-up
-        medians = {}
-        for nbytes in sizes:
-            tensor = torch.zeros(max(1, nbytes // 4))
-            for collective in collectives:
-                runs_ = [_times(step, collective, tensor, root, group) for _ in range(runs)]
-                medians[collective, nbytes] = [statistics.median(column) for column in zip(*runs_)]
+        result = work(group, rank - rank % per_node)
         dist.destroy_process_group()
-        queue.put((rank, medians, None))
-    except Exception as error:  # noqa: BLE001 - handed to measure(), which raises it with the rank
+        queue.put((rank, result, None))
+    except Exception as error:  # noqa: BLE001 - handed to on_node_ranks(), which raises it with the rank
         queue.put((rank, None, repr(error)))
 
 
@@ -110,41 +138,25 @@ def measure(
     runs: int = 15,
 ) -> dict[tuple[str, int], Beside]:
     """:class:`Beside` of each collective (of :data:`COLLECTIVES`) and size in bytes (fp32), on
-    ``nodes`` × ``ranks_per_node`` forked processes of this machine; ``step`` runs in each (a
-    closure over a model built before the call, which the fork copies)."""
+    ``nodes`` × ``ranks_per_node`` forked processes of this machine (:func:`on_node_ranks`); ``step``
+    runs in each."""
     if ranks_per_node < 2:
         raise ValueError(f"ranks per node = {ranks_per_node} is invalid; allowed: an integer >= 2 (a link inside)")
     unknown = [c for c in collectives if c not in COLLECTIVES]
     if unknown:
         raise ValueError(f"collectives = {unknown} are invalid; allowed: {', '.join(COLLECTIVES)}")
-    world_size = nodes * ranks_per_node
-    context = torch.multiprocessing.get_context("fork")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "init")
-        plan = (step, sizes, collectives, runs)
-        processes = [
-            context.Process(target=_rank, args=(r, world_size, ranks_per_node, init_file, plan, queue))
-            for r in range(world_size)
-        ]
-        for process in processes:
-            process.start()
-        per_rank, failed = [], None
-        try:
-            for _ in processes:
-                rank, medians, error = queue.get(timeout=900)
-                if error is not None:
-                    failed = f"rank {rank} failed while measuring: {error}"
-                    break
-                per_rank.append(medians)
-        finally:  # a rank that failed leaves the others waiting in a collective: stop them
-            for process in processes:
-                process.join(60 if failed is None else 0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-    if failed is not None:
-        raise RuntimeError(failed)
+
+    def medians(group: Any, root: int) -> dict[tuple[str, int], list[float]]:
+        step()  # warm-up
+        out = {}
+        for nbytes in sizes:
+            tensor = torch.zeros(max(1, nbytes // 4))
+            for collective in collectives:
+                times = [_times(step, collective, tensor, root, group) for _ in range(runs)]
+                out[collective, nbytes] = [statistics.median(column) for column in zip(*times)]
+        return out
+
+    per_rank = on_node_ranks(nodes, ranks_per_node, medians)
     return {
         key: Beside(*(statistics.median(rank[key][i] for rank in per_rank) for i in range(3))) for key in per_rank[0]
     }
