@@ -461,6 +461,10 @@ def main(argv: list[str] | None = None) -> None:
     for option in ("batch", "size", "nodes", "ranks_per_node", "threads"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} = {getattr(args, option)} is invalid; allowed: an integer >= 1")
+    for option in ("intra_latency_us", "inter_latency_us"):
+        if not getattr(args, option) >= 0:
+            flag = "--" + option.replace("_", "-")
+            parser.error(f"{flag} = {getattr(args, option)} is invalid; allowed: microseconds >= 0")
     if args.compute_s is not None and not args.compute_s > 0:
         parser.error(f"--compute-s = {args.compute_s} is invalid; allowed: seconds > 0")
     try:

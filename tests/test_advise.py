@@ -105,6 +105,7 @@ def _advise(*args):
     [
         (["--nodes", "0", "--configs", "compressor=none"], "--nodes = 0 is invalid"),
         (["--inter", "fast", "--configs", "compressor=none"], "--inter = 'fast' is invalid"),
+        (["--inter-latency-us", "-1", "--configs", "compressor=none"], "--inter-latency-us = -1.0 is invalid"),
         (["--configs", "compressor=zip"], "unknown compressor 'zip'"),
         (["--configs", "compressor=none,hierarchy=ring"], "hierarchy = 'ring' is invalid"),
         (["--configs", "compressor=none,node_precision=bf16"], "node_precision = 'bf16' applies to the reduction"),
