@@ -488,15 +488,15 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("--intra measure needs --ranks-per-node >= 2 (a node of one rank has no link inside)")
     except ValueError as error:
         parser.error(str(error))
-    topology = Topology(args.nodes, args.ranks_per_node, intra or measure_intra(args.nodes, args.ranks_per_node), inter)
-    inside = None
-    if measure and not args.project:
-        inside = measure_inside(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.project:
+    if args.project:  # its clusters are given: nothing of this machine's links to measure
         print(project(args.model, args.configs, [8, 32, 128, 512, 1024], ["25gbit", "100gbit"]))
         return
+    topology = Topology(args.nodes, args.ranks_per_node, intra or measure_intra(args.nodes, args.ranks_per_node), inter)
+    inside = None
+    if measure:
+        inside = measure_inside(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
     order, here = measure_compute(model, make_batch, loss)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())
