@@ -40,7 +40,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -230,9 +230,10 @@ def predict(
         compute.ready,
         tuple(numels),
         Cost.measured(profile.sizes, [r + share * t for r, t in zip(reduce, profile.encode_s)]),
-        Cost.measured(profile.sizes, [n + share * t for n, t in zip(network, profile.between_s)]),
+        Cost.measured(profile.sizes, network),
         Cost.measured(profile.sizes, [b + share * t for b, t in zip(broadcast, profile.decode_s)]),
         compute.other,
+        Cost.measured(profile.sizes, [share * t for t in profile.between_s]),
     )
     return simulate(model, groups) if groups is not None else best_plan(model)[1]
 
@@ -248,12 +249,15 @@ def advise(
     """One row per configuration, the bf16 allreduce first: predicted step time (:func:`predict`),
     speedup over bf16, payload bytes per rank and step; sorted by predicted time after the baseline."""
     numels = [shape.numel() for shape in shapes.values()]
-    rows = []
+    rows, profiles = [], {}
     for spec in [BASELINE, *configs]:
         options = check_config(spec)
         hierarchy = options.get("hierarchy", "flat")
         world = topology.nodes if hierarchy == "node" else topology.world_size
-        measured = profile(options, shapes, world)
+        codec = (world, *sorted((k, str(v)) for k, v in _roles(options).items() if k != "fusion"))
+        if codec not in profiles:  # configurations that differ only in fusion share one profile
+            profiles[codec] = profile(options, shapes, world)
+        measured = replace(profiles[codec], options=options)
         step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale, inside)
         whole = Cost.measured(measured.sizes, measured.payload_bytes)(sum(numels))
         rows.append({"configuration": spec, "predicted step (s)": step, "payload bytes / step": whole})

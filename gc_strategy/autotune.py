@@ -194,10 +194,12 @@ class AutoTuner:
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
         ready, other = values[: len(numels)], values[len(numels)]
-        encode, communicator, decode, fp32, bf16 = (
-            Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(5, -1).tolist()
+        encode, communicator, decode, between, fp32, bf16 = (
+            Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(6, -1).tolist()
         )
-        self._model = CostModel(tuple(ready), tuple(numels), encode, communicator, decode, other=max(other, 0.0))
+        self._model = CostModel(
+            tuple(ready), tuple(numels), encode, communicator, decode, other=max(other, 0.0), between=between
+        )
         self._baselines = {"fp32": fp32, "bf16": bf16}
         nbytes = engine.tensor_nbytes(engine.order)
         self._names = {tuple(engine.tensors_per_bucket): engine.planner.default.describe()}
@@ -362,17 +364,18 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
 def measure_costs(
     engine: Synchronizer, numels: list[int], gradients: dict[str, Tensor]
 ) -> tuple[list[int], torch.Tensor]:
-    """Bucket sizes (elements) and, on this rank, ``[5, sizes]`` median seconds of: encode (with the
-    memory's compensation), communication, decode (with the memory's update) of this synchroniser's
-    roles, and an fp32 and a bf16 allreduce of the same bucket over all ranks (the uncompressed
-    baselines), on samples cut from ``gradients`` (flat local gradients by parameter name; zeros
-    where one is missing).
+    """Bucket sizes (elements) and, on this rank, ``[6, sizes]`` median seconds of: encode (with the
+    memory's compensation), communication, decode (with the memory's update) and the work between
+    rounds (PowerSGD's orthogonalisation) of this synchroniser's roles, and an fp32 and a bf16
+    allreduce of the same bucket over all ranks (the uncompressed baselines), on samples cut from
+    ``gradients`` (flat local gradients by parameter name; zeros where one is missing).
 
     With ``hierarchy="node"`` each sample runs the whole :func:`~gc_strategy.hierarchy.node_exchange`,
     owned by local rank 0 of every node. Its communication is the owner's time from the reduce inside
     the node to the broadcast's end, the owner's coding between them included (the exchange across
     nodes waits for it); its encode and decode are the owner's coding divided by the ranks per node,
-    since each rank codes its share of the buckets. The other ranks report zeros (their wait holds
+    since each rank codes its share of the buckets (the work between rounds is in both, as coding).
+    The other ranks report zeros (their wait holds
     the owner's coding), so the maximum across ranks is the owners'."""
     compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
     compressor.bind(engine.world_size, engine.rank)
@@ -396,14 +399,15 @@ def measure_costs(
         names = engine.order[a:b]
         bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
         samples.append((bucket, gradient[offsets[a] : offsets[b]]))
-    times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, fp32, bf16 comm]
+    times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
             if engine.nodes is None:
-                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)[:3]
+                encode, between, wait, decode, _ = time_exchange(compressor, memory, engine.communicator, flat, bucket)
+                ours = (encode, wait, decode, between)
             else:
-                ours = time_node_exchange(engine, compressor, memory, flat, bucket)
-            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[1] for p in ("fp32", "bf16")]
+                ours = (*time_node_exchange(engine, compressor, memory, flat, bucket), 0.0)
+            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[2] for p in ("fp32", "bf16")]
             if run:
                 timed.append([*ours, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
@@ -441,17 +445,17 @@ def _clock(flat: Tensor) -> Callable[[], float]:
 
 def time_exchange(
     compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
-) -> tuple[float, float, float, int]:
-    """(encode, communication, decode) seconds of one bucket's exchange, all ranks of the
+) -> tuple[float, float, float, float, int]:
+    """(encode, between, communication, decode) seconds of one bucket's exchange, all ranks of the
     communicator's group starting together (``memory`` may be None), and the bytes it sent; the
     exchange runs as the engine runs it (the memory's :meth:`~gc_strategy.algos.base.Memory.exchange`
     driven by a :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
-    compensation, communication every round and the work between rounds, decode the last combine
-    and the memory's update. ``flat`` is left as it was."""
+    compensation, between is the work between rounds, communication every round, decode the last
+    combine and the memory's update. ``flat`` is left as it was."""
     memory = memory if memory is not None else MEMORIES.build("none")
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
     running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
     running.finish()
-    return running.encode_s, running.between_s + running.wait_s, running.decode_s, running.sent_bytes
+    return running.encode_s, running.between_s, running.wait_s, running.decode_s, running.sent_bytes

@@ -68,6 +68,22 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     assert predict(measured, numels, [3], compute, topology, 2.0, on_cpu) == pytest.approx(step)  # flat: no node
 
 
+def test_the_work_between_rounds_is_device_time():
+    """PowerSGD orthogonalises between its rounds on the device that computes: with a free network,
+    two buckets take the backward plus every encode, work between rounds and decode."""
+    encode, between, decode = (0.01, 0.02), (0.005, 0.014), (0.03, 0.04)
+    measured = Profile({"compressor": "x"}, (100, 1000), encode, between, decode, (400, 4000), 2, True)
+    compute = Compute(ready=(0.0, 0.1, 0.2), other=0.05)
+    free = Topology(2, 2, Link(1e15, 0.0), Link(1e15, 0.0))
+    step = predict(measured, [300, 300, 400], [1, 2], compute, free, codec_scale=1.0)
+
+    def at(points, n):  # linear between the sample buckets of 100 and 1000 elements
+        return points[0] + (points[1] - points[0]) * (n - 100) / 900
+
+    device = sum(at(points, n) for points in (encode, between, decode) for n in (300, 700))
+    assert step == pytest.approx(0.05 + 0.2 + device)
+
+
 def test_fusion_auto_is_predicted_with_the_best_plan_of_every_cut():
     """With ``fusion=auto`` the prediction is the synchroniser's search: the least simulated step over
     all 4 ways to cut 3 tensors, enumerated here."""
@@ -82,6 +98,23 @@ def test_fusion_auto_is_predicted_with_the_best_plan_of_every_cut():
     assert max(times) > min(times) * 1.05  # the cut matters here
     assert advise._plan({"compressor": "topk", "fusion": "auto"}, numels) is None
     assert advise._plan({"compressor": "topk", "fusion": "groups:3"}, numels) == [1, 1, 1]
+
+
+def test_configurations_that_differ_only_in_fusion_share_one_profile(monkeypatch):
+    """Fusion does not change the codec: one profile serves every plan, so that ``fusion=auto``,
+    the best plan of the model, is never predicted slower than a fixed plan by measurement noise."""
+    calls = []
+    monkeypatch.setattr(advise, "profile", lambda *args: calls.append(args) or profile(*args))
+    compute = Compute(ready=(0.0, 0.01, 0.02), other=0.01)
+    topology = Topology(2, 2, Link(1e9, 1e-5), Link(1e8, 1e-4))
+    topk = "compressor=topk,memory=residual,density=0.1"
+    configs = [topk, topk + ",fusion=auto", topk + ",fusion=groups:2", topk + ",hierarchy=node"]
+    rows = {
+        row["configuration"]: row["predicted step (s)"]
+        for row in advise.advise(configs, SHAPES, compute, topology, 1.0)
+    }
+    assert len(calls) == 3  # the bf16 baseline, top-k among 4 ranks, top-k among the 2 nodes
+    assert rows[topk + ",fusion=auto"] <= min(rows[topk], rows[topk + ",fusion=groups:2"]) + 1e-12
 
 
 def test_the_recommendation_is_the_fastest_only_where_it_pays():

@@ -50,6 +50,7 @@ def test_search_matches_exhaustive_enumeration(seed, flat):
         random_curve(rng, 0.03, flat),
         random_curve(rng, 0.01, flat),
         other=rng.uniform(0, 0.1),
+        between=random_curve(rng, 0.01, flat) if seed % 2 else FREE,
     )
     exhaustive = min(simulate(model, plan) for plan in all_plans(count))
     groups, predicted = best_plan(model)
@@ -68,6 +69,25 @@ def test_simulation_of_a_two_bucket_plan_by_hand():
     # bucket 2 (30 elements): ready at 2 + 0.4, encode 0.4 -> launch 2.8, communicator starts 5.4 -> ends 9.4
     # end: max(backward 2.8 + decodes 1.0, 9.4 + last decode 0.5) = 9.9, + other 3
     assert simulate(model, [2, 1]) == pytest.approx(12.9)
+
+
+def test_work_between_rounds_occupies_the_device_and_delays_the_next_round():
+    # as above, with 0.2 s of device work between each bucket's rounds
+    slow = CostModel(
+        (0.0, 1.0, 2.0),
+        (10, 20, 30),
+        Cost.linear(0.1, 0.01),
+        Cost.linear(1.0, 0.1),
+        Cost.linear(0.5, 0.0),
+        other=3.0,
+        between=Cost.linear(0.2, 0.0),
+    )
+    # network bound: bucket 1 ends at 1.4 + 4 + 0.2 = 5.6, bucket 2 at 5.6 + 4.2 = 9.8; + last decode 0.5 + other 3
+    assert simulate(slow, [2, 1]) == pytest.approx(13.3)
+    # device bound (a cheap network): backward 2 + encodes 0.8 + between 0.4 + decodes 1.0, + other 3
+    fast = CostModel(slow.ready, slow.numels, slow.encode, Cost.linear(0.01, 0.0), slow.decode, 3.0, slow.between)
+    assert simulate(fast, [2, 1]) == pytest.approx(7.2)
+    assert CostModel.from_dict(fast.to_dict()) == fast
 
 
 def test_free_network_gives_one_bucket():

@@ -8,10 +8,13 @@ A plan cuts the ``N`` gradient tensors (in gradient-ready order) into contiguous
   encodes of the earlier buckets``, ``r_j`` its ready time in a backward without synchronisation, and
   the bucket's encode ``enc(n_b)`` starts then; it launches at ``L_b = r_j + Σ_{b' ≤ b} enc(n_b')``;
 - the network runs one collective at a time: the bucket's communication ``comm(n_b)`` (all its
-  rounds) runs from ``max(L_b, C_{b-1})`` to ``C_b``;
+  rounds) and the device work between its rounds ``btw(n_b)`` (PowerSGD's orthogonalisation: the
+  next round waits for it) run from ``max(L_b, C_{b-1})`` to ``C_b``;
 - decode runs at the end: all decodes follow the end of backward ``B = r_N + Σ_b enc(n_b)``, and the
   last bucket's decode follows its collective (earlier buckets' decodes overlap the collectives
-  still running): ``T = max(B + Σ_b dec(n_b), C_m + dec(n_m))`` for ``m`` buckets.
+  still running). The work between rounds occupies the device too; it is counted in the device's
+  total, not in the launches (it runs when a round returns, mostly after backward):
+  ``T = max(B + Σ_b (btw(n_b) + dec(n_b)), C_m + dec(n_m))`` for ``m`` buckets.
 
 ``enc``, ``dec`` and ``comm`` are :class:`Cost` curves: piecewise linear through measured
 ``(elements, seconds)`` points (a fixed cost shows at small sizes; on a CPU the cost per element grows
@@ -21,13 +24,13 @@ data loading, which no plan changes.
 
 Search (:func:`best_plan`), exact over all ``2^(N-1)`` contiguous plans: a label-setting dynamic
 programme over prefixes. A prefix ending at tensor ``j`` matters to the rest of the plan only
-through three numbers, ``(Σ enc, C, Σ (enc + dec))``: the encodes so far delay every later launch,
-but the decodes enter ``T`` only through the device's total. ``T`` is non-decreasing in each, so of
+through three numbers, ``(Σ enc, C, Σ (enc + btw + dec))``: the encodes so far delay every later
+launch, but the decodes enter ``T`` only through the device's total. ``T`` is non-decreasing in each, so of
 the prefixes ending at ``j`` only the Pareto-minimal labels are kept (a dominated one can never end
 a better plan; with ``Σ dec`` as the third number instead, 3.5x as many labels were kept in the
-example below). Branch and bound prunes a label whose lower bound ``max(r_N + Σ (enc + dec) + R_j,
-C + R'_j)`` exceeds the time of the best plan known (``R_j``: the least ``Σ (enc + dec)``, ``R'_j``
-the least ``Σ comm`` + last decode, of any cut of the remaining tensors: exact small DPs). The best
+example below). Branch and bound prunes a label whose lower bound ``max(r_N + Σ (enc + btw + dec) +
+R_j, C + R'_j)`` exceeds the time of the best plan known (``R_j``: the least ``Σ (enc + btw + dec)``,
+``R'_j`` the least ``Σ (comm + btw)`` + last decode, of any cut of the remaining tensors: exact small DPs). The best
 plan known starts as the best fixed plan and improves as the search goes: every kept prefix, ended
 by one bucket of all the remaining tensors, is a plan.
 On ResNet-101's 314 tensors with an efsignsgd profile measured on the CPU (flat communication
@@ -101,6 +104,7 @@ class CostModel:
     comm: Cost
     decode: Cost
     other: float = 0.0  # the rest of the iteration: forward, optimizer, data
+    between: Cost = Cost.linear(0.0, 0.0)  # device work between a bucket's rounds
 
     def __post_init__(self) -> None:
         if len(self.ready) != len(self.numels) or not self.numels:
@@ -109,8 +113,8 @@ class CostModel:
             )
 
     def scaled(self, compression: float, communication: float) -> CostModel:
-        """The same model with encode and decode times times ``compression`` and communication
-        times times ``communication``."""
+        """The same model with encode, decode and between-round times times ``compression`` and
+        communication times times ``communication``."""
         return CostModel(
             self.ready,
             self.numels,
@@ -118,6 +122,7 @@ class CostModel:
             self.comm.scaled(communication),
             self.decode.scaled(compression),
             self.other,
+            self.between.scaled(compression),
         )
 
     def to_dict(self) -> dict:
@@ -126,7 +131,8 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         costs = {
-            key: Cost(tuple(data[key]["sizes"]), tuple(data[key]["seconds"])) for key in ("encode", "comm", "decode")
+            key: Cost(tuple(data[key]["sizes"]), tuple(data[key]["seconds"]))
+            for key in ("encode", "comm", "decode", "between")
         }
         return cls(tuple(data["ready"]), tuple(data["numels"]), other=data.get("other", 0.0), **costs)
 
@@ -138,12 +144,13 @@ def simulate(model: CostModel, groups: list[int]) -> float:
     ends = np.cumsum(groups)
     cumulative = np.concatenate([[0], np.cumsum(model.numels, dtype=np.float64)])
     sizes = cumulative[ends] - cumulative[ends - np.asarray(groups)]
-    encode, decode = np.asarray(model.encode(sizes)), np.asarray(model.decode(sizes))
+    encode, decode, between = (np.asarray(cost(sizes)) for cost in (model.encode, model.decode, model.between))
     launches = np.asarray(model.ready)[ends - 1] + np.cumsum(encode)
     network = 0.0
-    for launch, comm in zip(launches.tolist(), np.asarray(model.comm(sizes)).tolist()):
+    for launch, comm in zip(launches.tolist(), (np.asarray(model.comm(sizes)) + between).tolist()):
         network = max(network, launch) + comm
-    return float(model.other + max(model.ready[-1] + encode.sum() + decode.sum(), network + decode[-1]))
+    device = model.ready[-1] + encode.sum() + between.sum() + decode.sum()
+    return float(model.other + max(device, network + decode[-1]))
 
 
 def _pareto(labels: np.ndarray, chunk: int = 128) -> np.ndarray:
@@ -175,11 +182,15 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
     elements = np.concatenate([[0.0], np.cumsum(np.asarray(model.numels, dtype=float))])
     sizes = elements[None, 1:] - elements[:-1, None]  # [i, j-1]: elements of tensors i+1..j
     valid = np.triu(np.ones((count, count), dtype=bool))
-    enc, dec, comm = (np.where(valid, cost(sizes), np.inf) for cost in (model.encode, model.decode, model.comm))
-    # least Σ (enc + dec), and least Σ comm + last decode, over the cuts of tensors j+1..N
+    enc, dec, comm, btw = (
+        np.where(valid, cost(sizes), np.inf) for cost in (model.encode, model.decode, model.comm, model.between)
+    )
+    device = enc + btw + dec  # a bucket's work on the device
+    comm = comm + btw  # its next round waits for the work between rounds
+    # least Σ (enc + btw + dec), and least Σ (comm + btw) + last decode, over the cuts of tensors j+1..N
     rest_device, rest_network = np.zeros(count + 1), np.zeros(count + 1)
     for j in range(count - 1, -1, -1):
-        rest_device[j] = np.min(enc[j, j:] + dec[j, j:] + rest_device[j + 1 :])
+        rest_device[j] = np.min(device[j, j:] + rest_device[j + 1 :])
         rest_network[j] = min(
             np.min(comm[j, j:-1] + rest_network[j + 1 : -1], initial=np.inf), comm[j, -1] + dec[j, -1]
         )
@@ -190,7 +201,7 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
         encode = enc[start, stop - 1]  # gathered once per label
         encoded = prefixes[:, 0] + encode
         network = np.maximum(prefixes[:, 1], ready[stop - 1] + encoded) + comm[start, stop - 1]
-        return np.stack([encoded, network, prefixes[:, 2] + encode + dec[start, stop - 1]], 1)
+        return np.stack([encoded, network, prefixes[:, 2] + device[start, stop - 1]], 1)
 
     def finished(prefixes: np.ndarray, start: int | np.ndarray) -> np.ndarray:
         """``T`` (less ``other``) of the plans that end these prefixes with one bucket of the rest."""
@@ -199,7 +210,7 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
 
     best_groups = min(_starting_plans(model.numels), key=lambda g: simulate(model, g))
     bound = simulate(model, best_groups) - model.other
-    # every kept prefix ("label"): where it ends, (Σ enc, C, Σ (enc + dec)), and the label it extends
+    # every kept prefix ("label"): where it ends, (Σ enc, C, Σ (enc + btw + dec)), and the label it extends
     ends, labels, parents = np.zeros(1, dtype=np.int64), np.array([[0.0, -np.inf, 0.0]]), np.full(1, -1)
     for j in range(1, count):
         new = extended(labels, ends, j)
