@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any
 
 import torch
@@ -80,12 +81,15 @@ def _times(step: Callable[[], Any], collective: str, tensor: torch.Tensor, root:
     return alone, communication, beside
 
 
-def on_node_ranks(nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any]) -> list[Any]:
+def on_node_ranks(
+    nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any], timeout_s: float = 900.0
+) -> list[Any]:
     """``work(group, root)`` on each of ``nodes`` × ``ranks_per_node`` forked processes of this
     machine, one thread each, in one gloo process group, ``group`` being its node's (ranks numbered
     node by node) and ``root`` the node's first rank; the results in rank order. ``work`` may be a
     closure over objects built before the call (a model): the fork copies them. The first rank that
-    fails raises here, and the others are stopped instead of left waiting in a collective."""
+    fails raises here, as does a wait of ``timeout_s`` with no rank reporting (a collective that
+    never completes); the other ranks are stopped instead of left waiting in a collective."""
     world_size = nodes * ranks_per_node
     context = torch.multiprocessing.get_context("fork")
     queue = context.Queue()
@@ -100,7 +104,12 @@ def on_node_ranks(nodes: int, ranks_per_node: int, work: Callable[[Any, int], An
         results, failed = {}, None
         try:
             for _ in processes:
-                rank, result, error = queue.get(timeout=900)
+                try:
+                    rank, result, error = queue.get(timeout=timeout_s)
+                except Empty:
+                    waiting = sorted(set(range(world_size)) - set(results))
+                    failed = f"ranks {waiting} reported nothing within {timeout_s:g} s while measuring"
+                    break
                 if error is not None:
                     failed = f"rank {rank} failed while measuring: {error}"
                     break

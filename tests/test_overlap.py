@@ -36,3 +36,16 @@ def test_bad_input_and_a_failing_rank_are_errors_not_hangs():
     with pytest.raises(RuntimeError, match="failed while measuring: ArithmeticError\\('no step here'\\)"):
         overlap.measure(1, 2, _fails, [4])
     assert time.perf_counter() - start < 60
+
+
+def _rank_one_hangs(group, root):
+    if torch.distributed.get_rank() == 1:
+        time.sleep(120)
+    return "done"
+
+
+def test_a_rank_that_never_reports_is_an_error_naming_it():
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] reported nothing within 5 s while measuring"):
+        overlap.on_node_ranks(1, 2, _rank_one_hangs, timeout_s=5)
+    assert time.perf_counter() - start < 60
