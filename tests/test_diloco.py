@@ -3,6 +3,7 @@ DDP as the limit H=1, identical replicas for every compressor, streaming fragmen
 refused options."""
 
 import copy
+import inspect
 
 import lightning.pytorch as pl
 import pytest
@@ -14,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ParityModule, SmallCNN, fit, flat_params
 
 from gc_strategy import COMPRESSORS, GCFusedStrategy, build_components
-from gc_strategy.diloco import DiLoCo, nesterov_sgd
+from gc_strategy.diloco import DILOCO_DEFAULTS, DiLoCo, nesterov_sgd
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=0)}
 REFUSED = {"acpsgd": "alternates its payloads", "signum": "applies momentum"}
@@ -298,6 +299,18 @@ def test_switching_roles_is_refused_under_diloco():
 def test_bad_diloco_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         GCFusedStrategy(**options)
+
+
+def test_diloco_defaults_are_the_same_wherever_an_option_is_spelled_out():
+    """The strategy and :class:`DiLoCo` spell DiLoCo's options out in their signatures (for users'
+    help and editors); their defaults must be :data:`DILOCO_DEFAULTS`, which the Accelerate
+    integration applies."""
+    strategy = inspect.signature(GCFusedStrategy.__init__).parameters
+    assert {key: strategy[key].default for key in DILOCO_DEFAULTS} == DILOCO_DEFAULTS
+    diloco = inspect.signature(DiLoCo.__init__).parameters
+    kept = [key for key in DILOCO_DEFAULTS if key in diloco and key != "inner_steps"]  # DiLoCo needs it
+    assert kept == ["outer_optimizer", "fragments", "overlap_steps", "mixing", "vectors", "offload"]
+    assert {key: diloco[key].default for key in kept} == {key: DILOCO_DEFAULTS[key] for key in kept}
 
 
 def _hierarchical(rank, world_size):
