@@ -375,8 +375,8 @@ def measure_costs(
     the node to the broadcast's end, the owner's coding between them included (the exchange across
     nodes waits for it); its encode and decode are the owner's coding divided by the ranks per node,
     since each rank codes its share of the buckets (the work between rounds is in both, as coding).
-    The other ranks report zeros (their wait holds
-    the owner's coding), so the maximum across ranks is the owners'."""
+    The other ranks report zeros (their wait holds the owner's coding), so the maximum across ranks
+    is the owners'."""
     compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
     compressor.bind(engine.world_size, engine.rank)
     compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up

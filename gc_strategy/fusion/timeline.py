@@ -25,14 +25,14 @@ data loading, which no plan changes.
 Search (:func:`best_plan`), exact over all ``2^(N-1)`` contiguous plans: a label-setting dynamic
 programme over prefixes. A prefix ending at tensor ``j`` matters to the rest of the plan only
 through three numbers, ``(Σ enc, C, Σ (enc + btw + dec))``: the encodes so far delay every later
-launch, but the decodes enter ``T`` only through the device's total. ``T`` is non-decreasing in each, so of
-the prefixes ending at ``j`` only the Pareto-minimal labels are kept (a dominated one can never end
-a better plan; with ``Σ dec`` as the third number instead, 3.5x as many labels were kept in the
-example below). Branch and bound prunes a label whose lower bound ``max(r_N + Σ (enc + btw + dec) +
-R_j, C + R'_j)`` exceeds the time of the best plan known (``R_j``: the least ``Σ (enc + btw + dec)``,
-``R'_j`` the least ``Σ (comm + btw)`` + last decode, of any cut of the remaining tensors: exact small DPs). The best
-plan known starts as the best fixed plan and improves as the search goes: every kept prefix, ended
-by one bucket of all the remaining tensors, is a plan.
+launch, but the decodes enter ``T`` only through the device's total. ``T`` is non-decreasing in
+each, so of the prefixes ending at ``j`` only the Pareto-minimal labels are kept (a dominated one
+can never end a better plan; with ``Σ dec`` as the third number instead, 3.5x as many labels were
+kept in the example below). Branch and bound prunes a label whose lower bound ``max(r_N + Σ (enc +
+btw + dec) + R_j, C + R'_j)`` exceeds the time of the best plan known (``R_j``: the least ``Σ (enc
++ btw + dec)``, ``R'_j`` the least ``Σ (comm + btw)`` + last decode, of any cut of the remaining
+tensors: exact small DPs). The best plan known starts as the best fixed plan and improves as the
+search goes: every kept prefix, ended by one bucket of all the remaining tensors, is a plan.
 On ResNet-101's 314 tensors with an efsignsgd profile measured on the CPU (flat communication
 costs, so many plans are within microseconds of each other) the search took 7.6 s without these
 two refinements, 2.0 s with the first and 0.2 s with both.
