@@ -54,7 +54,7 @@ from .communicators import Communicator, Exchange, Payload, Round, RunningExchan
 from .components import build_components, parse_options
 from .fusion.plans import AutoPlan
 from .fusion.timeline import Cost, CostModel, best_plan, simulate
-from .fusion.topology import Link, Topology, exchange_seconds, parse_rate
+from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
 from .hierarchy import check_hierarchy
 
 #: timed runs of each sample bucket after one warm-up run; the median is kept
@@ -247,7 +247,10 @@ def advise(
     inside: InsideNode | None = None,
 ) -> list[dict[str, Any]]:
     """One row per configuration, the bf16 allreduce first: predicted step time (:func:`predict`),
-    speedup over bf16, payload bytes per rank and step; sorted by predicted time after the baseline."""
+    speedup over bf16, payload bytes per rank and step (with ``hierarchy="node"``, the mean of a
+    node's ranks, which each send the buckets they own) and bytes across nodes per step, summed over
+    the nodes (:func:`~gc_strategy.fusion.topology.bytes_across_nodes`); sorted by predicted time
+    after the baseline."""
     numels = [shape.numel() for shape in shapes.values()]
     rows, profiles = [], {}
     for spec in [BASELINE, *configs]:
@@ -260,7 +263,15 @@ def advise(
         measured = replace(profiles[codec], options=options)
         step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale, inside)
         whole = Cost.measured(measured.sizes, measured.payload_bytes)(sum(numels))
-        rows.append({"configuration": spec, "predicted step (s)": step, "payload bytes / step": whole})
+        owners = topology.ranks_per_node if hierarchy == "node" else 1
+        rows.append(
+            {
+                "configuration": spec,
+                "predicted step (s)": step,
+                "payload bytes / rank / step": whole / owners,
+                "bytes across nodes / step": bytes_across_nodes(topology, hierarchy, measured.sums, whole),
+            }
+        )
     for row in rows:
         row["speedup vs bf16 allreduce"] = rows[0]["predicted step (s)"] / row["predicted step (s)"]
     return [rows[0], *sorted(rows[1:], key=lambda row: row["predicted step (s)"])]
@@ -427,10 +438,12 @@ def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callab
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    columns = ["configuration", "predicted step (s)", "speedup vs bf16 allreduce", "payload bytes / step"]
+    columns = ["configuration", "predicted step (s)", "speedup vs bf16 allreduce"]
+    columns += ["payload bytes / rank / step", "bytes across nodes / step"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [row["configuration"], f"{row[columns[1]]:.3f}", f"{row[columns[2]]:.2f}", f"{row[columns[3]]:,.0f}"]
+        cells = [row["configuration"], f"{row[columns[1]]:.3f}", f"{row[columns[2]]:.2f}"]
+        cells += [f"{row[column]:,.0f}" for column in columns[3:]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -117,6 +117,25 @@ def test_configurations_that_differ_only_in_fusion_share_one_profile(monkeypatch
     assert rows[topk + ",fusion=auto"] <= min(rows[topk], rows[topk + ",fusion=groups:2"]) + 1e-12
 
 
+def test_rows_give_each_ranks_payload_and_the_bytes_across_nodes():
+    """fp32 without compression sends 4 bytes per element: flat, every rank the whole model, and a
+    ring of 4 ranks over 2 nodes crosses both boundaries with 2 (4 - 1) / 4 of it; with the hierarchy
+    each of a node's 2 ranks sends half, and the 2 owners of a bucket exchange it whole."""
+    compute = Compute(ready=(0.0, 0.01, 0.02), other=0.01)
+    topology = Topology(2, 2, Link(1e9, 1e-5), Link(1e8, 1e-4))
+    rows = {
+        row["configuration"]: row
+        for row in advise.advise(["compressor=none", "compressor=none,hierarchy=node"], SHAPES, compute, topology, 1.0)
+    }
+    flat, node = rows["compressor=none"], rows["compressor=none,hierarchy=node"]
+    assert flat["payload bytes / rank / step"] == pytest.approx(4 * ELEMENTS)
+    assert flat["bytes across nodes / step"] == pytest.approx(2 * 1.5 * 4 * ELEMENTS)
+    assert node["payload bytes / rank / step"] == pytest.approx(2 * ELEMENTS)
+    assert node["bytes across nodes / step"] == pytest.approx(2 * 4 * ELEMENTS)
+    assert rows["compressor=bf16"]["bytes across nodes / step"] == pytest.approx(2 * 1.5 * 2 * ELEMENTS)
+    assert "| bytes across nodes / step |" in advise.table(list(rows.values())).splitlines()[0]
+
+
 def test_the_recommendation_is_the_fastest_only_where_it_pays():
     rows = [
         {"configuration": "compressor=bf16", "predicted step (s)": 1.0, "speedup vs bf16 allreduce": 1.0},

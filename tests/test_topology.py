@@ -2,7 +2,15 @@
 
 import pytest
 
-from gc_strategy.fusion.topology import Link, Topology, exchange_seconds, parse_rate, ring_allgather, ring_allreduce
+from gc_strategy.fusion.topology import (
+    Link,
+    Topology,
+    bytes_across_nodes,
+    exchange_seconds,
+    parse_rate,
+    ring_allgather,
+    ring_allreduce,
+)
 
 
 def test_rates_read_as_tc_writes_them_and_in_bytes():
@@ -46,3 +54,29 @@ def test_a_flat_exchange_over_nodes_runs_at_the_link_between_them_and_the_hierar
         exchange_seconds(cluster, "ring", True, dense, payload)
     with pytest.raises(ValueError, match="nodes >= 1"):
         Topology(0, 2, fast, slow)
+
+
+def _ring_bytes_across(members: list[int], ranks_per_node: int, sums: bool, payload: float) -> float:
+    """A ring over ``members`` (global ranks, node ``r // ranks_per_node``) run step by step: what its
+    edges that join two nodes carry."""
+    size = len(members)
+    steps, chunk = (2 * (size - 1), payload / size) if sums else (size - 1, payload)
+    edges = zip(members, members[1:] + members[:1])
+    crossing = sum(a // ranks_per_node != b // ranks_per_node for a, b in edges)
+    return crossing * steps * chunk
+
+
+@pytest.mark.parametrize("nodes, per_node", [(1, 4), (2, 1), (2, 2), (2, 4), (4, 2), (3, 3)])
+@pytest.mark.parametrize("sums", [True, False])
+def test_bytes_across_nodes_are_what_the_rings_edges_between_nodes_carry(nodes, per_node, sums):
+    cluster = Topology(nodes, per_node, Link(1e10, 0.0), Link(1e8, 0.0))
+    payload = 6e6
+    flat_ring = list(range(nodes * per_node))  # ranks numbered node by node
+    expected = _ring_bytes_across(flat_ring, per_node, sums, payload)
+    assert bytes_across_nodes(cluster, "flat", sums, payload) == pytest.approx(expected)
+    # the hierarchy: each local rank's ring over the nodes, carrying the buckets it owns (1/L of them)
+    owners = [[node * per_node + local for node in range(nodes)] for local in range(per_node)]
+    expected = sum(_ring_bytes_across(ring, per_node, sums, payload / per_node) for ring in owners)
+    assert bytes_across_nodes(cluster, "node", sums, payload / per_node) * per_node == pytest.approx(expected)
+    with pytest.raises(ValueError, match="hierarchy = 'tree' is invalid"):
+        bytes_across_nodes(cluster, "tree", sums, payload)

@@ -22,6 +22,13 @@ bandwidth each, so that together they take the time the shared link needs for al
 and across run on different links, but one bucket's three steps run one after another.
 
 A multi-round exchange (PowerSGD's P and Q) pays the latency of every round.
+
+Bytes across nodes follow from the same rings. Every edge of a ring carries what one of its ranks
+sends: ``2 (R − 1) / R · n`` for an allreduce over ``R`` ranks, ``(R − 1) n`` for an allgather. A
+flat ring crosses each of the ``N`` node boundaries once in each direction; with the hierarchy, a
+bucket's ``N`` owners form a ring whose every edge crosses. Either way ``N`` edges cross, and the
+bytes that leave the nodes are ``N`` times one rank's share (``R = W`` flat, ``R = N`` over the
+hierarchy, whose owners send only the buckets they own).
 """
 
 from __future__ import annotations
@@ -97,6 +104,17 @@ def ring_allreduce(nbytes: float, ranks: int, link: Link, rounds: int = 1) -> fl
 def ring_allgather(nbytes: float, ranks: int, link: Link, rounds: int = 1) -> float:
     """Seconds of a ring allgather of ``nbytes`` per rank over ``ranks`` ranks."""
     return (ranks - 1) * (rounds * link.latency + nbytes / link.bandwidth) if ranks > 1 else 0.0
+
+
+def bytes_across_nodes(topology: Topology, hierarchy: str, sums: bool, payload_bytes: float) -> float:
+    """Bytes that leave the nodes, summed over them, in one exchange of ``payload_bytes`` per rank
+    (with ``hierarchy="node"``: the bucket's owner's payload), summed (``sums``) or gathered."""
+    if hierarchy not in ("flat", "node"):
+        raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: 'flat', 'node'")
+    ranks = topology.world_size if hierarchy == "flat" else topology.nodes
+    if topology.nodes == 1:
+        return 0.0
+    return topology.nodes * (2 * (ranks - 1) / ranks if sums else ranks - 1) * payload_bytes
 
 
 def exchange_seconds(
