@@ -44,7 +44,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import overlap
@@ -180,24 +179,32 @@ def measure_compute(
 
 @dataclass(frozen=True)
 class InsideNode:
-    """What the node's reduce and broadcast of a bucket take from the compute on CPU ranks, in
-    seconds as a function of the dense bucket's bytes (:mod:`gc_strategy.overlap`): the reduce before
-    the bucket's exchange across nodes, the broadcast after it."""
+    """A node of CPU ranks, measured (:mod:`gc_strategy.overlap`): its ``link``, from broadcasts
+    alone, and what the node's reduce and broadcast of a bucket take from the compute beside them, in
+    seconds as a function of the dense bucket's bytes: the reduce before the bucket's exchange across
+    nodes, the broadcast after it."""
 
+    link: Link
     reduce: Cost
     broadcast: Cost
 
 
 def measure_inside(nodes: int, ranks_per_node: int, step: Callable[[], Any], runs: int = 10) -> InsideNode:
     """:class:`InsideNode` measured here beside ``step`` (the model's forward and backward), all
-    nodes' collectives at once, at 4 and 32 MB; a collective of no bytes takes nothing."""
+    nodes' collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
+    machine), at 4 and 32 MB; a collective of no bytes takes nothing. The link's bandwidth is the
+    slope of a broadcast's time alone between the two sizes, its latency the intercept. On one node
+    of a real cluster run with ``nodes = 1``."""
     sizes = [4 << 20, 32 << 20]
     beside = overlap.measure(nodes, ranks_per_node, step, sizes, ("reduce", "broadcast"), runs)
 
     def lost(collective: str) -> Cost:
         return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
 
-    return InsideNode(lost("reduce"), lost("broadcast"))
+    small, large = (beside["broadcast", n].collective_s for n in sizes)
+    bandwidth = (sizes[1] - sizes[0]) / max(large - small, 1e-9)
+    link = Link(bandwidth, max(0.0, small - sizes[0] / bandwidth))
+    return InsideNode(link, lost("reduce"), lost("broadcast"))
 
 
 def predict(
@@ -283,31 +290,6 @@ def recommendation(rows: list[dict[str, Any]], margin: float = 1.05) -> str:
     if best["speedup vs bf16 allreduce"] >= margin:
         return f"compress: {best['configuration']} ({best['speedup vs bf16 allreduce']:.2f}x the bf16 allreduce)"
     return f"do not compress: no configuration beats the bf16 allreduce by {margin:.2f}x; use {BASELINE}"
-
-
-def measure_intra(nodes: int, ranks_per_node: int) -> Link:
-    """The link inside a node, measured on this machine: ``nodes`` × ``ranks_per_node`` processes,
-    each node's ranks broadcasting in their gloo group at once (all nodes share this machine, as in
-    the emulated cluster of ``benchmarks/bench.py``); latency from 4 bytes, bandwidth from 4 MB and
-    32 MB. Run on one node of a real cluster with ``nodes = 1``."""
-    sizes = [4, 4 << 20, 32 << 20]
-
-    def broadcast_times(group: Any, root: int) -> list[float]:
-        medians = []
-        for nbytes in sizes:
-            tensor = torch.zeros(nbytes, dtype=torch.uint8)
-            times = []
-            for _ in range(RUNS + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.broadcast(tensor, root, group=group)
-                dist.barrier(group=group)
-                times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times[1:]))
-        return medians
-
-    latency, small, large = overlap.on_node_ranks(nodes, ranks_per_node, broadcast_times)[0]
-    return Link((sizes[2] - sizes[1]) / max(large - small, 1e-9), latency)
 
 
 #: GPU assumptions of the projection (:func:`project`): encode + decode seconds per element of one
@@ -510,10 +492,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.project:  # its clusters are given: nothing of this machine's links to measure
         print(project(args.model, args.configs, [8, 32, 128, 512, 1024], ["25gbit", "100gbit"]))
         return
-    topology = Topology(args.nodes, args.ranks_per_node, intra or measure_intra(args.nodes, args.ranks_per_node), inter)
     inside = None
     if measure:
         inside = measure_inside(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
+    topology = Topology(args.nodes, args.ranks_per_node, inside.link if inside else intra, inter)
     order, here = measure_compute(model, make_batch, loss)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())

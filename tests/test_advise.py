@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gc_strategy import advise
+from gc_strategy import advise, overlap
 from gc_strategy.advise import Compute, InsideNode, Profile, Replicas, predict, profile, recommendation
 from gc_strategy.communicators import RunningExchange
 from gc_strategy.fusion.timeline import Cost
@@ -62,7 +62,7 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     assert bf16_step == pytest.approx(node_step - inside / 2)
     # CPU ranks: the node's reduce (10 µs per byte) is compute before the launch, its broadcast (2 µs
     # per byte) compute with the decode; neither is on the link any more
-    on_cpu = InsideNode(reduce=Cost.linear(0.0, 1e-5), broadcast=Cost.linear(0.0, 2e-6))
+    on_cpu = InsideNode(Link(1e9, 0.0), reduce=Cost.linear(0.0, 1e-5), broadcast=Cost.linear(0.0, 2e-6))
     cpu_step = predict(replace(measured, options={"hierarchy": "node"}), numels, [3], compute, topology, 2.0, on_cpu)
     assert cpu_step == pytest.approx(0.05 + 0.2 + 0.02 + 1e-5 * 4000 + across + 0.005 + 0.04 + 2e-6 * 4000)
     assert predict(measured, numels, [3], compute, topology, 2.0, on_cpu) == pytest.approx(step)  # flat: no node
@@ -195,3 +195,29 @@ def test_measuring_inside_the_node_prices_the_hierarchy_with_the_compute_it_take
     line = next(line for line in done.stdout.splitlines() if line.startswith("measured beside the backward"))
     reduce, broadcast = (float(word) for word in line.split() if word.replace(".", "", 1).isdigit() and "." in word)
     assert reduce >= 0 and broadcast >= 0 and "| compressor=topk" in done.stdout
+    inside = _between(done.stdout.splitlines()[0], "inside a node ", " Gbit/s")
+    assert float(inside) > 0  # the link measured from the same broadcasts
+
+
+def _between(line: str, start: str, end: str) -> str:
+    return line.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_the_link_inside_a_node_is_the_slope_and_intercept_of_its_broadcasts(monkeypatch):
+    """Broadcasts alone of 4 and 32 MB taking 1 ms + n / (2 GB/s): a link of 2 GB/s and 1 ms; what the
+    reduce and broadcast take from the step beside them is kept as a curve through zero."""
+    sizes = [4 << 20, 32 << 20]
+
+    def measured(nodes, ranks_per_node, step, asked, collectives, runs):
+        assert asked == sizes and collectives == ("reduce", "broadcast")
+        return {
+            (collective, n): overlap.Beside(0.1, 1e-3 + n / 2e9, 0.1 + lost * n / sizes[1])
+            for collective, lost in (("reduce", 0.04), ("broadcast", 0.01))
+            for n in sizes
+        }
+
+    monkeypatch.setattr(overlap, "measure", measured)
+    inside = advise.measure_inside(2, 2, lambda: None)
+    assert inside.link.bandwidth == pytest.approx(2e9) and inside.link.latency == pytest.approx(1e-3)
+    assert inside.reduce(sizes[1]) == pytest.approx(0.04) and inside.broadcast(sizes[1] / 2) == pytest.approx(0.005)
+    assert inside.reduce(0) == 0.0
