@@ -90,7 +90,7 @@ class Topology:
 
     def describe(self) -> str:
         def rate(link: Link) -> str:
-            return f"{link.bandwidth * 8 / 1e9:g} Gbit/s, {link.latency * 1e6:g} µs"
+            return f"{link.bandwidth * 8 / 1e9:.4g} Gbit/s, {link.latency * 1e6:.4g} µs"
 
         ranks = f"{self.nodes} node(s) x {self.ranks_per_node} rank(s)"
         return f"{ranks}; inside a node {rate(self.intra)}; between nodes {rate(self.inter)}"
