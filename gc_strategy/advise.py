@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from . import overlap
+from .advise_plots import check_can_plot, plot_predictions, plot_projection
 from .autotune import sample_ranges
 from .bucket import Bucket
 from .communicators import Communicator, Exchange, Payload, Round, RunningExchange
@@ -317,7 +318,34 @@ PROJECTION = {  # model: (batch, size, training FLOPs per sample)
 }
 
 
-def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[str], per_node: int = 8) -> str:
+@dataclass(frozen=True)
+class Projection:
+    """Predicted step seconds of the bf16 allreduce and of each configuration, per inter-node rate and
+    GPU count: ``seconds[rate, gpus][spec]``."""
+
+    title: str
+    configs: list[str]
+    seconds: dict[tuple[str, int], dict[str, float]]
+
+    def speedup(self, rate: str, gpus: int, spec: str) -> float:
+        times = self.seconds[rate, gpus]
+        return times[BASELINE] / times[spec]
+
+    def table(self) -> str:
+        lines = [
+            self.title,
+            "",
+            "| inter-node link | GPUs | bf16 allreduce (s) | " + " | ".join(self.configs) + " |",
+            "|" + "---|" * (3 + len(self.configs)),
+        ]
+        for rate, gpus in self.seconds:
+            cells = [f"{self.speedup(rate, gpus, spec):.2f}" for spec in self.configs]
+            base = self.seconds[rate, gpus][BASELINE]
+            lines.append(f"| {rate} | {gpus} | {base:.3f} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[str], per_node: int = 8) -> Projection:
     """A projection, not a measurement: predicted step times on ``gpus`` H100s, ``per_node`` per node
     (NVLink inside, 2.4 Tbit/s; each node's link ``inter_rates``), from payloads measured here and the
     GPU assumptions above. A gathered payload's decode grows with the ranks: ``(W − 1)`` payload
@@ -329,15 +357,13 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
     parameters = dict(model.named_parameters())
     shapes = {n: parameters[n].shape for n in order}
     numels = [shape.numel() for shape in shapes.values()]
-    lines = [
+    title = (
         f"PROJECTION (model, not measurement): {name}, batch {batch} per GPU, {per_node} H100 per node, "
-        f"compute {compute.step_s * 1e3:.0f} ms per step (assumed); speedup of each over a flat bf16 allreduce",
-        "",
-        "| inter-node link | GPUs | bf16 allreduce (s) | " + " | ".join(configs) + " |",
-        "|" + "---|" * (3 + len(configs)),
-    ]
+        f"compute {compute.step_s * 1e3:.0f} ms per step (assumed); speedup of each over a flat bf16 allreduce"
+    )
     measured = {spec: profile(parse_options(spec), shapes, 2) for spec in [BASELINE, *configs]}
     plans = {spec: _plan(profiled.options, numels) for spec, profiled in measured.items()}
+    seconds = {}
     for rate in inter_rates:
         for count in gpus:
             nodes = max(1, count // per_node)
@@ -364,10 +390,8 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
                     profiled.sums,
                 )
                 times[spec] = predict(gpu, numels, plans[spec], compute, topology, 1.0)
-            base = times[BASELINE]
-            cells = [f"{base / times[spec]:.2f}" for spec in configs]
-            lines.append(f"| {rate} | {count} | {base:.3f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            seconds[rate, count] = times
+    return Projection(title, list(configs), seconds)
 
 
 def check_config(spec: str) -> dict[str, Any]:
@@ -456,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="print a projection for 8-1024 H100s (8 per node, 25 and 100 Gbit/s) of --model resnet50 or bert-base",
     )
+    parser.add_argument("--plot", help="also draw the answer into this PNG file (needs matplotlib)")
     args = parser.parse_args(argv)
     for option in ("batch", "size", "nodes", "ranks_per_node", "threads"):
         if getattr(args, option) < 1:
@@ -485,12 +510,18 @@ def main(argv: list[str] | None = None) -> None:
                     )
         if measure and args.ranks_per_node < 2:
             raise ValueError("--intra measure needs --ranks-per-node >= 2 (a node of one rank has no link inside)")
+        if args.plot:
+            check_can_plot(args.plot)
     except ValueError as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.project:  # its clusters are given: nothing of this machine's links to measure
-        print(project(args.model, args.configs, [8, 32, 128, 512, 1024], ["25gbit", "100gbit"]))
+        projection = project(args.model, args.configs, [8, 32, 128, 512, 1024], ["25gbit", "100gbit"])
+        print(projection.table())
+        if args.plot:
+            plot_projection(projection, args.plot)
+            print(f"plot: {args.plot}")
         return
     inside = None
     if measure:
@@ -501,7 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     parameters = dict(model.named_parameters())
     shapes = {name: parameters[name].shape for name in order}
     rows = advise(args.configs, shapes, compute, topology, compute.step_s / here.step_s, inside)
-    print(f"{args.model}, batch {args.batch}, size {args.size}; {topology.describe()}")
+    setting = f"{args.model}, batch {args.batch}, size {args.size}; {topology.describe()}"
+    print(setting)
     if inside is not None:
         mb = 32 << 20
         print(
@@ -511,6 +543,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"compute per step {compute.step_s:.3f} s ({'given' if args.compute_s else 'measured here'}); predicted:")
     print(table(rows))
     print(recommendation(rows))
+    if args.plot:
+        plot_predictions(rows, args.plot, f"predicted (model): {setting}; compute {compute.step_s:.3f} s per step")
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

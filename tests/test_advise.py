@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gc_strategy import advise, overlap
+from gc_strategy import advise, advise_plots, overlap
 from gc_strategy.advise import Compute, InsideNode, Profile, Replicas, predict, profile, recommendation
 from gc_strategy.communicators import RunningExchange
 from gc_strategy.fusion.timeline import Cost
@@ -164,6 +164,7 @@ def _advise(*args):
         (["--project", "--configs", "compressor=none"], "--project: --model = 'resnet18' is invalid"),
         (["--model", "resnet50", "--project", "--configs", "compressor=sidco"], "compressor = 'sidco' has no GPU"),
         (["--intra", "measure", "--ranks-per-node", "1", "--configs", "compressor=none"], "--ranks-per-node >= 2"),
+        (["--plot", "/no/such/dir/a.png", "--configs", "compressor=none"], "allowed: a file in a folder that exists"),
     ],
 )
 def test_bad_input_is_refused_before_any_measurement(args, message, capsys, monkeypatch):
@@ -173,16 +174,39 @@ def test_bad_input_is_refused_before_any_measurement(args, message, capsys, monk
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_command_line_prints_the_table_and_a_recommendation():
+def test_the_command_line_prints_the_table_and_a_recommendation_and_plots_them(tmp_path):
     topk = "compressor=topk,memory=residual,density=0.01"
+    plot = tmp_path / "advice.png"
     done = _advise(
         "--batch", "2", "--size", "16", "--nodes", "2", "--ranks-per-node", "2", "--inter", "100mbit",
-        "--configs", topk, f"{topk},hierarchy=node",
+        "--configs", topk, f"{topk},hierarchy=node", "--plot", str(plot),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "2 node(s) x 2 rank(s)" in lines[0] and "| compressor=bf16 |" in done.stdout
-    assert lines[-1].startswith("compress: compressor=topk")  # at 100 Mbit/s a 1% payload must win
+    assert lines[-2].startswith("compress: compressor=topk")  # at 100 Mbit/s a 1% payload must win
+    assert lines[-1] == f"plot: {plot}" and plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_projection_grows_the_cluster_and_plots_the_speedups(monkeypatch, tmp_path):
+    """ResNet-18 stands in for the projection's models (their shapes take longer to profile): fp16
+    sends the bf16 allreduce's bytes at the same GPU cost, so it is the baseline's speed everywhere;
+    flat top-k's gathered payload grows with the ranks while the allreduce's stays flat, so its
+    speedup falls as the cluster grows."""
+    monkeypatch.setitem(advise.PROJECTION, "resnet18", (64, 224, 3 * 1.8e9))
+    topk = "compressor=topk,memory=residual,density=0.01"
+    configs = ["compressor=fp16", topk, f"{topk},hierarchy=node"]
+    projection = advise.project("resnet18", configs, [8, 64, 1024], ["25gbit"])
+    assert list(projection.seconds) == [("25gbit", 8), ("25gbit", 64), ("25gbit", 1024)]
+    for count in (8, 64, 1024):
+        assert projection.speedup("25gbit", count, "compressor=fp16") == pytest.approx(1.0)
+    assert projection.speedup("25gbit", 1024, topk) < projection.speedup("25gbit", 64, topk) / 2
+    table = projection.table().splitlines()
+    assert table[0].startswith("PROJECTION (model, not measurement): resnet18")
+    assert len(table) == 4 + 3 and table[-1].startswith("| 25gbit | 1024 |")
+    plot = tmp_path / "projection.png"
+    advise_plots.plot_projection(projection, str(plot))
+    assert plot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_measuring_inside_the_node_prices_the_hierarchy_with_the_compute_it_takes():
