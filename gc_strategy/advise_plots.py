@@ -1,6 +1,6 @@
 """Plots of the advisor's answers (``python -m gc_strategy.advise --plot FILE``): the predicted step
 of each configuration against the bf16 allreduce, or a projection's speedups as the cluster grows.
-Needs matplotlib (``pip install "gc_strategy[app]"``)."""
+Needs matplotlib (``pip install "gc-strategy[app]"``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def check_can_plot(path: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError(f"--plot {path}: needs matplotlib; install it with pip install 'gc_strategy[app]'") from None
+        raise ValueError(f"--plot {path}: needs matplotlib; install it with pip install 'gc-strategy[app]'") from None
     if not Path(path).resolve().parent.is_dir():
         raise ValueError(f"--plot = {path!r} is invalid; allowed: a file in a folder that exists")
 

@@ -111,9 +111,9 @@ def bytes_across_nodes(topology: Topology, hierarchy: str, sums: bool, payload_b
     (with ``hierarchy="node"``: the bucket's owner's payload), summed (``sums``) or gathered."""
     if hierarchy not in ("flat", "node"):
         raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: 'flat', 'node'")
-    ranks = topology.world_size if hierarchy == "flat" else topology.nodes
     if topology.nodes == 1:
         return 0.0
+    ranks = topology.world_size if hierarchy == "flat" else topology.nodes
     return topology.nodes * (2 * (ranks - 1) / ranks if sums else ranks - 1) * payload_bytes
 
 
