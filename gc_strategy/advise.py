@@ -327,9 +327,11 @@ class Projection:
     configs: list[str]
     seconds: dict[tuple[str, int], dict[str, float]]
 
-    def speedup(self, rate: str, gpus: int, spec: str) -> float:
-        times = self.seconds[rate, gpus]
-        return times[BASELINE] / times[spec]
+    def speedups(self) -> dict[tuple[str, int], dict[str, float]]:
+        """Each configuration's speedup over the bf16 allreduce, per inter-node rate and GPU count."""
+        return {
+            key: {spec: times[BASELINE] / times[spec] for spec in self.configs} for key, times in self.seconds.items()
+        }
 
     def table(self) -> str:
         lines = [
@@ -338,8 +340,8 @@ class Projection:
             "| inter-node link | GPUs | bf16 allreduce (s) | " + " | ".join(self.configs) + " |",
             "|" + "---|" * (3 + len(self.configs)),
         ]
-        for rate, gpus in self.seconds:
-            cells = [f"{self.speedup(rate, gpus, spec):.2f}" for spec in self.configs]
+        for (rate, gpus), speedups in self.speedups().items():
+            cells = [f"{speedup:.2f}" for speedup in speedups.values()]
             base = self.seconds[rate, gpus][BASELINE]
             lines.append(f"| {rate} | {gpus} | {base:.3f} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         projection = project(args.model, args.configs, [8, 32, 128, 512, 1024], ["25gbit", "100gbit"])
         print(projection.table())
         if args.plot:
-            plot_projection(projection, args.plot)
+            plot_projection(projection.title, projection.speedups(), args.plot)
             print(f"plot: {args.plot}")
         return
     inside = None

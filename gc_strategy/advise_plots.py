@@ -5,10 +5,7 @@ Needs matplotlib (``pip install "gc-strategy[app]"``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .advise import Projection
+from typing import Any
 
 BASELINE_COLOUR, CONFIG_COLOUR = "#888888", "#2a7ab9"
 
@@ -52,17 +49,17 @@ def plot_predictions(rows: list[dict[str, Any]], path: str, title: str) -> None:
     plt.close(figure)
 
 
-def plot_projection(projection: Projection, path: str) -> None:
+def plot_projection(title: str, speedups: dict[tuple[str, int], dict[str, float]], path: str) -> None:
     """One panel per inter-node rate: each configuration's speedup over the flat bf16 allreduce
-    against the number of GPUs (log scale)."""
+    (``speedups[rate, gpus][configuration]``) against the number of GPUs (log scale)."""
     plt = _pyplot()
-    rates = list(dict.fromkeys(rate for rate, _ in projection.seconds))
+    rates = list(dict.fromkeys(rate for rate, _ in speedups))
     figure, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.5), sharey=True, squeeze=False)
     for axis, rate in zip(axes[0], rates):
-        gpus = [count for r, count in projection.seconds if r == rate]
-        for spec in projection.configs:
-            speedups = [projection.speedup(rate, count, spec) for count in gpus]
-            axis.plot(gpus, speedups, marker="o", linestyle="--" if "hierarchy=node" in spec else "-", label=spec)
+        gpus = [count for r, count in speedups if r == rate]
+        for spec in speedups[rate, gpus[0]]:
+            line = [speedups[rate, count][spec] for count in gpus]
+            axis.plot(gpus, line, marker="o", linestyle="--" if "hierarchy=node" in spec else "-", label=spec)
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_xscale("log", base=2)
         axis.set_xticks(gpus, [str(count) for count in gpus])
@@ -70,7 +67,7 @@ def plot_projection(projection: Projection, path: str) -> None:
         axis.set_title(f"{rate} between nodes", fontsize=9)
     axes[0][0].set_ylabel("speedup over a flat bf16 allreduce (model)")
     axes[0][-1].legend(fontsize=6, loc="best")
-    figure.suptitle(projection.title, fontsize=8, wrap=True)
+    figure.suptitle(title, fontsize=8, wrap=True)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
