@@ -1,5 +1,6 @@
 """The compress-or-not advisor: its measurements, its timeline arithmetic, its command line."""
 
+import builtins
 import subprocess
 import sys
 from dataclasses import replace
@@ -246,3 +247,17 @@ def test_the_link_inside_a_node_is_the_slope_and_intercept_of_its_broadcasts(mon
     assert inside.link.bandwidth == pytest.approx(2e9) and inside.link.latency == pytest.approx(1e-3)
     assert inside.reduce(sizes[1]) == pytest.approx(0.04) and inside.broadcast(sizes[1] / 2) == pytest.approx(0.005)
     assert inside.reduce(0) == 0.0
+
+
+def test_a_plot_without_matplotlib_is_refused_naming_the_extra(monkeypatch):
+    real_import = builtins.__import__
+
+    def without_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_matplotlib)
+    message = r"--plot a.png: needs matplotlib; install it with pip install 'gc-strategy\[app\]'"
+    with pytest.raises(ValueError, match=message):
+        advise_plots.check_can_plot("a.png")
