@@ -403,11 +403,10 @@ def measure_costs(
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
             if engine.nodes is None:
-                encode, between, wait, decode, _ = time_exchange(compressor, memory, engine.communicator, flat, bucket)
-                ours = (encode, wait, decode, between)
+                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)[:4]
             else:
                 ours = (*time_node_exchange(engine, compressor, memory, flat, bucket), 0.0)
-            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[2] for p in ("fp32", "bf16")]
+            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[1] for p in ("fp32", "bf16")]
             if run:
                 timed.append([*ours, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
@@ -446,16 +445,16 @@ def _clock(flat: Tensor) -> Callable[[], float]:
 def time_exchange(
     compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
 ) -> tuple[float, float, float, float, int]:
-    """(encode, between, communication, decode) seconds of one bucket's exchange, all ranks of the
+    """(encode, communication, decode, between) seconds of one bucket's exchange, all ranks of the
     communicator's group starting together (``memory`` may be None), and the bytes it sent; the
     exchange runs as the engine runs it (the memory's :meth:`~gc_strategy.algos.base.Memory.exchange`
     driven by a :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
-    compensation, between is the work between rounds, communication every round, decode the last
-    combine and the memory's update. ``flat`` is left as it was."""
+    compensation, communication every round, decode the last combine and the memory's update,
+    between the work between rounds. ``flat`` is left as it was."""
     memory = memory if memory is not None else MEMORIES.build("none")
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
     running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
     running.finish()
-    return running.encode_s, running.between_s, running.wait_s, running.decode_s, running.sent_bytes
+    return running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes
