@@ -54,8 +54,9 @@ def main() -> None:
     print("| layout | collective | step (s) | collective (s) | step beside it (s) | lost (s) | hidden |")
     print("|---|---|---|---|---|---|---|")
     for nodes, per_node in args.layouts:
-        measured = overlap.measure(nodes, per_node, step, [nbytes], runs=args.runs)
-        for collective in overlap.COLLECTIVES:
+        collectives = ("reduce", "broadcast", "allreduce")
+        measured = overlap.measure(nodes, per_node, step, [nbytes], collectives, args.runs)
+        for collective in collectives:
             m = measured[collective, nbytes]
             print(
                 f"| {nodes} x {per_node} | {collective} | {m.step_s:.3f} | {m.collective_s:.3f} | {m.beside_s:.3f} | "

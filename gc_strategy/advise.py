@@ -22,10 +22,11 @@ model's exact search, as the synchroniser's planner searches it):
   gathered payload is decoded ``W`` times as in training;
 - **the backward's gradient-ready times** (one short run of the model).
 
-With ``--intra measure`` the cluster is one of CPU ranks like this machine's: the link inside a node
-is measured here, and so is what a node's reduce and broadcast take from the backward beside them
-(:mod:`gc_strategy.overlap`); ``hierarchy="node"`` is then priced with that compute instead of a
-link running beside it.
+With ``--intra measure`` the cluster is one of CPU ranks like this machine's, whose collectives move
+their bytes with the cores that compute: the link inside a node is measured here, and so is what each
+collective takes from the backward beside it (:mod:`gc_strategy.overlap`), a node's reduce and
+broadcast and the exchanges over all ranks and across nodes; each bucket's collectives are then
+priced with that compute as well (:func:`predict`).
 
 The compute time of a step at the target (forward, backward, optimizer: everything but
 synchronisation) is given (``--compute-s``), or measured here. Encode and decode run on the same
@@ -179,33 +180,52 @@ def measure_compute(
 
 
 @dataclass(frozen=True)
-class InsideNode:
-    """A node of CPU ranks, measured (:mod:`gc_strategy.overlap`): its ``link``, from broadcasts
-    alone, and what the node's reduce and broadcast of a bucket take from the compute beside them, in
-    seconds as a function of the dense bucket's bytes: the reduce before the bucket's exchange across
-    nodes, the broadcast after it."""
+class CpuRanks:
+    """A cluster of CPU ranks like this machine's, measured (:mod:`gc_strategy.overlap`): the
+    ``link`` inside a node, from broadcasts alone, and what each collective takes from the compute
+    beside it, in seconds as a function of bytes per rank: the node's ``reduce`` and ``broadcast``
+    of a dense bucket (the hierarchy's, before and after its exchange across nodes), and the
+    ``exchange`` of a payload, summed or gathered, by ``(span, sums)``: over all ranks (``"world"``,
+    flat) or over one rank per node (``"across"``, the hierarchy's)."""
 
     link: Link
     reduce: Cost
     broadcast: Cost
+    exchange: dict[tuple[str, bool], Cost]
 
 
-def measure_inside(nodes: int, ranks_per_node: int, step: Callable[[], Any], runs: int = 10) -> InsideNode:
-    """:class:`InsideNode` measured here beside ``step`` (the model's forward and backward), all
-    nodes' collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
-    machine), at 4 and 32 MB; a collective of no bytes takes nothing. The link's bandwidth is the
-    slope of a broadcast's time alone between the two sizes, its latency the intercept. On one node
-    of a real cluster run with ``nodes = 1``."""
-    sizes = [4 << 20, 32 << 20]
-    beside = overlap.measure(nodes, ranks_per_node, step, sizes, ("reduce", "broadcast"), runs)
+#: sizes of the collectives measured for :class:`CpuRanks`, bytes per rank: a node's dense bucket, and a
+#: payload exchanged (smaller: an allgather's ranks each receive all the others')
+INSIDE_BYTES = [4 << 20, 32 << 20]
+EXCHANGE_BYTES = [1 << 20, 8 << 20]
 
-    def lost(collective: str) -> Cost:
+
+def measure_cpu_ranks(nodes: int, ranks_per_node: int, step: Callable[[], Any], runs: int = 10) -> CpuRanks:
+    """:class:`CpuRanks` measured here beside ``step`` (the model's forward and backward), every
+    group's collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
+    machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges; a
+    collective of no bytes, or over one rank, takes nothing. The link's bandwidth is the slope of a
+    broadcast's time alone between the two sizes, its latency the intercept. On one node of a real
+    cluster run with ``nodes = 1``."""
+
+    def lost(beside: dict, collective: str, sizes: list[int]) -> Cost:
         return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
 
-    small, large = (beside["broadcast", n].collective_s for n in sizes)
-    bandwidth = (sizes[1] - sizes[0]) / max(large - small, 1e-9)
-    link = Link(bandwidth, max(0.0, small - sizes[0] / bandwidth))
-    return InsideNode(link, lost("reduce"), lost("broadcast"))
+    inside = overlap.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
+    exchange = {}
+    for span, ranks in (("world", nodes * ranks_per_node), ("across", nodes)):
+        if ranks == 1:  # no exchange over one rank
+            exchange[span, True] = exchange[span, False] = Cost.linear(0.0, 0.0)
+            continue
+        beside = overlap.measure(nodes, ranks_per_node, step, EXCHANGE_BYTES, ("allreduce", "allgather"), runs, span)
+        exchange[span, True], exchange[span, False] = (
+            lost(beside, "allreduce", EXCHANGE_BYTES),
+            lost(beside, "allgather", EXCHANGE_BYTES),
+        )
+    small, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES)
+    bandwidth = (INSIDE_BYTES[1] - INSIDE_BYTES[0]) / max(large - small, 1e-9)
+    link = Link(bandwidth, max(0.0, small - INSIDE_BYTES[0] / bandwidth))
+    return CpuRanks(link, lost(inside, "reduce", INSIDE_BYTES), lost(inside, "broadcast", INSIDE_BYTES), exchange)
 
 
 def predict(
@@ -215,33 +235,39 @@ def predict(
     compute: Compute,
     topology: Topology,
     codec_scale: float,
-    inside: InsideNode | None = None,
+    cpu: CpuRanks | None = None,
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
     ``groups`` (tensors per bucket; None: the plan that ``fusion="auto"`` searches, the model's best),
-    with encode and decode times times ``codec_scale``. With ``inside`` (CPU ranks), the collectives
-    inside a node take the compute's time instead of running beside it: each bucket's reduce is
-    device time before its launch, its broadcast device time with the decodes."""
+    with encode and decode times times ``codec_scale``. On ``cpu`` ranks the collectives also take
+    compute time. The exchange's is work between rounds: it holds the bucket's exchange (gloo adds
+    what a ring step received before it sends it on) and takes the device's time, the whole of it on
+    each rank when flat; with ``hierarchy="node"`` each rank does it for the buckets it owns, ``1/L``
+    of them. The collectives inside a node take the compute's time instead of the link's: each
+    bucket's reduce is device time before its launch, its broadcast device time with the decodes."""
     hierarchy = profile.options.get("hierarchy", "flat")
-    share = codec_scale / (topology.ranks_per_node if hierarchy == "node" else 1)
+    owners = topology.ranks_per_node if hierarchy == "node" else 1
+    share = codec_scale / owners
     dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
-    on_device = inside is not None and hierarchy == "node"
-    network, reduce, broadcast = [], [], []
+    on_device = cpu is not None and hierarchy == "node"
+    span = "across" if hierarchy == "node" else "world"
+    network, before, held, after = [], [], [], []
     for n, payload in zip(profile.sizes, profile.payload_bytes):
         dense = dense_bytes_per_element * n
-        network.append(
-            exchange_seconds(topology, hierarchy, profile.sums, dense, payload, profile.rounds, inside=not on_device)
-        )
-        reduce.append(inside.reduce(dense) if on_device else 0.0)
-        broadcast.append(inside.broadcast(dense) if on_device else 0.0)
+        hold = cpu.exchange[span, profile.sums](payload) if cpu is not None else 0.0
+        link = exchange_seconds(topology, hierarchy, profile.sums, dense, payload, profile.rounds, not on_device)
+        network.append(link + (1 - 1 / owners) * hold)  # the whole hold on the link, 1 / L of it on each rank
+        held.append(hold / owners)
+        before.append(cpu.reduce(dense) if on_device else 0.0)
+        after.append(cpu.broadcast(dense) if on_device else 0.0)
     model = CostModel(
         compute.ready,
         tuple(numels),
-        Cost.measured(profile.sizes, [r + share * t for r, t in zip(reduce, profile.encode_s)]),
+        Cost.measured(profile.sizes, [r + share * t for r, t in zip(before, profile.encode_s)]),
         Cost.measured(profile.sizes, network),
-        Cost.measured(profile.sizes, [b + share * t for b, t in zip(broadcast, profile.decode_s)]),
+        Cost.measured(profile.sizes, [b + share * t for b, t in zip(after, profile.decode_s)]),
         compute.other,
-        Cost.measured(profile.sizes, [share * t for t in profile.between_s]),
+        Cost.measured(profile.sizes, [h + share * t for h, t in zip(held, profile.between_s)]),
     )
     return simulate(model, groups) if groups is not None else best_plan(model)[1]
 
@@ -252,7 +278,7 @@ def advise(
     compute: Compute,
     topology: Topology,
     codec_scale: float,
-    inside: InsideNode | None = None,
+    cpu: CpuRanks | None = None,
 ) -> list[dict[str, Any]]:
     """One row per configuration, the bf16 allreduce first: predicted step time (:func:`predict`),
     speedup over bf16, payload bytes per rank and step (with ``hierarchy="node"``, the mean of a
@@ -269,7 +295,7 @@ def advise(
         if codec not in profiles:  # configurations that differ only in fusion share one profile
             profiles[codec] = profile(options, shapes, world)
         measured = replace(profiles[codec], options=options)
-        step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale, inside)
+        step = predict(measured, numels, _plan(options, numels), compute, topology, codec_scale, cpu)
         whole = Cost.measured(measured.sizes, measured.payload_bytes)(sum(numels))
         owners = topology.ranks_per_node if hierarchy == "node" else 1
         rows.append(
@@ -467,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         "--intra",
         default="100gbit",
         help="bandwidth inside a node, e.g. 100gbit or 10GB (collectives beside the compute, as over NVLink), or "
-        "'measure': CPU ranks under gloo here, the link and what the node's collectives take from the backward",
+        "'measure': CPU ranks under gloo here, the link and what every collective takes from the backward",
     )
     parser.add_argument("--intra-latency-us", type=float, default=10.0)
     parser.add_argument("--inter", default="1gbit", help="bandwidth between nodes, per node")
@@ -525,22 +551,25 @@ def main(argv: list[str] | None = None) -> None:
             plot_projection(projection.title, projection.speedups(), args.plot)
             print(f"plot: {args.plot}")
         return
-    inside = None
+    order, here = measure_compute(model, make_batch, loss)  # first: nothing else running on this machine
+    cpu = None
     if measure:
-        inside = measure_inside(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
-    topology = Topology(args.nodes, args.ranks_per_node, inside.link if inside else intra, inter)
-    order, here = measure_compute(model, make_batch, loss)
+        cpu = measure_cpu_ranks(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
+    topology = Topology(args.nodes, args.ranks_per_node, cpu.link if cpu else intra, inter)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())
     shapes = {name: parameters[name].shape for name in order}
-    rows = advise(args.configs, shapes, compute, topology, compute.step_s / here.step_s, inside)
+    rows = advise(args.configs, shapes, compute, topology, compute.step_s / here.step_s, cpu)
     setting = f"{args.model}, batch {args.batch}, size {args.size}; {topology.describe()}"
     print(setting)
-    if inside is not None:
-        mb = 32 << 20
+    if cpu is not None:
+        dense, payload = INSIDE_BYTES[-1], EXCHANGE_BYTES[-1]
+        lost = {key: cost(payload) for key, cost in cpu.exchange.items()}
         print(
-            f"measured beside the backward, a node's reduce and broadcast of 32 MB take {inside.reduce(mb):.3f} and "
-            f"{inside.broadcast(mb):.3f} s of compute: hierarchy='node' is priced with them (CPU ranks)"
+            f"CPU ranks, measured beside the backward: a node's reduce and broadcast of {dense >> 20} MB take "
+            f"{cpu.reduce(dense):.3f} and {cpu.broadcast(dense):.3f} s of compute; an allreduce and an allgather of "
+            f"{payload >> 20} MB per rank over all ranks {lost['world', True]:.3f} and {lost['world', False]:.3f} s, "
+            f"over one rank per node {lost['across', True]:.3f} and {lost['across', False]:.3f} s"
         )
     print(f"compute per step {compute.step_s:.3f} s ({'given' if args.compute_s else 'measured here'}); predicted:")
     print(table(rows))

@@ -1,14 +1,14 @@
-"""What a collective inside a node takes from the compute beside it, on CPU ranks.
+"""What a collective takes from the compute beside it, on CPU ranks.
 
 The synchroniser issues each bucket's collective while backward goes on, and the timeline model lets
 it run beside the compute: on GPU nodes NVLink and the NIC move the bytes while the SMs compute. CPU
 ranks under gloo move them with the cores that compute (socket copies, the reduction's additions),
 so the collective delays the backward instead. :func:`measure` times, on each rank of ``nodes`` ×
-``ranks_per_node`` processes on this machine (one thread each, every node's collectives at once, as
+``ranks_per_node`` processes on this machine (one thread each, every group's collectives at once, as
 in ``benchmarks/bench.py``'s emulated cluster):
 
 - ``step``: a training step's work (e.g. a forward and backward), alone;
-- the collective, in the node's gloo group, alone;
+- the collective, in a gloo group of one :data:`SPANS` (a node's ranks, say), alone;
 - the step with the collective issued just before it, asynchronously, as the synchroniser issues it.
 
 ``lost = step beside it − step`` is the compute that the collective took; ``hidden = 1 − lost /
@@ -30,9 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: the collectives inside a node: the hierarchy's reduce onto the node's first rank and broadcast
-#: from it, and an allreduce
-COLLECTIVES = ("reduce", "broadcast", "allreduce")
+#: the collectives: the hierarchy's reduce onto a group's first rank and broadcast from it, and the
+#: exchanges' allreduce and allgather
+COLLECTIVES = ("reduce", "broadcast", "allreduce", "allgather")
+#: the ranks a collective spans: a node's; one of each node, the same local rank (the hierarchy's
+#: exchange across nodes); or all of them (a flat collective)
+SPANS = ("node", "across", "world")
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,20 @@ class Beside:
         return 1 - self.lost_s / self.collective_s
 
 
-def _issue(collective: str, tensor: torch.Tensor, root: int, group: Any) -> Any:
+def _issuer(collective: str, nbytes: int, root: int, group: Any) -> Callable[[], Any]:
+    """Issues the collective of ``nbytes`` per rank (fp32) asynchronously and returns its work."""
+    tensor = torch.zeros(max(1, nbytes // 4))
     if collective == "reduce":
-        return dist.reduce(tensor, root, group=group, async_op=True)
+        return lambda: dist.reduce(tensor, root, group=group, async_op=True)
     if collective == "broadcast":
-        return dist.broadcast(tensor, root, group=group, async_op=True)
-    return dist.all_reduce(tensor, group=group, async_op=True)
+        return lambda: dist.broadcast(tensor, root, group=group, async_op=True)
+    if collective == "allreduce":
+        return lambda: dist.all_reduce(tensor, group=group, async_op=True)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    return lambda: dist.all_gather(gathered, tensor, group=group, async_op=True)
 
 
-def _times(step: Callable[[], Any], collective: str, tensor: torch.Tensor, root: int, group: Any) -> tuple:
+def _times(step: Callable[[], Any], issue: Callable[[], Any]) -> tuple:
     """One run on this rank: (step alone, collective alone, step beside the collective)."""
     dist.barrier()
     start = time.perf_counter()
@@ -70,10 +78,10 @@ def _times(step: Callable[[], Any], collective: str, tensor: torch.Tensor, root:
     alone = time.perf_counter() - start
     dist.barrier()
     start = time.perf_counter()
-    _issue(collective, tensor, root, group).wait()
+    issue().wait()
     communication = time.perf_counter() - start
     dist.barrier()
-    work = _issue(collective, tensor, root, group)
+    work = issue()
     start = time.perf_counter()
     step()
     beside = time.perf_counter() - start
@@ -82,21 +90,22 @@ def _times(step: Callable[[], Any], collective: str, tensor: torch.Tensor, root:
 
 
 def on_node_ranks(
-    nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any], timeout_s: float = 900.0
+    nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any], timeout_s: float = 900.0, span: str = "node"
 ) -> list[Any]:
     """``work(group, root)`` on each of ``nodes`` × ``ranks_per_node`` forked processes of this
-    machine, one thread each, in one gloo process group, ``group`` being its node's (ranks numbered
-    node by node) and ``root`` the node's first rank; the results in rank order. ``work`` may be a
-    closure over objects built before the call (a model): the fork copies them. The first rank that
-    fails raises here, as does a wait of ``timeout_s`` with no rank reporting (a collective that
-    never completes); the other ranks are stopped instead of left waiting in a collective."""
+    machine, one thread each, in one gloo process group (ranks numbered node by node), ``group`` being
+    the rank's group of the ``span`` (:data:`SPANS`) and ``root`` that group's first rank; the results
+    in rank order. ``work`` may be a closure over objects built before the call (a model): the fork
+    copies them. The first rank that fails raises here, as does a wait of ``timeout_s`` with no rank
+    reporting (a collective that never completes); the other ranks are stopped instead of left
+    waiting in a collective."""
     world_size = nodes * ranks_per_node
     context = torch.multiprocessing.get_context("fork")
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "init")
         processes = [
-            context.Process(target=_rank, args=(r, world_size, ranks_per_node, init_file, work, queue))
+            context.Process(target=_rank, args=(r, world_size, ranks_per_node, span, init_file, work, queue))
             for r in range(world_size)
         ]
         for process in processes:
@@ -125,13 +134,23 @@ def on_node_ranks(
     return [results[rank] for rank in range(world_size)]
 
 
-def _rank(rank: int, world_size: int, per_node: int, init_file: str, work: Callable, queue: Any) -> None:
+def _span_groups(span: str, world_size: int, per_node: int) -> list[list[int]]:
+    """The ranks of each group of a span (:data:`SPANS`), ranks numbered node by node."""
+    nodes = world_size // per_node
+    if span == "node":
+        return [[n * per_node + local for local in range(per_node)] for n in range(nodes)]
+    if span == "across":
+        return [[n * per_node + local for n in range(nodes)] for local in range(per_node)]
+    return [list(range(world_size))]
+
+
+def _rank(rank: int, world_size: int, per_node: int, span: str, init_file: str, work: Callable, queue: Any) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(world_size // per_node)]
-        group, _ = dist.new_subgroups_by_enumeration(nodes)
-        result = work(group, rank - rank % per_node)
+        spans = _span_groups(span, world_size, per_node)
+        group = dist.new_subgroups_by_enumeration(spans)[0] if len(spans) > 1 else dist.group.WORLD
+        result = work(group, next(ranks[0] for ranks in spans if rank in ranks))
         dist.destroy_process_group()
         queue.put((rank, result, None))
     except Exception as error:  # noqa: BLE001 - handed to on_node_ranks(), which raises it with the rank
@@ -145,12 +164,16 @@ def measure(
     sizes: list[int],
     collectives: tuple[str, ...] = COLLECTIVES,
     runs: int = 15,
+    span: str = "node",
 ) -> dict[tuple[str, int], Beside]:
-    """:class:`Beside` of each collective (of :data:`COLLECTIVES`) and size in bytes (fp32), on
-    ``nodes`` × ``ranks_per_node`` forked processes of this machine (:func:`on_node_ranks`); ``step``
-    runs in each."""
-    if ranks_per_node < 2:
-        raise ValueError(f"ranks per node = {ranks_per_node} is invalid; allowed: an integer >= 2 (a link inside)")
+    """:class:`Beside` of each collective (of :data:`COLLECTIVES`) over the ranks of ``span`` (of
+    :data:`SPANS`) and size in bytes per rank (fp32), on ``nodes`` × ``ranks_per_node`` forked
+    processes of this machine (:func:`on_node_ranks`); ``step`` runs in each."""
+    if span not in SPANS:
+        raise ValueError(f"span = {span!r} is invalid; allowed: {', '.join(SPANS)}")
+    ranks = {"node": ranks_per_node, "across": nodes, "world": nodes * ranks_per_node}[span]
+    if ranks < 2:
+        raise ValueError(f"{span} ranks = {ranks} is invalid; allowed: an integer >= 2 (a link to measure)")
     unknown = [c for c in collectives if c not in COLLECTIVES]
     if unknown:
         raise ValueError(f"collectives = {unknown} are invalid; allowed: {', '.join(COLLECTIVES)}")
@@ -159,13 +182,13 @@ def measure(
         step()  # warm-up
         out = {}
         for nbytes in sizes:
-            tensor = torch.zeros(max(1, nbytes // 4))
             for collective in collectives:
-                times = [_times(step, collective, tensor, root, group) for _ in range(runs)]
+                issue = _issuer(collective, nbytes, root, group)
+                times = [_times(step, issue) for _ in range(runs)]
                 out[collective, nbytes] = [statistics.median(column) for column in zip(*times)]
         return out
 
-    per_rank = on_node_ranks(nodes, ranks_per_node, medians)
+    per_rank = on_node_ranks(nodes, ranks_per_node, medians, span=span)
     return {
         key: Beside(*(statistics.median(rank[key][i] for rank in per_rank) for i in range(3))) for key in per_rank[0]
     }

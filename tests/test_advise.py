@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gc_strategy import advise, advise_plots, overlap
-from gc_strategy.advise import Compute, InsideNode, Profile, Replicas, predict, profile, recommendation
+from gc_strategy.advise import Compute, CpuRanks, Profile, Replicas, predict, profile, recommendation
 from gc_strategy.communicators import RunningExchange
 from gc_strategy.fusion.timeline import Cost
 from gc_strategy.fusion.topology import Link, Topology
@@ -63,10 +63,40 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     assert bf16_step == pytest.approx(node_step - inside / 2)
     # CPU ranks: the node's reduce (10 µs per byte) is compute before the launch, its broadcast (2 µs
     # per byte) compute with the decode; neither is on the link any more
-    on_cpu = InsideNode(Link(1e9, 0.0), reduce=Cost.linear(0.0, 1e-5), broadcast=Cost.linear(0.0, 2e-6))
+    no_exchange = {(span, sums): Cost.linear(0.0, 0.0) for span in ("world", "across") for sums in (True, False)}
+    reduce, broadcast = Cost.linear(0.0, 1e-5), Cost.linear(0.0, 2e-6)
+    on_cpu = CpuRanks(Link(1e9, 0.0), reduce, broadcast, no_exchange)
     cpu_step = predict(replace(measured, options={"hierarchy": "node"}), numels, [3], compute, topology, 2.0, on_cpu)
     assert cpu_step == pytest.approx(0.05 + 0.2 + 0.02 + 1e-5 * 4000 + across + 0.005 + 0.04 + 2e-6 * 4000)
     assert predict(measured, numels, [3], compute, topology, 2.0, on_cpu) == pytest.approx(step)  # flat: no node
+
+
+def test_on_cpu_ranks_an_exchange_holds_its_bucket_and_takes_the_compute_of_its_owner():
+    """The exchange's compute on CPU ranks, 1 µs per byte over all ranks and 3 µs across nodes:
+    device time that holds the bucket's exchange. Two buckets of 4000 and 1000 bytes on a free link,
+    so the step is the device's: flat, every rank does both exchanges; with the hierarchy, each of a
+    node's 2 ranks does the one it owns (half of both, on average), while the whole of each holds
+    its bucket's exchange."""
+    measured = Profile({"compressor": "x"}, (100, 1000), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (400, 4000), 1, True)
+    compute = Compute(ready=(0.0, 0.1, 0.2), other=0.05)
+    free = Topology(2, 2, Link(1e15, 0.0), Link(1e15, 0.0))
+    exchange = {
+        (span, sums): Cost.linear(0.0, per_byte)
+        for span, per_byte in (("world", 1e-6), ("across", 3e-6))
+        for sums in (True, False)
+    }
+    on_cpu = CpuRanks(Link(1e15, 0.0), Cost.linear(0.0, 0.0), Cost.linear(0.0, 0.0), exchange)
+    numels = [300, 700, 250]  # buckets of 1000 and 250 elements: 4000 and 1000 payload bytes
+    flat = predict(measured, numels, [2, 1], compute, free, 1.0, on_cpu)
+    assert flat == pytest.approx(0.05 + 0.2 + 1e-6 * (4000 + 1000))
+    node = predict(replace(measured, options={"hierarchy": "node"}), numels, [2, 1], compute, free, 1.0, on_cpu)
+    assert node == pytest.approx(0.05 + 0.2 + 3e-6 * (4000 + 1000) / 2)
+    # a slow link: the first bucket's exchange (0.1 + 0.04 + 0.012 s) ends before backward, and the
+    # last one, launched when backward ends, is held by the whole of its owner's work
+    slow = Topology(2, 2, Link(1e15, 0.0), Link(1e5, 0.0))
+    link = 2 * 1 * 1000 / (2 * 1e5)  # the last bucket's allreduce over the 2 nodes
+    node = predict(replace(measured, options={"hierarchy": "node"}), numels, [2, 1], compute, slow, 1.0, on_cpu)
+    assert node == pytest.approx(0.05 + 0.2 + link + 3e-6 * 1000)
 
 
 def test_the_work_between_rounds_is_device_time():
@@ -211,16 +241,19 @@ def test_a_projection_grows_the_cluster_and_plots_the_speedups(monkeypatch, tmp_
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def test_measuring_inside_the_node_prices_the_hierarchy_with_the_compute_it_takes():
+def test_measured_cpu_ranks_price_every_collective_with_the_compute_it_takes():
     topk = "compressor=topk,memory=residual,density=0.01"
     done = _advise(
         "--batch", "2", "--size", "16", "--nodes", "1", "--ranks-per-node", "2", "--intra", "measure",
-        "--configs", f"{topk},hierarchy=node",
+        "--configs", f"{topk},hierarchy=node", topk,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    line = next(line for line in done.stdout.splitlines() if line.startswith("measured beside the backward"))
-    reduce, broadcast = (float(word) for word in line.split() if word.replace(".", "", 1).isdigit() and "." in word)
-    assert reduce >= 0 and broadcast >= 0 and "| compressor=topk" in done.stdout
+    line = next(line for line in done.stdout.splitlines() if line.startswith("CPU ranks, measured beside"))
+    seconds = [float(word) for word in line.split() if word.replace(".", "", 1).isdigit() and "." in word]
+    reduce, broadcast, allreduce, allgather, across_allreduce, across_allgather = seconds
+    assert min(reduce, broadcast, allreduce, allgather) >= 0
+    assert across_allreduce == across_allgather == 0.0  # one node: nothing across
+    assert "| compressor=topk" in done.stdout
     inside = _between(done.stdout.splitlines()[0], "inside a node ", " Gbit/s")
     assert float(inside) > 0  # the link measured from the same broadcasts
 
@@ -229,24 +262,36 @@ def _between(line: str, start: str, end: str) -> str:
     return line.split(start, 1)[1].split(end, 1)[0]
 
 
-def test_the_link_inside_a_node_is_the_slope_and_intercept_of_its_broadcasts(monkeypatch):
-    """Broadcasts alone of 4 and 32 MB taking 1 ms + n / (2 GB/s): a link of 2 GB/s and 1 ms; what the
-    reduce and broadcast take from the step beside them is kept as a curve through zero."""
-    sizes = [4 << 20, 32 << 20]
+def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_takes(monkeypatch):
+    """Broadcasts alone of 4 and 32 MB taking 1 ms + n / (2 GB/s): a link of 2 GB/s and 1 ms. What
+    the node's reduce and broadcast, and the exchanges over all ranks and across nodes, take from the
+    step beside them is kept as a curve through zero; one node has no exchange across."""
+    lost_per_byte = {("node", "reduce"): 4e-9, ("node", "broadcast"): 1e-9, ("world", "allreduce"): 2e-9}
+    lost_per_byte |= {("world", "allgather"): 8e-9, ("across", "allreduce"): 3e-9, ("across", "allgather"): 5e-9}
+    asked = []
 
-    def measured(nodes, ranks_per_node, step, asked, collectives, runs):
-        assert asked == sizes and collectives == ("reduce", "broadcast")
+    def measured(nodes, ranks_per_node, step, sizes, collectives, runs, span="node"):
+        asked.append((span, collectives))
+        assert sizes == (advise.INSIDE_BYTES if span == "node" else advise.EXCHANGE_BYTES)
         return {
-            (collective, n): overlap.Beside(0.1, 1e-3 + n / 2e9, 0.1 + lost * n / sizes[1])
-            for collective, lost in (("reduce", 0.04), ("broadcast", 0.01))
+            (c, n): overlap.Beside(0.1, 1e-3 + n / 2e9, 0.1 + lost_per_byte[span, c] * n)
+            for c in collectives
             for n in sizes
         }
 
     monkeypatch.setattr(overlap, "measure", measured)
-    inside = advise.measure_inside(2, 2, lambda: None)
-    assert inside.link.bandwidth == pytest.approx(2e9) and inside.link.latency == pytest.approx(1e-3)
-    assert inside.reduce(sizes[1]) == pytest.approx(0.04) and inside.broadcast(sizes[1] / 2) == pytest.approx(0.005)
-    assert inside.reduce(0) == 0.0
+    cpu = advise.measure_cpu_ranks(2, 2, lambda: None)
+    assert cpu.link.bandwidth == pytest.approx(2e9) and cpu.link.latency == pytest.approx(1e-3)
+    assert cpu.reduce(32 << 20) == pytest.approx(4e-9 * (32 << 20)) and cpu.broadcast(1e6) == pytest.approx(1e-3)
+    assert cpu.reduce(0) == 0.0
+    for (span, collective), per_byte in lost_per_byte.items():
+        if span != "node":
+            assert cpu.exchange[span, collective == "allreduce"](3e6) == pytest.approx(per_byte * 3e6)
+    assert [span for span, _ in asked] == ["node", "world", "across"]
+    asked.clear()
+    one_node = advise.measure_cpu_ranks(1, 2, lambda: None)
+    assert [span for span, _ in asked] == ["node", "world"]
+    assert one_node.exchange["across", True](1e6) == 0.0 and one_node.exchange["world", False](1e6) > 0
 
 
 def test_a_plot_without_matplotlib_is_refused_naming_the_extra(monkeypatch):

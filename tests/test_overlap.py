@@ -1,4 +1,4 @@
-"""What a collective inside a node takes from the compute beside it: the measurement and its errors."""
+"""What a collective takes from the compute beside it: the measurement, its groups and its errors."""
 
 import time
 
@@ -28,14 +28,37 @@ def _fails():
 
 
 def test_bad_input_and_a_failing_rank_are_errors_not_hangs():
-    with pytest.raises(ValueError, match="ranks per node = 1 is invalid; allowed: an integer >= 2"):
+    with pytest.raises(ValueError, match="node ranks = 1 is invalid; allowed: an integer >= 2"):
         overlap.measure(2, 1, _fails, [4])
+    with pytest.raises(ValueError, match="across ranks = 1 is invalid; allowed: an integer >= 2"):
+        overlap.measure(1, 2, _fails, [4], span="across")
+    with pytest.raises(ValueError, match="span = 'rack' is invalid; allowed: node, across, world"):
+        overlap.measure(2, 2, _fails, [4], span="rack")
     with pytest.raises(ValueError, match=r"collectives = \['gather'\] are invalid; allowed: reduce, broadcast"):
         overlap.measure(1, 2, _fails, [4], ("gather",))
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="failed while measuring: ArithmeticError\\('no step here'\\)"):
         overlap.measure(1, 2, _fails, [4])
     assert time.perf_counter() - start < 60
+
+
+def _group_of(group, root):
+    return root, torch.distributed.get_world_size(group)
+
+
+def test_each_span_is_a_group_of_the_ranks_it_names():
+    """4 ranks on 2 nodes, numbered node by node: a node's ranks, one rank of each node (the same
+    local rank), all of them; each group's root is its first rank."""
+    assert overlap.on_node_ranks(2, 2, _group_of) == [(0, 2), (0, 2), (2, 2), (2, 2)]
+    assert overlap.on_node_ranks(2, 2, _group_of, span="across") == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert overlap.on_node_ranks(2, 2, _group_of, span="world") == [(0, 4)] * 4
+
+
+def test_an_allgather_takes_more_than_an_allreduce_of_the_same_payload():
+    """Over 4 ranks each receives 3 payloads from an allgather, and 1.5 from a ring allreduce."""
+    size = 8 << 20
+    measured = overlap.measure(2, 2, lambda: None, [size], ("allreduce", "allgather"), runs=5, span="world")
+    assert measured["allgather", size].collective_s > measured["allreduce", size].collective_s > 0
 
 
 def _rank_one_hangs(group, root):
