@@ -497,7 +497,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--intra-latency-us", type=float, default=10.0)
     parser.add_argument("--inter", default="1gbit", help="bandwidth between nodes, per node")
-    parser.add_argument("--inter-latency-us", type=float, default=50.0)
+    parser.add_argument(
+        "--inter-latency-us",
+        type=float,
+        default=50.0,
+        help="latency between nodes, per message; with --intra measure, CPU ranks' measured latency is added",
+    )
     parser.add_argument(
         "--compute-s", type=float, help="a step without communication at the target (default: measured here)"
     )
@@ -555,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu = None
     if measure:
         cpu = measure_cpu_ranks(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
+    if cpu is not None:  # a message between nodes also waits for its CPU ranks, as one inside does
+        inter = Link(inter.bandwidth, inter.latency + cpu.link.latency)
     topology = Topology(args.nodes, args.ranks_per_node, cpu.link if cpu else intra, inter)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())

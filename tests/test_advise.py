@@ -254,8 +254,13 @@ def test_measured_cpu_ranks_price_every_collective_with_the_compute_it_takes():
     assert min(reduce, broadcast, allreduce, allgather) >= 0
     assert across_allreduce == across_allgather == 0.0  # one node: nothing across
     assert "| compressor=topk" in done.stdout
-    inside = _between(done.stdout.splitlines()[0], "inside a node ", " Gbit/s")
+    setting = done.stdout.splitlines()[0]
+    inside = _between(setting, "inside a node ", " Gbit/s")
     assert float(inside) > 0  # the link measured from the same broadcasts
+    # a message between nodes waits as long as one inside, on top of the given 50 µs
+    latency_inside = float(_between(setting, " Gbit/s, ", " µs;"))
+    latency_between = float(_between(setting.split("between nodes")[1], " Gbit/s, ", " µs"))
+    assert latency_between == pytest.approx(latency_inside + 50, rel=1e-3)
 
 
 def _between(line: str, start: str, end: str) -> str:
