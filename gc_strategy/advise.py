@@ -194,9 +194,9 @@ class CpuRanks:
     exchange: dict[tuple[str, bool], Cost]
 
 
-#: sizes of the collectives measured for :class:`CpuRanks`, bytes per rank: a node's dense bucket, and a
-#: payload exchanged (smaller: an allgather's ranks each receive all the others')
-INSIDE_BYTES = [4 << 20, 32 << 20]
+#: sizes of the collectives measured for :class:`CpuRanks`, bytes per rank: a message of a few bytes and a
+#: node's dense bucket; a payload exchanged (smaller: an allgather's ranks each receive all the others')
+INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
 EXCHANGE_BYTES = [1 << 20, 8 << 20]
 
 
@@ -205,8 +205,8 @@ def measure_cpu_ranks(nodes: int, ranks_per_node: int, step: Callable[[], Any], 
     group's collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
     machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges; a
     collective of no bytes, or over one rank, takes nothing. The link's bandwidth is the slope of a
-    broadcast's time alone between the two sizes, its latency the intercept. On one node of a real
-    cluster run with ``nodes = 1``."""
+    broadcast's time alone between the two largest sizes, its latency the time of the smallest less
+    its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
 
     def lost(beside: dict, collective: str, sizes: list[int]) -> Cost:
         return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
@@ -222,9 +222,9 @@ def measure_cpu_ranks(nodes: int, ranks_per_node: int, step: Callable[[], Any], 
             lost(beside, "allreduce", EXCHANGE_BYTES),
             lost(beside, "allgather", EXCHANGE_BYTES),
         )
-    small, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES)
-    bandwidth = (INSIDE_BYTES[1] - INSIDE_BYTES[0]) / max(large - small, 1e-9)
-    link = Link(bandwidth, max(0.0, small - INSIDE_BYTES[0] / bandwidth))
+    message, medium, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES)
+    bandwidth = (INSIDE_BYTES[2] - INSIDE_BYTES[1]) / max(large - medium, 1e-9)
+    link = Link(bandwidth, max(0.0, message - INSIDE_BYTES[0] / bandwidth))
     return CpuRanks(link, lost(inside, "reduce", INSIDE_BYTES), lost(inside, "broadcast", INSIDE_BYTES), exchange)
 
 

@@ -268,7 +268,7 @@ def _between(line: str, start: str, end: str) -> str:
 
 
 def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_takes(monkeypatch):
-    """Broadcasts alone of 4 and 32 MB taking 1 ms + n / (2 GB/s): a link of 2 GB/s and 1 ms. What
+    """Broadcasts alone of 4 KB, 4 MB and 32 MB taking 1 ms + n / (2 GB/s): a link of 2 GB/s and 1 ms. What
     the node's reduce and broadcast, and the exchanges over all ranks and across nodes, take from the
     step beside them is kept as a curve through zero; one node has no exchange across."""
     lost_per_byte = {("node", "reduce"): 4e-9, ("node", "broadcast"): 1e-9, ("world", "allreduce"): 2e-9}
