@@ -194,8 +194,8 @@ class CpuRanks:
     exchange: dict[tuple[str, bool], Cost]
 
 
-#: sizes of the collectives measured for :class:`CpuRanks`, bytes per rank: a message of a few bytes and a
-#: node's dense bucket; a payload exchanged (smaller: an allgather's ranks each receive all the others')
+#: sizes of the collectives measured for :class:`CpuRanks`, bytes per rank: a small message and a node's
+#: dense buckets; a payload exchanged (smaller: an allgather's ranks each receive all the others')
 INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
 EXCHANGE_BYTES = [1 << 20, 8 << 20]
 
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     cpu = None
     if measure:
         cpu = measure_cpu_ranks(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
-    if cpu is not None:  # a message between nodes also waits for its CPU ranks, as one inside does
+        # a message between nodes also waits for its CPU ranks, as one inside does
         inter = Link(inter.bandwidth, inter.latency + cpu.link.latency)
     topology = Topology(args.nodes, args.ranks_per_node, cpu.link if cpu else intra, inter)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
