@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .hierarchy import node_groups
+
 #: the collectives: the hierarchy's reduce onto a group's first rank and broadcast from it, and the
 #: exchanges' allreduce and allgather
 COLLECTIVES = ("reduce", "broadcast", "allreduce", "allgather")
@@ -134,23 +136,17 @@ def on_node_ranks(
     return [results[rank] for rank in range(world_size)]
 
 
-def _span_groups(span: str, world_size: int, per_node: int) -> list[list[int]]:
-    """The ranks of each group of a span (:data:`SPANS`), ranks numbered node by node."""
-    nodes = world_size // per_node
-    if span == "node":
-        return [[n * per_node + local for local in range(per_node)] for n in range(nodes)]
-    if span == "across":
-        return [[n * per_node + local for n in range(nodes)] for local in range(per_node)]
-    return [list(range(world_size))]
-
-
 def _rank(rank: int, world_size: int, per_node: int, span: str, init_file: str, work: Callable, queue: Any) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        spans = _span_groups(span, world_size, per_node)
-        group = dist.new_subgroups_by_enumeration(spans)[0] if len(spans) > 1 else dist.group.WORLD
-        result = work(group, next(ranks[0] for ranks in spans if rank in ranks))
+        groups = node_groups(per_node)
+        group, root = {
+            "node": (groups.intra, groups.rank_of(0)),
+            "across": (groups.inter, groups.local_rank),
+            "world": (dist.group.WORLD, 0),
+        }[span]
+        result = work(group, root)
         dist.destroy_process_group()
         queue.put((rank, result, None))
     except Exception as error:  # noqa: BLE001 - handed to on_node_ranks(), which raises it with the rank
