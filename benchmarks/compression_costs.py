@@ -90,7 +90,7 @@ def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[f
     for run in range(runs + 1):  # the first run warms up
         total, sent = 0.0, 0
         for bucket, flat in zip(buckets, flats):
-            *seconds, nbytes = time_exchange(c.compressor, c.memory, c.communicator, flat, bucket)
+            *seconds, nbytes, _ = time_exchange(c.compressor, c.memory, c.communicator, flat, bucket)
             total, sent = total + sum(seconds), sent + nbytes
         if run:
             totals.append(total)

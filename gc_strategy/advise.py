@@ -51,10 +51,10 @@ from . import overlap
 from .advise_plots import check_can_plot, plot_predictions, plot_projection
 from .autotune import sample_ranges
 from .bucket import Bucket
-from .communicators import Communicator, Exchange, Payload, Round, RunningExchange
+from .communicators import EAGER_AFTER_BYTES, Communicator, Exchange, Payload, Round, RunningExchange
 from .components import build_components, parse_options
 from .fusion.plans import AutoPlan
-from .fusion.timeline import Cost, CostModel, best_plan, simulate
+from .fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
 from .hierarchy import check_hierarchy
 
@@ -66,7 +66,7 @@ BASELINE = "compressor=bf16"
 class Replicas(Communicator):
     """``world_size`` ranks that all hold this rank's payload, and no network: an allgather returns
     ``world_size`` copies, an allreduce the payload times ``world_size``. Counts its rounds (a
-    variable-size gather also exchanges its lengths first)."""
+    variable-size gather also exchanges its lengths first, in an eager round)."""
 
     def __init__(self, world_size: int, sums: bool) -> None:
         super().__init__()
@@ -76,12 +76,13 @@ class Replicas(Communicator):
         """Stands for its own ranks: there is no process group to bind."""
 
     def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
-        self.rounds += 1 + (variable_size and not self.sums)
+        handshake = variable_size and not self.sums
+        self.rounds += 1 + handshake
         nbytes = sum(t.numel() * t.element_size() for t in payload)
         if self.sums:
             return (yield Round([], lambda: [t.mul_(self.world_size) for t in payload], nbytes, eager))
         copies = [t.contiguous().view(-1) for t in payload]
-        return (yield Round([], lambda: [copies] * self.world_size, nbytes, eager))
+        return (yield Round([], lambda: [copies] * self.world_size, nbytes, eager or handshake))
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Profile:
     payload_bytes: tuple[float, ...]  # sent by one rank
     rounds: int
     sums: bool
+    eager: bool  # a round waits for a later bucket's launch to be advanced
 
 
 def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: int) -> Profile:
@@ -123,10 +125,10 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
             running.finish()
             if run:
                 runs.append((running.encode_s, running.between_s, running.decode_s, running.sent_bytes))
-            rounds = replicas.rounds
+            rounds, eager = replicas.rounds, running.eager
         rows.append((bucket.numel, *(statistics.median(column) for column in zip(*runs))))
     sizes, encode, between, decode, payload = zip(*rows)
-    return Profile(options, sizes, encode, between, decode, payload, rounds, sums)
+    return Profile(options, sizes, encode, between, decode, payload, rounds, sums, eager)
 
 
 @dataclass(frozen=True)
@@ -239,37 +241,43 @@ def predict(
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
     ``groups`` (tensors per bucket; None: the plan that ``fusion="auto"`` searches, the model's best),
-    with encode and decode times times ``codec_scale``. On ``cpu`` ranks the collectives also take
-    compute time. The exchange's is work between rounds: it holds the bucket's exchange (gloo adds
-    what a ring step received before it sends it on) and takes the device's time, the whole of it on
-    each rank when flat; with ``hierarchy="node"`` each rank does it for the buckets it owns, ``1/L``
-    of them. The collectives inside a node take the compute's time instead of the link's: each
-    bucket's reduce is device time before its launch, its broadcast device time with the decodes."""
+    with encode and decode times times ``codec_scale``. With ``hierarchy="node"`` each bucket is coded
+    by its owner alone, and the step is the latest rank's (:class:`~gc_strategy.fusion.timeline.Node`).
+    On ``cpu`` ranks the collectives also take compute time. The exchange's is work between rounds on
+    the rank that exchanges the bucket (its owner): it holds the bucket's exchange (gloo adds what a
+    ring step received before it sends it on) and takes that rank's device time. The collectives
+    inside a node take every rank's compute instead of the link's: the bucket's reduce before its
+    launch, its broadcast with the decodes."""
     hierarchy = profile.options.get("hierarchy", "flat")
-    owners = topology.ranks_per_node if hierarchy == "node" else 1
-    share = codec_scale / owners
     dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
     on_device = cpu is not None and hierarchy == "node"
     span = "across" if hierarchy == "node" else "world"
-    network, before, held, after = [], [], [], []
-    for n, payload in zip(profile.sizes, profile.payload_bytes):
+    link, between, reduce, broadcast = [], [], [], []
+    for n, payload, work in zip(profile.sizes, profile.payload_bytes, profile.between_s):
         dense = dense_bytes_per_element * n
-        hold = cpu.exchange[span, profile.sums](payload) if cpu is not None else 0.0
-        link = exchange_seconds(topology, hierarchy, profile.sums, dense, payload, profile.rounds, not on_device)
-        network.append(link + (1 - 1 / owners) * hold)  # the whole hold on the link, 1 / L of it on each rank
-        held.append(hold / owners)
-        before.append(cpu.reduce(dense) if on_device else 0.0)
-        after.append(cpu.broadcast(dense) if on_device else 0.0)
+        held = cpu.exchange[span, profile.sums](payload) if cpu is not None else 0.0
+        link.append(exchange_seconds(topology, hierarchy, profile.sums, dense, payload, profile.rounds, not on_device))
+        between.append(held + codec_scale * work)
+        reduce.append(cpu.reduce(dense) if on_device else 0.0)
+        broadcast.append(cpu.broadcast(dense) if on_device else 0.0)
+    sizes = profile.sizes
     model = CostModel(
         compute.ready,
         tuple(numels),
-        Cost.measured(profile.sizes, [r + share * t for r, t in zip(before, profile.encode_s)]),
-        Cost.measured(profile.sizes, network),
-        Cost.measured(profile.sizes, [b + share * t for b, t in zip(after, profile.decode_s)]),
+        Cost.measured(sizes, [codec_scale * t for t in profile.encode_s]),
+        Cost.measured(sizes, link),
+        Cost.measured(sizes, [codec_scale * t for t in profile.decode_s]),
         compute.other,
-        Cost.measured(profile.sizes, [h + share * t for h, t in zip(held, profile.between_s)]),
+        Cost.measured(sizes, between),
+        # fp32 buckets; the node's reduce is an eager round, so every hierarchical exchange waits
+        EAGER_AFTER_BYTES / 4 if profile.eager or hierarchy == "node" else None,
     )
-    return simulate(model, groups) if groups is not None else best_plan(model)[1]
+    node = None
+    if hierarchy == "node":
+        node = Node(topology.ranks_per_node, Cost.measured(sizes, reduce), Cost.measured(sizes, broadcast))
+    if groups is None:
+        groups = best_plan(node.mean(model) if node else model)[0]
+    return simulate(model, groups, node)
 
 
 def advise(
@@ -416,6 +424,7 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
                     profiled.payload_bytes,
                     profiled.rounds,
                     profiled.sums,
+                    profiled.eager,
                 )
                 times[spec] = predict(gpu, numels, plans[spec], compute, topology, 1.0)
             seconds[rate, count] = times

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .bucket import Bucket
-from .communicators import COMMUNICATORS, Communicator, RunningExchange
+from .communicators import COMMUNICATORS, EAGER_AFTER_BYTES, Communicator, RunningExchange
 from .fusion.plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .fusion.timeline import Cost, CostModel, best_plan, simulate
 from .hierarchy import NodeGroups, node_exchange
@@ -189,7 +189,7 @@ class AutoTuner:
         engine = self.engine
         start = time.perf_counter()
         numels = [engine.parameter(name).numel() for name in engine.order]
-        sizes, costs = measure_costs(engine, numels, self._gradients)
+        sizes, costs, eager = measure_costs(engine, numels, self._gradients)
         self._gradients = {}
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
@@ -197,8 +197,16 @@ class AutoTuner:
         encode, communicator, decode, between, fp32, bf16 = (
             Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(6, -1).tolist()
         )
+        element = engine.parameter(engine.order[0]).element_size()
         self._model = CostModel(
-            tuple(ready), tuple(numels), encode, communicator, decode, other=max(other, 0.0), between=between
+            tuple(ready),
+            tuple(numels),
+            encode,
+            communicator,
+            decode,
+            other=max(other, 0.0),
+            between=between,
+            advance_at=EAGER_AFTER_BYTES / element if eager else None,
         )
         self._baselines = {"fp32": fp32, "bf16": bf16}
         nbytes = engine.tensor_nbytes(engine.order)
@@ -363,12 +371,13 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
 
 def measure_costs(
     engine: Synchronizer, numels: list[int], gradients: dict[str, Tensor]
-) -> tuple[list[int], torch.Tensor]:
+) -> tuple[list[int], torch.Tensor, bool]:
     """Bucket sizes (elements) and, on this rank, ``[6, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) and the work between
     rounds (PowerSGD's orthogonalisation) of this synchroniser's roles, and an fp32 and a bf16
     allreduce of the same bucket over all ranks (the uncompressed baselines), on samples cut from
-    ``gradients`` (flat local gradients by parameter name; zeros where one is missing).
+    ``gradients`` (flat local gradients by parameter name; zeros where one is missing); and whether
+    the exchange has an eager round (then it waits for the engine to advance it).
 
     With ``hierarchy="node"`` each sample runs the whole :func:`~gc_strategy.hierarchy.node_exchange`,
     owned by local rank 0 of every node. Its communication is the owner's time from the reduce inside
@@ -400,17 +409,19 @@ def measure_costs(
         bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
         samples.append((bucket, gradient[offsets[a] : offsets[b]]))
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
+    eager = engine.nodes is not None  # the node's reduce is an eager round
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
             if engine.nodes is None:
-                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)[:4]
+                *ours, _, waits = time_exchange(compressor, memory, engine.communicator, flat, bucket)
+                eager = eager or waits
             else:
-                ours = (*time_node_exchange(engine, compressor, memory, flat, bucket), 0.0)
+                ours = [*time_node_exchange(engine, compressor, memory, flat, bucket), 0.0]
             baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[1] for p in ("fp32", "bf16")]
             if run:
                 timed.append([*ours, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
-    return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T
+    return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T, eager
 
 
 def time_node_exchange(
@@ -444,11 +455,12 @@ def _clock(flat: Tensor) -> Callable[[], float]:
 
 def time_exchange(
     compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
-) -> tuple[float, float, float, float, int]:
+) -> tuple[float, float, float, float, int, bool]:
     """(encode, communication, decode, between) seconds of one bucket's exchange, all ranks of the
-    communicator's group starting together (``memory`` may be None), and the bytes it sent; the
-    exchange runs as the engine runs it (the memory's :meth:`~gc_strategy.algos.base.Memory.exchange`
-    driven by a :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
+    communicator's group starting together (``memory`` may be None), the bytes it sent and whether
+    a round was eager; the exchange runs as the engine runs it (the memory's
+    :meth:`~gc_strategy.algos.base.Memory.exchange` driven by a
+    :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
     compensation, communication every round, decode the last combine and the memory's update,
     between the work between rounds. ``flat`` is left as it was."""
     memory = memory if memory is not None else MEMORIES.build("none")
@@ -457,4 +469,4 @@ def time_exchange(
         dist.barrier(group=communicator.group)
     running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
     running.finish()
-    return running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes
+    return running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes, running.eager

@@ -29,6 +29,10 @@ from torch import Tensor
 from .registry import Option, Registry
 
 Payload = list[Tensor]
+#: eager rounds are advanced after the launch of a bucket of at least this size (or at the end of
+#: backward): a smaller one's gradients and encode give the round too little time to arrive, and
+#: waiting for it would stall backward
+EAGER_AFTER_BYTES = 1 << 20
 
 
 class Round:
@@ -77,7 +81,8 @@ class RunningExchange:
     current round and runs the generator to the next one (or to its end, when ``result`` holds what
     it returned). The host time of each part is kept: ``encode_s`` up to the first round,
     ``between_s`` between rounds, ``wait_s`` waiting for rounds, ``decode_s`` after the last; and
-    what the rounds sent (``node_bytes`` for rounds inside a node, ``sent_bytes`` for the rest).
+    what the rounds sent (``node_bytes`` for rounds inside a node, ``sent_bytes`` for the rest),
+    and whether one was ``eager`` (the rest of the exchange then waits for the engine to advance it).
     ``clock`` reads the time (one that synchronises a device measures its work too)."""
 
     def __init__(self, exchange: Exchange, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -86,6 +91,7 @@ class RunningExchange:
         self.result: Any = None
         self.between_s = self.wait_s = self.decode_s = self.collective_s = 0.0
         self.sent_bytes = self.node_bytes = self.collectives = 0
+        self.eager = False
         start = clock()
         self.round: Round | None = next(exchange)
         self.encode_s = clock() - start
@@ -112,6 +118,7 @@ class RunningExchange:
         else:
             self.sent_bytes += current.nbytes
         self.collectives += len(current.works)
+        self.eager = self.eager or current.eager
         try:
             self.round = self.exchange.send(value)
             self.between_s += self.clock() - resumed

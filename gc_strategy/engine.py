@@ -61,17 +61,14 @@ from torch import Tensor, nn
 from .algos.base import Compressor, Memory
 from .autotune import AutoTuner
 from .bucket import Bucket
-from .communicators import Communicator, RunningExchange
+from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.plans import write_plan_file
-from .hierarchy import NodeGroups, bucket_owners, check_hierarchy, gather_node_state, node_exchange, node_groups
+from .fusion.timeline import bucket_owners
+from .hierarchy import NodeGroups, check_hierarchy, gather_node_state, node_exchange, node_groups
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
-#: eager rounds are advanced after the launch of a bucket of at least this size (or at the end of
-#: backward): a smaller one's gradients and encode give the round too little time to arrive, and
-#: waiting for it would stall backward
-EAGER_AFTER_BYTES = 1 << 20
 
 
 class _Job:

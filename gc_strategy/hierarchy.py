@@ -123,18 +123,6 @@ def node_groups(ranks_per_node: Any, node_rank: int | None = None, local_rank: i
     return NodeGroups(nodes, ranks_per_node, rank // ranks_per_node, rank % ranks_per_node, intra, inter)
 
 
-def bucket_owners(nbytes: list[int], ranks_per_node: int) -> list[int]:
-    """The local rank that compresses each bucket: in bucket order, each to the local rank with the
-    fewest bytes so far (the lowest such rank on a tie). The same on every rank."""
-    load = [0] * ranks_per_node
-    owners = []
-    for size in nbytes:
-        owner = min(range(ranks_per_node), key=lambda local: (load[local], local))
-        load[owner] += size
-        owners.append(owner)
-    return owners
-
-
 def gather_node_state(
     groups: NodeGroups, state: dict[str, dict[str, Tensor]], shapes: dict[str, torch.Size], device: torch.device
 ) -> dict[str, dict[str, Tensor]]:

@@ -10,7 +10,7 @@ import torch
 
 from gc_strategy import advise, advise_plots, overlap
 from gc_strategy.advise import Compute, CpuRanks, Profile, Replicas, predict, profile, recommendation
-from gc_strategy.communicators import RunningExchange
+from gc_strategy.communicators import EAGER_AFTER_BYTES, RunningExchange
 from gc_strategy.fusion.timeline import Cost
 from gc_strategy.fusion.topology import Link, Topology
 
@@ -39,12 +39,18 @@ def test_profiles_count_the_bytes_each_compressor_sends():
     assert topk.payload_bytes[-1] == pytest.approx(8 * kept, rel=0.1)
     powersgd = profile({"compressor": "powersgd", "rank": 2, "start_iter": 0}, SHAPES, 4)
     assert powersgd.rounds == 2  # P, then Q
+    dgc = profile({"compressor": "dgc", "memory": "residual"}, SHAPES, 4)
+    assert dgc.rounds == 2  # the lengths, then the payloads
+    assert powersgd.eager and dgc.eager  # P, and a variable-size gather's lengths, are eager rounds
+    assert not (none.eager or topk.eager)  # one round, and a fixed size
     assert all(t >= 0 for t in powersgd.encode_s + powersgd.decode_s + powersgd.between_s)
 
 
 def test_a_one_bucket_prediction_is_the_timeline_written_out():
     sizes = (100, 1000)
-    measured = Profile({"compressor": "x"}, sizes, (0.01, 0.02), (0.0, 0.005), (0.03, 0.04), (400, 4000), 2, True)
+    measured = Profile(
+        {"compressor": "x"}, sizes, (0.01, 0.02), (0.0, 0.005), (0.03, 0.04), (400, 4000), 2, True, False
+    )
     compute = Compute(ready=(0.0, 0.1, 0.2), other=0.05)
     topology = Topology(2, 2, Link(1e9, 0.0), Link(1e6, 1e-3))
     numels = [300, 300, 400]
@@ -52,11 +58,12 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     encode, decode = 2 * 0.02, 2 * 0.04
     network = 2 * 3 * (2 * 1e-3 + 4000 / 4 / 1e6) + 2 * 0.005  # flat allreduce over 4 ranks at 1 MB/s, 2 rounds
     assert step == pytest.approx(0.05 + 0.2 + encode + network + decode)
-    # each of a node's 2 ranks encodes and decodes half the buckets: codec times 2 / 2
+    # one bucket: its owner encodes and decodes all of it, and its work between rounds (codec times 2)
+    # holds the exchange; it is launched when backward ends, so waiting for a later launch costs nothing
     node_step = predict(replace(measured, options={"hierarchy": "node"}), numels, [3], compute, topology, 2.0)
     inside = 2 * (2 * 1 * 4000 / (2 * 1e9))  # reduce onto the owner and broadcast back, dense fp32
     across = 2 * 1 * (2 * 1e-3 + 4000 / (2 * 1e6))  # allreduce over the 2 nodes, 2 rounds
-    assert node_step == pytest.approx(0.05 + 0.2 + 0.02 + inside + across + 0.005 + 0.04)
+    assert node_step == pytest.approx(0.05 + 0.2 + encode + inside + across + 2 * 0.005 + decode)
     # node_precision="bf16": the same, with half the bytes inside the node
     bf16 = replace(measured, options={"hierarchy": "node", "node_precision": "bf16"})
     bf16_step = predict(bf16, numels, [3], compute, topology, 2.0)
@@ -67,17 +74,20 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     reduce, broadcast = Cost.linear(0.0, 1e-5), Cost.linear(0.0, 2e-6)
     on_cpu = CpuRanks(Link(1e9, 0.0), reduce, broadcast, no_exchange)
     cpu_step = predict(replace(measured, options={"hierarchy": "node"}), numels, [3], compute, topology, 2.0, on_cpu)
-    assert cpu_step == pytest.approx(0.05 + 0.2 + 0.02 + 1e-5 * 4000 + across + 0.005 + 0.04 + 2e-6 * 4000)
+    assert cpu_step == pytest.approx(0.05 + 0.2 + 1e-5 * 4000 + encode + across + 0.01 + decode + 2e-6 * 4000)
     assert predict(measured, numels, [3], compute, topology, 2.0, on_cpu) == pytest.approx(step)  # flat: no node
 
 
 def test_on_cpu_ranks_an_exchange_holds_its_bucket_and_takes_the_compute_of_its_owner():
     """The exchange's compute on CPU ranks, 1 µs per byte over all ranks and 3 µs across nodes:
-    device time that holds the bucket's exchange. Two buckets of 4000 and 1000 bytes on a free link,
-    so the step is the device's: flat, every rank does both exchanges; with the hierarchy, each of a
-    node's 2 ranks does the one it owns (half of both, on average), while the whole of each holds
-    its bucket's exchange."""
-    measured = Profile({"compressor": "x"}, (100, 1000), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (400, 4000), 1, True)
+    device time that holds the bucket's exchange. Two buckets of 4000 and 1000 payload bytes on a
+    free link: flat, every rank does both exchanges, the first while backward goes on. With the
+    hierarchy the node's reduce is an eager round, and neither bucket is large enough for its
+    launch to advance the rounds waiting (``EAGER_AFTER_BYTES``): both exchanges wait for the end of
+    backward and hold the network in turn, each for the whole of its owner's work."""
+    measured = Profile(
+        {"compressor": "x"}, (100, 1000), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (400, 4000), 1, True, False
+    )
     compute = Compute(ready=(0.0, 0.1, 0.2), other=0.05)
     free = Topology(2, 2, Link(1e15, 0.0), Link(1e15, 0.0))
     exchange = {
@@ -90,20 +100,37 @@ def test_on_cpu_ranks_an_exchange_holds_its_bucket_and_takes_the_compute_of_its_
     flat = predict(measured, numels, [2, 1], compute, free, 1.0, on_cpu)
     assert flat == pytest.approx(0.05 + 0.2 + 1e-6 * (4000 + 1000))
     node = predict(replace(measured, options={"hierarchy": "node"}), numels, [2, 1], compute, free, 1.0, on_cpu)
-    assert node == pytest.approx(0.05 + 0.2 + 3e-6 * (4000 + 1000) / 2)
-    # a slow link: the first bucket's exchange (0.1 + 0.04 + 0.012 s) ends before backward, and the
-    # last one, launched when backward ends, is held by the whole of its owner's work
+    assert node == pytest.approx(0.05 + 0.2 + 3e-6 * (4000 + 1000))
+    # a slow link: each bucket's allreduce over the 2 nodes, after the end of backward, one after the other
     slow = Topology(2, 2, Link(1e15, 0.0), Link(1e5, 0.0))
-    link = 2 * 1 * 1000 / (2 * 1e5)  # the last bucket's allreduce over the 2 nodes
+    link = 2 * 1 * (4000 + 1000) / (2 * 1e5)
     node = predict(replace(measured, options={"hierarchy": "node"}), numels, [2, 1], compute, slow, 1.0, on_cpu)
-    assert node == pytest.approx(0.05 + 0.2 + link + 3e-6 * 1000)
+    assert node == pytest.approx(0.05 + 0.2 + link + 3e-6 * (4000 + 1000))
+
+
+def test_an_exchange_with_an_eager_round_waits_for_a_later_large_launch():
+    """An exchange whose round is eager (a gather's length handshake, PowerSGD's P, the node's
+    reduce) goes on when the engine advances it: at the launch of a later bucket of at least
+    ``EAGER_AFTER_BYTES``, or at the end of backward. Two fp32 buckets of 1 MiB each, ready at 0 and
+    0.1 s, with free codecs: the first bucket's exchange overlaps backward only if it does not wait."""
+    quarter = EAGER_AFTER_BYTES // 4  # elements of a 1 MiB fp32 bucket
+    measured = Profile(
+        {"compressor": "x"}, (100, 1000), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0), (400, 4000), 1, True, False
+    )
+    topology = Topology(2, 2, Link(1e15, 0.0), Link(1e8, 0.0))
+    alone = predict(measured, [quarter], [1], Compute(ready=(0.0,), other=0.0), topology, 1.0)  # one exchange
+    assert 0 < alone < 0.1
+    compute = Compute(ready=(0.0, 0.1), other=0.0)
+    assert predict(measured, [quarter] * 2, [1, 1], compute, topology, 1.0) == pytest.approx(0.1 + alone)
+    waiting = replace(measured, eager=True)
+    assert predict(waiting, [quarter] * 2, [1, 1], compute, topology, 1.0) == pytest.approx(0.1 + 2 * alone)
 
 
 def test_the_work_between_rounds_is_device_time():
     """PowerSGD orthogonalises between its rounds on the device that computes: with a free network,
     two buckets take the backward plus every encode, work between rounds and decode."""
     encode, between, decode = (0.01, 0.02), (0.005, 0.014), (0.03, 0.04)
-    measured = Profile({"compressor": "x"}, (100, 1000), encode, between, decode, (400, 4000), 2, True)
+    measured = Profile({"compressor": "x"}, (100, 1000), encode, between, decode, (400, 4000), 2, True, False)
     compute = Compute(ready=(0.0, 0.1, 0.2), other=0.05)
     free = Topology(2, 2, Link(1e15, 0.0), Link(1e15, 0.0))
     step = predict(measured, [300, 300, 400], [1, 2], compute, free, codec_scale=1.0)
@@ -119,7 +146,9 @@ def test_fusion_auto_is_predicted_with_the_best_plan_of_every_cut():
     """With ``fusion=auto`` the prediction is the synchroniser's search: the least simulated step over
     all 4 ways to cut 3 tensors, enumerated here."""
     sizes = (100, 1000)
-    measured = Profile({"compressor": "x"}, sizes, (0.01, 0.02), (0.0, 0.0), (0.001, 0.002), (400, 4000), 1, True)
+    measured = Profile(
+        {"compressor": "x"}, sizes, (0.01, 0.02), (0.0, 0.0), (0.001, 0.002), (400, 4000), 1, True, False
+    )
     compute = Compute(ready=(0.0, 0.05, 0.1), other=0.05)
     topology = Topology(2, 1, Link(1e9, 0.0), Link(1e6, 1e-4))
     numels = [300, 300, 400]

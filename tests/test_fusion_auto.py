@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from models import SmallCNN
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.fusion import AutoPlan, Cost, CostModel, FilePlan, best_plan, parse_fusion, simulate
+from gc_strategy.fusion.timeline import Node
 
 FREE = Cost.linear(0.0, 0.0)
 
@@ -37,9 +39,10 @@ def random_curve(rng: random.Random, scale: float, flat: float) -> Cost:
     return Cost.measured(sizes, list(itertools.accumulate(steps)))
 
 
+@pytest.mark.parametrize("advance_at", [None, 60_000])
 @pytest.mark.parametrize("flat", [0.0, 0.5])
 @pytest.mark.parametrize("seed", range(40))
-def test_search_matches_exhaustive_enumeration(seed, flat):
+def test_search_matches_exhaustive_enumeration(seed, flat, advance_at):
     rng = random.Random(seed)
     count = rng.randint(1, 12)
     ready = sorted(rng.uniform(0, 0.1) for _ in range(count))
@@ -51,6 +54,7 @@ def test_search_matches_exhaustive_enumeration(seed, flat):
         random_curve(rng, 0.01, flat),
         other=rng.uniform(0, 0.1),
         between=random_curve(rng, 0.01, flat) if seed % 2 else FREE,
+        advance_at=advance_at,
     )
     exhaustive = min(simulate(model, plan) for plan in all_plans(count))
     groups, predicted = best_plan(model)
@@ -88,6 +92,49 @@ def test_work_between_rounds_occupies_the_device_and_delays_the_next_round():
     fast = CostModel(slow.ready, slow.numels, slow.encode, Cost.linear(0.01, 0.0), slow.decode, 3.0, slow.between)
     assert simulate(fast, [2, 1]) == pytest.approx(7.2)
     assert CostModel.from_dict(fast.to_dict()) == fast
+
+
+def test_an_exchange_waiting_on_an_eager_round_starts_at_a_later_large_launch():
+    # the model above, one tensor per bucket: buckets of 10, 20 and 30 elements launch at 0.2, 1.5, 2.9
+    model = CostModel(
+        (0.0, 1.0, 2.0), (10, 20, 30), Cost.linear(0.1, 0.01), Cost.linear(1.0, 0.1), Cost.linear(0.5, 0.0), other=3.0
+    )
+    # at once: communicators end at 0.2 + 2 = 2.2, 2.2 + 3 = 5.2, 5.2 + 4 = 9.2; + last decode 0.5 + other 3
+    assert simulate(model, [1, 1, 1]) == pytest.approx(12.7)
+    # buckets of 15 elements or more advance the waiting ones: the first goes at 1.5 (ends 3.5), the
+    # second at 2.9 (ends 6.5), the last at the end of backward (2.9): ends 10.5
+    assert simulate(replace(model, advance_at=15), [1, 1, 1]) == pytest.approx(14.0)
+    # only the last bucket advances: the first two go at 2.9 (end 4.9, 7.9), the last after them (11.9)
+    assert simulate(replace(model, advance_at=25), [1, 1, 1]) == pytest.approx(15.4)
+    assert CostModel.from_dict(replace(model, advance_at=25).to_dict()).advance_at == 25
+
+
+def test_on_a_node_each_bucket_is_coded_by_its_owner_and_the_step_is_the_latest_ranks():
+    # the model above, one tensor per bucket, on a node of 2 ranks that each reduce 1 ms per element
+    # and broadcast in 0.05 s; the buckets of 10, 20, 30 elements are owned by ranks 0, 1, 0
+    model = CostModel(
+        (0.0, 1.0, 2.0), (10, 20, 30), Cost.linear(0.1, 0.01), Cost.linear(1.0, 0.1), Cost.linear(0.5, 0.0), other=3.0
+    )
+    node = Node(2, Cost.linear(0.0, 0.001), Cost.linear(0.05, 0.0))
+    # rank 0: reduces 0.01 + encode 0.2, 0.02, 0.03 + encode 0.4 -> launches at 0.21 and 2 + 0.66;
+    # rank 1: 0.01, 0.02 + encode 0.3 -> launch 1 + 0.33. Communicators end 2.21, 5.21, 9.21;
+    # + the owner's decode 0.5 + the broadcast 0.05 + other 3
+    assert simulate(model, [1, 1, 1], node) == pytest.approx(12.76)
+    # a cheap network: rank 0's device, backward 2 + 0.66 + its decodes 1.0 + three broadcasts 0.15, + other 3
+    cheap = CostModel(model.ready, model.numels, model.encode, Cost.linear(0.01, 0.0), model.decode, 3.0)
+    assert simulate(cheap, [1, 1, 1], node) == pytest.approx(6.81)
+    # the plan search's costs: each rank's mean
+    mean = node.mean(cheap)
+    for n in (5, 20, 100):
+        assert mean.encode(n) == pytest.approx(0.001 * n + (0.1 + 0.01 * n) / 2)
+        assert mean.decode(n) == pytest.approx(0.05 + 0.5 / 2)
+        assert mean.comm(n) == pytest.approx(0.01)
+
+
+def test_costs_add_exactly():
+    a, b = Cost.measured([10, 100], [1.0, 2.0]), Cost.measured([50, 200, 400], [0.5, 0.7, 3.0])
+    for n in (0, 10, 30, 50, 99, 150, 300, 400, 1000):
+        assert (a + b)(n) == pytest.approx(a(n) + b(n))
 
 
 def test_free_network_gives_one_bucket():
@@ -130,14 +177,15 @@ def test_measured_costs_that_fall_as_the_size_grows_are_pooled():
     assert Cost.measured([1, 2, 3], [1.0, 2.0, 4.0]).seconds == (1.0, 2.0, 4.0)
 
 
+@pytest.mark.parametrize("columns", [3, 4])
 @pytest.mark.parametrize("chunk", [3, 128])
-def test_pareto_keeps_exactly_the_undominated_rows(chunk):
+def test_pareto_keeps_exactly_the_undominated_rows(chunk, columns):
     """Against the definition, on labels with many ties (a row equal to an earlier one is dropped)
     and more rows than one chunk."""
     from gc_strategy.fusion.timeline import _pareto
 
     rng = np.random.default_rng(chunk)
-    labels = rng.integers(0, 6, size=(400, 3)).astype(float)
+    labels = rng.integers(0, 6, size=(400, columns)).astype(float)
     kept = set(_pareto(labels).tolist())
     for i, row in enumerate(labels):
         dominated = any(
@@ -252,6 +300,21 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
     for name, want in zip(names, expected):
         torch.testing.assert_close(seen["gradients"][name], want.flatten())
     assert (model.conv1.weight.grad == 0).float().mean() > 0.5  # the averages are sparse: not what was timed
+
+
+@pytest.mark.parametrize("compressor, waits", [("powersgd", True), ("none", False)])
+def test_the_planner_knows_which_exchanges_wait_for_an_eager_round(compressor, waits):
+    """PowerSGD's P is an eager round: its Q waits for the engine to advance it, and the searched
+    plan's model says so (the sizes of the buckets whose launch advances it, in elements)."""
+    from gc_strategy.communicators import EAGER_AFTER_BYTES
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    c = build_components(compressor, "none", fusion="auto:1")
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    while engine.tuner.phase != "done":
+        _train(model, engine, 1)
+    assert engine.plan_report["cost_model"]["advance_at"] == (EAGER_AFTER_BYTES / 4 if waits else None)
 
 
 def _auto_plans_agree_and_survive(rank, world_size, plan_path):

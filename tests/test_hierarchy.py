@@ -12,7 +12,7 @@ from models import SmallCNN
 
 from gc_strategy import COMPRESSORS, GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
-from gc_strategy.hierarchy import bucket_owners
+from gc_strategy.fusion.timeline import bucket_owners
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 
