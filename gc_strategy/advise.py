@@ -31,8 +31,8 @@ priced with that compute as well (:func:`predict`).
 The compute time of a step at the target (forward, backward, optimizer: everything but
 synchronisation) is given (``--compute-s``), or measured here. Encode and decode run on the same
 device as the compute and are scaled with it: by ``compute_s / (the step measured here)``, which is
-1 when the target is this device. With ``hierarchy="node"`` each rank encodes and decodes its share
-of the buckets, ``1/L`` of them, for the ``N`` nodes.
+1 when the target is this device. With ``hierarchy="node"`` each bucket is encoded and decoded by
+its owner, one rank of each node, for the ``N`` nodes.
 """
 
 from __future__ import annotations
