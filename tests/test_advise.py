@@ -202,6 +202,13 @@ def test_the_recommendation_is_the_fastest_only_where_it_pays():
         {"configuration": "compressor=topk", "predicted step (s)": 0.5, "speedup vs bf16 allreduce": 2.0},
     ]
     assert recommendation(rows).startswith("compress: compressor=topk (2.00x")
+    assert "tie" not in recommendation(rows)
+    close = {"configuration": "compressor=powersgd", "predicted step (s)": 0.505, "speedup vs bf16 allreduce": 1.98}
+    assert recommendation([*rows, close]).endswith(
+        "a tie within 2% (the model's run-to-run spread is larger), measure: compressor=powersgd"
+    )
+    far = {**close, "predicted step (s)": 0.515}
+    assert "tie" not in recommendation([*rows, far])
     rows[1].update({"predicted step (s)": 0.98, "speedup vs bf16 allreduce": 1.02})
     assert recommendation(rows).startswith("do not compress")
 

@@ -20,8 +20,10 @@ An exchange with an eager round (:class:`~gc_strategy.communicators.Round`: a va
 gather's lengths, PowerSGD's P, the node's reduce of ``hierarchy="node"``) goes on only when the
 engine advances it: at the launch of a later bucket of at least ``EAGER_AFTER_BYTES``, or at the end
 of backward. With ``CostModel.advance_at`` (that size in elements) its collective runs from
-``max(A_b, C_{b-1})`` instead, ``A_b`` that launch (the whole of it: a first round is small or, for
-PowerSGD, short). With few large buckets this decides whether the exchanges overlap backward.
+``max(A_b, C_{b-1})`` instead, ``A_b`` that launch: all of it, which is exact where the first
+round is a length handshake, near it for the node's reduce (device time on CPU ranks, a fast link
+otherwise) and pessimistic for PowerSGD, whose P (about half its bytes) goes at the bucket's own
+launch. With few large buckets this decides whether the exchanges overlap backward.
 
 With ``hierarchy="node"`` the ``L`` ranks of a node share the buckets (:class:`Node`): bucket ``b``
 has one owner ``o(b)`` (:func:`bucket_owners`), which alone encodes it, does its work between rounds
