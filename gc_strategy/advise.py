@@ -425,16 +425,11 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
                     per_element * n / 2 + gathered * (ranks - 1) * b / H100_MEMORY_BYTES_PER_S
                     for n, b in zip(profiled.sizes, profiled.payload_bytes)
                 ]
-                gpu = Profile(
-                    options,
-                    profiled.sizes,
-                    tuple(per_element * n / 2 for n in profiled.sizes),
-                    tuple(0.0 for _ in profiled.sizes),
-                    tuple(decode),
-                    profiled.payload_bytes,
-                    profiled.rounds,
-                    profiled.sums,
-                    profiled.eager,
+                gpu = replace(
+                    profiled,
+                    encode_s=tuple(per_element * n / 2 for n in profiled.sizes),
+                    between_s=tuple(0.0 for _ in profiled.sizes),
+                    decode_s=tuple(decode),
                 )
                 times[spec] = predict(gpu, numels, plans[spec], compute, topology, 1.0)
             seconds[rate, count] = times

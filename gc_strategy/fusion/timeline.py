@@ -224,24 +224,27 @@ def simulate(model: CostModel, groups: list[int], node: Node | None = None) -> f
     sizes = cumulative[ends] - cumulative[ends - np.asarray(groups)]
     encode, decode, between = (np.asarray(cost(sizes)) for cost in (model.encode, model.decode, model.between))
     node = node or Node(1)
-    owners = bucket_owners(sizes.tolist(), node.ranks)  # by elements: the same deal as by bytes
+    # by elements: the same deal as by bytes
+    owners = bucket_owners(sizes.tolist(), node.ranks) if node.ranks > 1 else [0] * len(groups)
     owns = np.arange(node.ranks)[:, None] == np.asarray(owners)[None, :]  # [rank, bucket]
     reduce, broadcast = np.asarray(node.reduce(sizes)), np.asarray(node.broadcast(sizes))
     before = reduce + owns * encode  # each rank's device work up to each launch
-    clocks = np.asarray(model.ready)[ends - 1] + np.cumsum(before, axis=1)  # [rank, bucket]: launch times
+    clocks = (np.asarray(model.ready)[ends - 1] + np.cumsum(before, axis=1)).tolist()  # [rank][bucket]: launches
     comm = (np.asarray(model.comm(sizes)) + between).tolist()
-    network, waiting, advance_at = 0.0, [], model.advance_at
-    for b in range(len(groups)):
-        if advance_at is None:
-            network = max(network, clocks[owners[b], b]) + comm[b]
-            continue
-        if sizes[b] >= advance_at:
-            for w in waiting:  # advanced on their owners, at this launch
-                network = max(network, clocks[owners[w], b]) + comm[w]
-            waiting = []
-        waiting.append(b)
-    for w in waiting:  # the end of backward advances the rest
-        network = max(network, clocks[owners[w], -1]) + comm[w]
+    network = 0.0
+    if model.advance_at is None:
+        for b, owner in enumerate(owners):
+            network = max(network, clocks[owner][b]) + comm[b]
+    else:
+        waiting = []
+        for b, advances in enumerate((sizes >= model.advance_at).tolist()):
+            if advances:
+                for w in waiting:  # advanced on their owners, at this launch
+                    network = max(network, clocks[owners[w]][b]) + comm[w]
+                waiting = []
+            waiting.append(b)
+        for w in waiting:  # the end of backward advances the rest
+            network = max(network, clocks[owners[w]][-1]) + comm[w]
     device = model.ready[-1] + (before + owns * (between + decode) + broadcast).sum(axis=1).max()
     return float(model.other + max(device, network + decode[-1] + broadcast[-1]))
 
