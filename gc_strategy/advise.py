@@ -202,11 +202,18 @@ INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
 EXCHANGE_BYTES = [1 << 20, 8 << 20]
 
 
-def measure_cpu_ranks(nodes: int, ranks_per_node: int, step: Callable[[], Any], runs: int = 10) -> CpuRanks:
+def measure_cpu_ranks(
+    nodes: int,
+    ranks_per_node: int,
+    step: Callable[[], Any],
+    runs: int = 10,
+    spans: tuple[str, ...] = ("world", "across"),
+) -> CpuRanks:
     """:class:`CpuRanks` measured here beside ``step`` (the model's forward and backward), every
     group's collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
-    machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges; a
-    collective of no bytes, or over one rank, takes nothing. The link's bandwidth is the slope of a
+    machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges over
+    the ``spans`` asked for (the others are left out of ``exchange``); a collective of no bytes, or
+    over one rank, takes nothing. The link's bandwidth is the slope of a
     broadcast's time alone between the two largest sizes, its latency the time of the smallest less
     its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
 
@@ -216,6 +223,8 @@ def measure_cpu_ranks(nodes: int, ranks_per_node: int, step: Callable[[], Any], 
     inside = overlap.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
     exchange = {}
     for span, ranks in (("world", nodes * ranks_per_node), ("across", nodes)):
+        if span not in spans:
+            continue
         if ranks == 1:  # no exchange over one rank
             exchange[span, True] = exchange[span, False] = Cost.linear(0.0, 0.0)
             continue
@@ -573,7 +582,13 @@ def main(argv: list[str] | None = None) -> None:
     order, here = measure_compute(model, make_batch, loss)  # first: nothing else running on this machine
     cpu = None
     if measure:
-        cpu = measure_cpu_ranks(args.nodes, args.ranks_per_node, lambda: loss(model, make_batch()).backward())
+        hierarchical = any(parse_options(spec).get("hierarchy") == "node" for spec in args.configs)
+        spans = ("world", "across") if hierarchical else ("world",)  # the baseline is flat
+
+        def step() -> None:
+            loss(model, make_batch()).backward()
+
+        cpu = measure_cpu_ranks(args.nodes, args.ranks_per_node, step, spans=spans)
         # a message between nodes also waits for its CPU ranks, as one inside does
         inter = Link(inter.bandwidth, inter.latency + cpu.link.latency)
     topology = Topology(args.nodes, args.ranks_per_node, cpu.link if cpu else intra, inter)
@@ -586,11 +601,16 @@ def main(argv: list[str] | None = None) -> None:
     if cpu is not None:
         dense, payload = INSIDE_BYTES[-1], EXCHANGE_BYTES[-1]
         lost = {key: cost(payload) for key, cost in cpu.exchange.items()}
+        spans = {"world": "over all ranks", "across": "over one rank per node"}
+        exchanges = ", ".join(
+            f"{where} {lost[span, True]:.3f} and {lost[span, False]:.3f} s"
+            for span, where in spans.items()
+            if (span, True) in lost
+        )
         print(
             f"CPU ranks, measured beside the backward: a node's reduce and broadcast of {dense >> 20} MB take "
             f"{cpu.reduce(dense):.3f} and {cpu.broadcast(dense):.3f} s of compute; an allreduce and an allgather of "
-            f"{payload >> 20} MB per rank over all ranks {lost['world', True]:.3f} and {lost['world', False]:.3f} s, "
-            f"over one rank per node {lost['across', True]:.3f} and {lost['across', False]:.3f} s"
+            f"{payload >> 20} MB per rank {exchanges}"
         )
     print(f"compute per step {compute.step_s:.3f} s ({'given' if args.compute_s else 'measured here'}); predicted:")
     print(table(rows))

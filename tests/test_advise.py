@@ -333,6 +333,10 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
     one_node = advise.measure_cpu_ranks(1, 2, lambda: None)
     assert [span for span, _ in asked] == ["node", "world"]
     assert one_node.exchange["across", True](1e6) == 0.0 and one_node.exchange["world", False](1e6) > 0
+    asked.clear()
+    flat_only = advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world",))
+    assert [span for span, _ in asked] == ["node", "world"]
+    assert set(flat_only.exchange) == {("world", True), ("world", False)}
 
 
 def test_a_plot_without_matplotlib_is_refused_naming_the_extra(monkeypatch):
