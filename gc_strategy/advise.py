@@ -213,9 +213,12 @@ def measure_cpu_ranks(
     group's collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
     machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges over
     the ``spans`` asked for (the others are left out of ``exchange``); a collective of no bytes, or
-    over one rank, takes nothing. The link's bandwidth is the slope of a
-    broadcast's time alone between the two largest sizes, its latency the time of the smallest less
-    its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
+    over one rank, takes nothing. The link's bandwidth is the slope of a broadcast's time alone
+    between the two largest sizes, its latency the time of the smallest less its bytes' time. On one
+    node of a real cluster run with ``nodes = 1``."""
+    unknown = [span for span in spans if span not in ("world", "across")]
+    if unknown:
+        raise ValueError(f"spans = {unknown} are invalid; allowed: 'world', 'across'")
 
     def lost(beside: dict, collective: str, sizes: list[int]) -> Cost:
         return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
@@ -601,10 +604,10 @@ def main(argv: list[str] | None = None) -> None:
     if cpu is not None:
         dense, payload = INSIDE_BYTES[-1], EXCHANGE_BYTES[-1]
         lost = {key: cost(payload) for key, cost in cpu.exchange.items()}
-        spans = {"world": "over all ranks", "across": "over one rank per node"}
+        over = {"world": "over all ranks", "across": "over one rank per node"}
         exchanges = ", ".join(
             f"{where} {lost[span, True]:.3f} and {lost[span, False]:.3f} s"
-            for span, where in spans.items()
+            for span, where in over.items()
             if (span, True) in lost
         )
         print(

@@ -337,6 +337,8 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
     flat_only = advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world",))
     assert [span for span, _ in asked] == ["node", "world"]
     assert set(flat_only.exchange) == {("world", True), ("world", False)}
+    with pytest.raises(ValueError, match=r"spans = \['nodes'\] are invalid; allowed: 'world', 'across'"):
+        advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world", "nodes"))
 
 
 def test_a_plot_without_matplotlib_is_refused_naming_the_extra(monkeypatch):
