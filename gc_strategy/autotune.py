@@ -409,14 +409,15 @@ def measure_costs(
         bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
         samples.append((bucket, gradient[offsets[a] : offsets[b]]))
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
-    eager = engine.nodes is not None  # the node's reduce is an eager round
+    eager = False
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
             if engine.nodes is None:
                 *ours, _, waits = time_exchange(compressor, memory, engine.communicator, flat, bucket)
-                eager = eager or waits
             else:
-                ours = [*time_node_exchange(engine, compressor, memory, flat, bucket), 0.0]
+                *ours, waits = time_node_exchange(engine, compressor, memory, flat, bucket)
+                ours.append(0.0)
+            eager = eager or waits
             baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[1] for p in ("fp32", "bf16")]
             if run:
                 timed.append([*ours, *baselines])
@@ -426,9 +427,10 @@ def measure_costs(
 
 def time_node_exchange(
     engine: Synchronizer, compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, bool]:
     """hierarchy="node": (encode, communication, decode) seconds of one sample bucket's node exchange,
-    as :func:`measure_costs` counts them (zeros on a rank that does not own it)."""
+    as :func:`measure_costs` counts them (zeros on a rank that does not own it), and whether a round
+    was eager (the node's reduce is, on every rank)."""
     nodes = engine.nodes
     flat = flat.clone()
     dist.barrier()
@@ -436,10 +438,10 @@ def time_node_exchange(
     running = RunningExchange(exchange, clock=_clock(flat))
     running.finish()
     if nodes.local_rank != 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, running.eager
     coding = running.encode_s + running.between_s
     share = 1 / nodes.ranks_per_node
-    return share * coding, coding + running.wait_s, share * running.decode_s
+    return share * coding, coding + running.wait_s, share * running.decode_s, running.eager
 
 
 def _clock(flat: Tensor) -> Callable[[], float]:
