@@ -214,8 +214,8 @@ def measure_cpu_ranks(
     machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges over
     the ``spans`` asked for (the others are left out of ``exchange``); a collective of no bytes, or
     over one rank, takes nothing. The link's bandwidth is the slope of a broadcast's time alone
-    between the two largest sizes, its latency the time of the smallest less its bytes' time. On one
-    node of a real cluster run with ``nodes = 1``."""
+    between the two largest sizes; its latency is :func:`~gc_strategy.overlap.latency`'s small
+    message less its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
     unknown = [span for span in spans if span not in ("world", "across")]
     if unknown:
         raise ValueError(f"spans = {unknown} are invalid; allowed: 'world', 'across'")
@@ -236,9 +236,10 @@ def measure_cpu_ranks(
             lost(beside, "allreduce", EXCHANGE_BYTES),
             lost(beside, "allgather", EXCHANGE_BYTES),
         )
-    message, medium, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES)
+    medium, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES[1:])
     bandwidth = (INSIDE_BYTES[2] - INSIDE_BYTES[1]) / max(large - medium, 1e-9)
-    link = Link(bandwidth, max(0.0, message - INSIDE_BYTES[0] / bandwidth))
+    message = overlap.latency(nodes, ranks_per_node)
+    link = Link(bandwidth, max(0.0, message - overlap.MESSAGE_BYTES / bandwidth))
     return CpuRanks(link, lost(inside, "reduce", INSIDE_BYTES), lost(inside, "broadcast", INSIDE_BYTES), exchange)
 
 

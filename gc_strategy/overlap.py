@@ -14,6 +14,9 @@ in ``benchmarks/bench.py``'s emulated cluster):
 ``lost = step beside it − step`` is the compute that the collective took; ``hidden = 1 − lost /
 collective`` the share of it that ran beside the step (1 on an ideal overlap; 0 when the two might
 as well run one after the other). Medians over runs, then over ranks.
+
+:func:`latency` times a small message inside a node: on CPU ranks mostly the wait for its receivers
+to be scheduled.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ COLLECTIVES = ("reduce", "broadcast", "allreduce", "allgather")
 #: the ranks a collective spans: a node's; one of each node, the same local rank (the hierarchy's
 #: exchange across nodes); or all of them (a flat collective)
 SPANS = ("node", "across", "world")
+#: bytes of a message whose time is the link's latency
+MESSAGE_BYTES = 4 << 10
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,7 @@ def measure(
     """:class:`Beside` of each collective (of :data:`COLLECTIVES`) over the ranks of ``span`` (of
     :data:`SPANS`) and size in bytes per rank (fp32), on ``nodes`` × ``ranks_per_node`` forked
     processes of this machine (:func:`on_node_ranks`); ``step`` runs in each."""
-    if span not in SPANS:
-        raise ValueError(f"span = {span!r} is invalid; allowed: {', '.join(SPANS)}")
-    ranks = {"node": ranks_per_node, "across": nodes, "world": nodes * ranks_per_node}[span]
-    if ranks < 2:
-        raise ValueError(f"{span} ranks = {ranks} is invalid; allowed: an integer >= 2 (a link to measure)")
+    _check_span(nodes, ranks_per_node, span)
     unknown = [c for c in collectives if c not in COLLECTIVES]
     if unknown:
         raise ValueError(f"collectives = {unknown} are invalid; allowed: {', '.join(COLLECTIVES)}")
@@ -188,3 +189,36 @@ def measure(
     return {
         key: Beside(*(statistics.median(rank[key][i] for rank in per_rank) for i in range(3))) for key in per_rank[0]
     }
+
+
+def latency(nodes: int, ranks_per_node: int, launches: int = 5, runs: int = 20) -> float:
+    """Seconds of a broadcast of :data:`MESSAGE_BYTES` from a node's first rank to its other ranks,
+    after a barrier, every node's at once, on ``nodes`` × ``ranks_per_node`` forked processes of this
+    machine: the median over ``runs`` on each rank, over the ranks, and over ``launches`` of fresh
+    processes. Where the ranks share cores, the message waits for its receivers to be scheduled, and
+    that wait moves more between launches (the scheduler places each launch's processes afresh)
+    than between the runs of one, hence the median over launches."""
+    _check_span(nodes, ranks_per_node, "node")
+
+    def median_run(group: Any, root: int) -> float:
+        message = torch.zeros(MESSAGE_BYTES // 4)
+        times = []
+        for _ in range(runs):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.broadcast(message, root, group=group)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return statistics.median(
+        statistics.median(on_node_ranks(nodes, ranks_per_node, median_run)) for _ in range(launches)
+    )
+
+
+def _check_span(nodes: int, ranks_per_node: int, span: str) -> None:
+    """Refuses a span outside :data:`SPANS`, or one of fewer than two ranks (no link to measure)."""
+    if span not in SPANS:
+        raise ValueError(f"span = {span!r} is invalid; allowed: {', '.join(SPANS)}")
+    ranks = {"node": ranks_per_node, "across": nodes, "world": nodes * ranks_per_node}[span]
+    if ranks < 2:
+        raise ValueError(f"{span} ranks = {ranks} is invalid; allowed: an integer >= 2 (a link to measure)")

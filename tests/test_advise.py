@@ -304,7 +304,8 @@ def _between(line: str, start: str, end: str) -> str:
 
 
 def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_takes(monkeypatch):
-    """Broadcasts alone of 4 KB, 4 MB and 32 MB taking 1 ms + n / (2 GB/s): a link of 2 GB/s and 1 ms. What
+    """Broadcasts alone of 4 MB and 32 MB taking 1 ms + n / (2 GB/s), and a small message's latency of
+    1 ms + 4 KB / (2 GB/s) over the nodes asked for: a link of 2 GB/s and 1 ms. What
     the node's reduce and broadcast, and the exchanges over all ranks and across nodes, take from the
     step beside them is kept as a curve through zero; one node has no exchange across."""
     lost_per_byte = {("node", "reduce"): 4e-9, ("node", "broadcast"): 1e-9, ("world", "allreduce"): 2e-9}
@@ -320,7 +321,12 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
             for n in sizes
         }
 
+    def latency(nodes, ranks_per_node):
+        asked.append(("latency", (nodes, ranks_per_node)))
+        return 1e-3 + overlap.MESSAGE_BYTES / 2e9
+
     monkeypatch.setattr(overlap, "measure", measured)
+    monkeypatch.setattr(overlap, "latency", latency)
     cpu = advise.measure_cpu_ranks(2, 2, lambda: None)
     assert cpu.link.bandwidth == pytest.approx(2e9) and cpu.link.latency == pytest.approx(1e-3)
     assert cpu.reduce(32 << 20) == pytest.approx(4e-9 * (32 << 20)) and cpu.broadcast(1e6) == pytest.approx(1e-3)
@@ -328,14 +334,15 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
     for (span, collective), per_byte in lost_per_byte.items():
         if span != "node":
             assert cpu.exchange[span, collective == "allreduce"](3e6) == pytest.approx(per_byte * 3e6)
-    assert [span for span, _ in asked] == ["node", "world", "across"]
+    assert asked[-1] == ("latency", (2, 2))
+    assert [span for span, _ in asked] == ["node", "world", "across", "latency"]
     asked.clear()
     one_node = advise.measure_cpu_ranks(1, 2, lambda: None)
-    assert [span for span, _ in asked] == ["node", "world"]
+    assert [span for span, _ in asked] == ["node", "world", "latency"]
     assert one_node.exchange["across", True](1e6) == 0.0 and one_node.exchange["world", False](1e6) > 0
     asked.clear()
     flat_only = advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world",))
-    assert [span for span, _ in asked] == ["node", "world"]
+    assert [span for span, _ in asked] == ["node", "world", "latency"]
     assert set(flat_only.exchange) == {("world", True), ("world", False)}
     with pytest.raises(ValueError, match=r"spans = \['nodes'\] are invalid; allowed: 'world', 'across'"):
         advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world", "nodes"))

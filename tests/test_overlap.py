@@ -61,6 +61,29 @@ def test_an_allgather_takes_more_than_an_allreduce_of_the_same_payload():
     assert measured["allgather", size].collective_s > measured["allreduce", size].collective_s > 0
 
 
+def test_the_latency_is_the_median_over_launches_of_the_median_over_ranks(monkeypatch):
+    """Each launch's ranks report their median run; the launches' medians 2.5, 5.0 and 0.25 s give 2.5 s."""
+    launches = iter([[3.0, 1.0, 2.0, 9.0], [5.0, 5.0, 4.0, 6.0], [0.5, 0.1, 0.2, 0.3]])
+    asked = []
+
+    def launched(nodes, ranks_per_node, work):
+        asked.append((nodes, ranks_per_node))
+        return next(launches)
+
+    monkeypatch.setattr(overlap, "on_node_ranks", launched)
+    assert overlap.latency(2, 2, launches=3) == 2.5
+    assert asked == [(2, 2)] * 3
+
+
+def test_a_small_message_inside_a_node_takes_less_than_a_large_one():
+    small = overlap.latency(1, 2, launches=2, runs=5)
+    size = 32 << 20
+    large = overlap.measure(1, 2, lambda: None, [size], ("broadcast",), runs=3)["broadcast", size].collective_s
+    assert 0 < small < large
+    with pytest.raises(ValueError, match="node ranks = 1 is invalid; allowed: an integer >= 2"):
+        overlap.latency(2, 1)
+
+
 def _rank_one_hangs(group, root):
     if torch.distributed.get_rank() == 1:
         time.sleep(120)
