@@ -13,8 +13,8 @@ number of ranks. The advisor predicts, for each configuration, the step time of 
 configuration beats it.
 
 What it measures here, on the model's own tensor shapes and random gradients, bucketed as the
-synchroniser buckets them (``fusion``, default 25 MB buckets; with ``fusion=auto``, the plan of the
-model's exact search, as the synchroniser's planner searches it):
+synchroniser buckets them (``fusion``, default 25 MB buckets; with ``fusion=auto``, as the
+synchroniser's planner keeps it, the fastest of the model's searched plan and the plans it tries):
 
 - **payload bytes and rounds** of each compressor's exchange, and its **encode and decode time** at
   the world size it will run at: the exchange runs through a :class:`Replicas` communicator, which
@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from . import overlap
 from .advise_plots import check_can_plot, plot_predictions, plot_projection
-from .autotune import sample_ranges
+from .autotune import TRIAL_PLANS, sample_ranges
 from .bucket import Bucket
 from .communicators import EAGER_AFTER_BYTES, Communicator, Exchange, Payload, Round, RunningExchange
 from .components import build_components, parse_options
@@ -253,14 +253,15 @@ def predict(
     cpu: CpuRanks | None = None,
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
-    ``groups`` (tensors per bucket; None: the plan that ``fusion="auto"`` searches, the model's best),
-    with encode and decode times times ``codec_scale``. With ``hierarchy="node"`` each bucket is coded
-    by its owner alone, and the step is the latest rank's (:class:`~gc_strategy.fusion.timeline.Node`).
-    On ``cpu`` ranks the collectives also take compute time. The exchange's is work between rounds on
-    the rank that exchanges the bucket (its owner): it holds the bucket's exchange (gloo adds what a
-    ring step received before it sends it on) and takes that rank's device time. The collectives
-    inside a node take every rank's compute instead of the link's: the bucket's reduce before its
-    launch, its broadcast with the decodes."""
+    ``groups`` (tensors per bucket; None: ``fusion="auto"``, which keeps the fastest measured of the
+    plan it searches and the plans it tries (:mod:`gc_strategy.autotune`), here the fastest simulated of
+    the same plans), with encode and decode times times ``codec_scale``. With ``hierarchy="node"`` each
+    bucket is coded by its owner alone, and the step is the latest rank's
+    (:class:`~gc_strategy.fusion.timeline.Node`). On ``cpu`` ranks the collectives also take compute
+    time. The exchange's is work between rounds on the rank that exchanges the bucket (its owner): it
+    holds the bucket's exchange (gloo adds what a ring step received before it sends it on) and takes
+    that rank's device time. The collectives inside a node take every rank's compute instead of the
+    link's: the bucket's reduce before its launch, its broadcast with the decodes."""
     hierarchy = profile.options.get("hierarchy", "flat")
     dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
     on_device = cpu is not None and hierarchy == "node"
@@ -288,8 +289,10 @@ def predict(
     node = None
     if hierarchy == "node":
         node = Node(topology.ranks_per_node, Cost.measured(sizes, reduce), Cost.measured(sizes, broadcast))
-    if groups is None:
-        groups = best_plan(node.mean(model) if node else model)[0]
+    if groups is None:  # the search is exact for one rank; over a node it searches a rank on average
+        searched = best_plan(node.mean(model) if node else model)[0]
+        tried = [plan.plan([4 * n for n in numels]) for plan in TRIAL_PLANS]  # fp32, as _plan cuts
+        return min(simulate(model, plan, node) for plan in [searched, *tried])
     return simulate(model, groups, node)
 
 
@@ -462,7 +465,7 @@ def check_config(spec: str) -> dict[str, Any]:
 
 def _plan(options: dict[str, Any], numels: list[int]) -> list[int] | None:
     """Tensors per bucket as the configuration's fusion planner cuts fp32 gradients of ``numels``
-    elements; None for ``fusion=auto``, whose plan is the model's best (:func:`predict`)."""
+    elements; None for ``fusion=auto``, whose plan the model chooses (:func:`predict`)."""
     planner = build_components(**_roles(options)).fusion
     return None if isinstance(planner, AutoPlan) else planner.plan([4 * n for n in numels])
 
