@@ -199,6 +199,9 @@ def latency(nodes: int, ranks_per_node: int, launches: int = 5, runs: int = 20) 
     that wait moves more between launches (the scheduler places each launch's processes afresh)
     than between the runs of one, hence the median over launches."""
     _check_span(nodes, ranks_per_node, "node")
+    for name, count in (("launches", launches), ("runs", runs)):
+        if count < 1:
+            raise ValueError(f"{name} = {count} is invalid; allowed: an integer >= 1")
 
     def median_run(group: Any, root: int) -> float:
         message = torch.zeros(MESSAGE_BYTES // 4)

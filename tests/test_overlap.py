@@ -82,6 +82,8 @@ def test_a_small_message_inside_a_node_takes_less_than_a_large_one():
     assert 0 < small < large
     with pytest.raises(ValueError, match="node ranks = 1 is invalid; allowed: an integer >= 2"):
         overlap.latency(2, 1)
+    with pytest.raises(ValueError, match="launches = 0 is invalid; allowed: an integer >= 1"):
+        overlap.latency(1, 2, launches=0)
 
 
 def _rank_one_hangs(group, root):
