@@ -53,7 +53,7 @@ from .autotune import TRIAL_PLANS, sample_ranges
 from .bucket import Bucket
 from .communicators import EAGER_AFTER_BYTES, Communicator, Exchange, Payload, Round, RunningExchange
 from .components import build_components, parse_options
-from .fusion.plans import AutoPlan
+from .fusion.plans import AutoPlan, FusionPlanner
 from .fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
 from .hierarchy import check_hierarchy
@@ -291,7 +291,7 @@ def predict(
         node = Node(topology.ranks_per_node, Cost.measured(sizes, reduce), Cost.measured(sizes, broadcast))
     if groups is None:  # the search is exact for one rank; over a node it searches a rank on average
         searched = best_plan(node.mean(model) if node else model)[0]
-        tried = [plan.plan([4 * n for n in numels]) for plan in TRIAL_PLANS]  # fp32, as _plan cuts
+        tried = [_cut(planner, numels) for planner in TRIAL_PLANS]
         return min(simulate(model, plan, node) for plan in [searched, *tried])
     return simulate(model, groups, node)
 
@@ -467,7 +467,12 @@ def _plan(options: dict[str, Any], numels: list[int]) -> list[int] | None:
     """Tensors per bucket as the configuration's fusion planner cuts fp32 gradients of ``numels``
     elements; None for ``fusion=auto``, whose plan the model chooses (:func:`predict`)."""
     planner = build_components(**_roles(options)).fusion
-    return None if isinstance(planner, AutoPlan) else planner.plan([4 * n for n in numels])
+    return None if isinstance(planner, AutoPlan) else _cut(planner, numels)
+
+
+def _cut(planner: FusionPlanner, numels: list[int]) -> list[int]:
+    """Tensors per bucket as ``planner`` cuts fp32 gradients of ``numels`` elements."""
+    return planner.plan([4 * n for n in numels])
 
 
 def _roles(options: dict[str, Any]) -> dict[str, Any]:
