@@ -152,10 +152,13 @@ def _rank(rank: int, world_size: int, per_node: int, span: str, init_file: str, 
             "world": (dist.group.WORLD, 0),
         }[span]
         result = work(group, root)
-        dist.destroy_process_group()
-        queue.put((rank, result, None))
     except Exception as error:  # noqa: BLE001 - handed to on_node_ranks(), which raises it with the rank
         queue.put((rank, None, repr(error)))
+        return
+    queue.put((rank, result, None))
+    # a rank that tears its sockets down while a peer still connects a group fails that peer
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def measure(
