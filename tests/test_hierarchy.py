@@ -1,6 +1,7 @@
 """hierarchy="node" on gloo ranks grouped into emulated nodes: the average equals the flat one for
-compressor=none, the plain math for top-k, every compressor keeps the replicas identical, and a bad
-layout fails with an error that names it on every rank."""
+compressor=none, the plain math for top-k, every compressor keeps the replicas identical, an overflow
+on one rank reaches no rank's error-feedback memory, and a bad layout fails with an error that names
+it on every rank."""
 
 import re
 
@@ -411,3 +412,51 @@ def test_resume_continues_exactly_with_each_ranks_share_of_the_state(tmp_path):
     for holds_only_its_share, owns_some, same, files in run_ranks(_resume, 4, 2, str(tmp_path)):
         assert holds_only_its_share and owns_some and same
         assert files == ["rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]
+
+
+def _one_rank_overflows(rank, world_size, ranks_per_node):
+    """top-k + residual over 2 nodes of 2; at step 2 local rank 1 of node 0 sends +inf gradients."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    engine = _engine(model, "topk", ranks_per_node)
+
+    def backward(step, poisoned=False):
+        model.zero_grad(set_to_none=True)
+        hooks = (
+            [p.register_hook(lambda g: torch.full_like(g, float("inf"))) for p in model.parameters()]
+            if poisoned
+            else []
+        )
+        model(_batch(rank, step)).square().mean().backward()
+        for hook in hooks:
+            hook.remove()
+        return _grads(model)
+
+    for step in range(2):
+        backward(step)
+    residuals = engine.memory.buffers["residual"]
+    before = {b: r.clone() for b, r in residuals.items()}
+    bad = backward(2, poisoned=rank == 1)
+    flagged = int(engine.telemetry.last.nonfinite_buckets)
+    kept = {b: bool(torch.equal(residuals[b], before[b])) for b in before}
+    finite = all(bool(torch.isfinite(r).all()) for r in residuals.values())
+    after = backward(3)
+    return rank // ranks_per_node, kept, flagged, finite, bool(torch.isfinite(bad).all()), after
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_on_one_rank_never_enters_any_ranks_memory():
+    """The node's sum carries the overflow to its owners, who keep their residuals as they were and
+    flag each bucket; the other node's owners compress finite sums and update theirs. Every rank's
+    averaged step is visibly bad (a scaler skips it), and the next step is finite and the same on
+    every rank."""
+    results = run_ranks(_one_rank_overflows, 4, 2)
+    for node, kept, flagged, finite, bad_step_finite, _ in results:
+        assert finite and not bad_step_finite and kept
+        if node == 0:
+            assert all(kept.values()) and flagged == len(kept)
+        else:
+            assert not any(kept.values()) and flagged == 0
+    assert sum(len(kept) for _, kept, *_ in results) == 2 * 3  # each node's ranks own its 3 buckets
+    first = results[0][-1]
+    assert bool(torch.isfinite(first).all()) and all(torch.equal(r[-1], first) for r in results[1:])
