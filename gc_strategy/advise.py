@@ -200,6 +200,9 @@ class CpuRanks:
 #: dense buckets; a payload exchanged (smaller: an allgather's ranks each receive all the others')
 INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
 EXCHANGE_BYTES = [1 << 20, 8 << 20]
+#: the spans of an exchange (:data:`~gc_strategy.overlap.SPANS`): flat, over all ranks; the hierarchy's,
+#: over one rank per node
+EXCHANGE_SPANS = ("world", "across")
 
 
 def measure_cpu_ranks(
@@ -207,7 +210,7 @@ def measure_cpu_ranks(
     ranks_per_node: int,
     step: Callable[[], Any],
     runs: int = 10,
-    spans: tuple[str, ...] = ("world", "across"),
+    spans: tuple[str, ...] = EXCHANGE_SPANS,
 ) -> CpuRanks:
     """:class:`CpuRanks` measured here beside ``step`` (the model's forward and backward), every
     group's collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
@@ -216,19 +219,17 @@ def measure_cpu_ranks(
     over one rank, takes nothing. The link's bandwidth is the slope of a broadcast's time alone
     between the two largest sizes; its latency is :func:`~gc_strategy.overlap.latency`'s small
     message less its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
-    unknown = [span for span in spans if span not in ("world", "across")]
+    unknown = [span for span in spans if span not in EXCHANGE_SPANS]
     if unknown:
-        raise ValueError(f"spans = {unknown} are invalid; allowed: 'world', 'across'")
+        raise ValueError(f"spans = {unknown} are invalid; allowed: {', '.join(map(repr, EXCHANGE_SPANS))}")
 
     def lost(beside: dict, collective: str, sizes: list[int]) -> Cost:
         return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
 
     inside = overlap.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
     exchange = {}
-    for span, ranks in (("world", nodes * ranks_per_node), ("across", nodes)):
-        if span not in spans:
-            continue
-        if ranks == 1:  # no exchange over one rank
+    for span in spans:
+        if {"world": nodes * ranks_per_node, "across": nodes}[span] == 1:  # no exchange over one rank
             exchange[span, True] = exchange[span, False] = Cost.linear(0.0, 0.0)
             continue
         beside = overlap.measure(nodes, ranks_per_node, step, EXCHANGE_BYTES, ("allreduce", "allgather"), runs, span)
@@ -563,14 +564,13 @@ def main(argv: list[str] | None = None) -> None:
         inter = Link(parse_rate(args.inter, "--inter"), args.inter_latency_us * 1e-6)
         measure = args.intra == "measure"
         intra = None if measure else Link(parse_rate(args.intra, "--intra"), args.intra_latency_us * 1e-6)
-        for spec in args.configs:  # every configuration checked before any measurement
-            check_config(spec)
+        configs = [check_config(spec) for spec in args.configs]  # every one checked before any measurement
         model, make_batch, loss = model_and_batch(args.model, args.batch, args.size)
         if args.project:
             if args.model not in PROJECTION:
                 raise ValueError(f"--project: --model = {args.model!r} is invalid; allowed: {', '.join(PROJECTION)}")
-            for spec in args.configs:
-                compressor = parse_options(spec).get("compressor", "none")
+            for options in configs:
+                compressor = options.get("compressor", "none")
                 if compressor not in H100_CODEC_S_PER_ELEMENT:
                     raise ValueError(
                         f"--project: compressor = {compressor!r} has no GPU cost measured; allowed: "
@@ -594,8 +594,8 @@ def main(argv: list[str] | None = None) -> None:
     order, here = measure_compute(model, make_batch, loss)  # first: nothing else running on this machine
     cpu = None
     if measure:
-        hierarchical = any(parse_options(spec).get("hierarchy") == "node" for spec in args.configs)
-        spans = ("world", "across") if hierarchical else ("world",)  # the baseline is flat
+        hierarchical = any(options.get("hierarchy") == "node" for options in configs)
+        spans = EXCHANGE_SPANS if hierarchical else ("world",)  # the baseline is flat
 
         def step() -> None:
             loss(model, make_batch()).backward()
