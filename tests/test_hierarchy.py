@@ -19,7 +19,15 @@ OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict
 
 
 def _engine(
-    model, name, ranks_per_node, hierarchy="node", memory=None, node_precision="full", fusion="groups:3", **options
+    model,
+    name,
+    ranks_per_node,
+    hierarchy="node",
+    memory=None,
+    node_precision="full",
+    fusion="groups:3",
+    find_unused_parameters=False,
+    **options,
 ):
     keeps_own = COMPRESSORS.get(name).OPTIONS.get("use_error_feedback") is not None
     memory = memory or ("none" if keeps_own or name == "none" else "residual")
@@ -33,6 +41,7 @@ def _engine(
         hierarchy=hierarchy,
         ranks_per_node=ranks_per_node,
         node_precision=node_precision,
+        find_unused_parameters=find_unused_parameters,
     )
 
 
@@ -104,17 +113,7 @@ def _against_torch_ddp(rank, world_size, ranks_per_node):
         reference, model = _Branchy(), _Branchy()
         model.load_state_dict(reference.state_dict())
         ddp = DistributedDataParallel(reference, find_unused_parameters=True, broadcast_buffers=False)
-        c = build_components("none", fusion="groups:3")
-        engine = GradientSynchronizer(
-            model,
-            c.compressor,
-            c.memory,
-            c.communicator,
-            c.fusion,
-            hierarchy="node",
-            ranks_per_node=ranks_per_node,
-            find_unused_parameters=True,
-        )
+        engine = _engine(model, "none", ranks_per_node, find_unused_parameters=True)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, model)]
         worst, same_none = 0.0, True
         for step in range(4):
