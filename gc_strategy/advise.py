@@ -229,7 +229,7 @@ def measure_cpu_ranks(
     inside = overlap.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
     exchange = {}
     for span in spans:
-        if {"world": nodes * ranks_per_node, "across": nodes}[span] == 1:  # no exchange over one rank
+        if overlap.span_ranks(nodes, ranks_per_node, span) == 1:  # no exchange over one rank
             exchange[span, True] = exchange[span, False] = Cost.linear(0.0, 0.0)
             continue
         beside = overlap.measure(nodes, ranks_per_node, step, EXCHANGE_BYTES, ("allreduce", "allgather"), runs, span)

@@ -221,10 +221,15 @@ def latency(nodes: int, ranks_per_node: int, launches: int = 5, runs: int = 20) 
     )
 
 
+def span_ranks(nodes: int, ranks_per_node: int, span: str) -> int:
+    """The number of ranks in a group of ``span`` (:data:`SPANS`)."""
+    return {"node": ranks_per_node, "across": nodes, "world": nodes * ranks_per_node}[span]
+
+
 def _check_span(nodes: int, ranks_per_node: int, span: str) -> None:
     """Refuses a span outside :data:`SPANS`, or one of fewer than two ranks (no link to measure)."""
     if span not in SPANS:
         raise ValueError(f"span = {span!r} is invalid; allowed: {', '.join(SPANS)}")
-    ranks = {"node": ranks_per_node, "across": nodes, "world": nodes * ranks_per_node}[span]
+    ranks = span_ranks(nodes, ranks_per_node, span)
     if ranks < 2:
         raise ValueError(f"{span} ranks = {ranks} is invalid; allowed: an integer >= 2 (a link to measure)")
