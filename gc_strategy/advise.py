@@ -98,11 +98,17 @@ class Profile:
     rounds: int
     sums: bool
     eager: bool  # a round waits for a later bucket's launch to be advanced
+    #: ``node_precision="bf16"``: rounding the dense bucket to bf16 and widening it back (empty: no casts)
+    narrow_s: tuple[float, ...] = ()
+    widen_s: tuple[float, ...] = ()
 
 
 def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: int) -> Profile:
     """Measure one configuration (``GCFusedStrategy`` options) on buckets cut from ``shapes``
-    (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes)."""
+    (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes).
+    With ``node_precision="bf16"`` also the casts around the node's collectives, as
+    :func:`~gc_strategy.hierarchy.node_exchange` makes them: the fp32 bucket rounded to bf16 and the
+    bf16 bucket copied back into fp32."""
     components = build_components(**_roles(options))
     compressor, memory, sums = components.compressor, components.memory, components.communicator.sums
     compressor.bind(world_size, 0)
@@ -114,7 +120,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
-    rows, rounds = [], 0
+    rows, rounds, casts = [], 0, []
     for index, (a, b) in enumerate(sample_ranges(numels)):
         bucket = Bucket(index, names[a:b], [shapes[name] for name in names[a:b]], torch.float32, torch.device("cpu"))
         runs = []
@@ -127,8 +133,26 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
                 runs.append((running.encode_s, running.between_s, running.decode_s, running.sent_bytes))
             rounds, eager = replicas.rounds, running.eager
         rows.append((bucket.numel, *(statistics.median(column) for column in zip(*runs))))
+        if options.get("node_precision") == "bf16":
+            casts.append(_time_casts(gradient[offsets[a] : offsets[b]].clone()))
     sizes, encode, between, decode, payload = zip(*rows)
-    return Profile(options, sizes, encode, between, decode, payload, rounds, sums, eager)
+    narrow, widen = zip(*casts) if casts else ((), ())
+    return Profile(options, sizes, encode, between, decode, payload, rounds, sums, eager, narrow, widen)
+
+
+def _time_casts(flat: Tensor) -> tuple[float, float]:
+    """Median seconds of ``flat.to(torch.bfloat16)`` and of copying that back into ``flat``, after one
+    warm-up run."""
+    runs = []
+    for run in range(RUNS + 1):
+        start = time.perf_counter()
+        wire = flat.to(torch.bfloat16)
+        narrowed = time.perf_counter()
+        flat.copy_(wire)
+        if run:
+            runs.append((narrowed - start, time.perf_counter() - narrowed))
+    narrow, widen = zip(*runs)
+    return statistics.median(narrow), statistics.median(widen)
 
 
 @dataclass(frozen=True)
@@ -262,26 +286,33 @@ def predict(
     time. The exchange's is work between rounds on the rank that exchanges the bucket (its owner): it
     holds the bucket's exchange (gloo adds what a ring step received before it sends it on) and takes
     that rank's device time. The collectives inside a node take every rank's compute instead of the
-    link's: the bucket's reduce before its launch, its broadcast with the decodes."""
+    link's: the bucket's reduce before its launch, its broadcast with the decodes.
+
+    The casts of ``node_precision="bf16"`` are device time: every rank rounds its bucket to bf16
+    before the reduce and widens the average after the broadcast; the owner also widens the node's
+    sum before it encodes and rounds the average before it broadcasts."""
     hierarchy = profile.options.get("hierarchy", "flat")
     dense_bytes_per_element = 2 if profile.options.get("node_precision") == "bf16" else 4
     on_device = cpu is not None and hierarchy == "node"
     span = "across" if hierarchy == "node" else "world"
+    sizes = profile.sizes
+    narrow, widen = (
+        tuple(codec_scale * t for t in casts) or (0.0,) * len(sizes) for casts in (profile.narrow_s, profile.widen_s)
+    )
     link, between, reduce, broadcast = [], [], [], []
-    for n, payload, work in zip(profile.sizes, profile.payload_bytes, profile.between_s):
+    for n, payload, work, to_wire, from_wire in zip(sizes, profile.payload_bytes, profile.between_s, narrow, widen):
         dense = dense_bytes_per_element * n
         held = cpu.exchange[span, profile.sums](payload) if cpu is not None else 0.0
         link.append(exchange_seconds(topology, hierarchy, profile.sums, dense, payload, profile.rounds, not on_device))
         between.append(held + codec_scale * work)
-        reduce.append(cpu.reduce(dense) if on_device else 0.0)
-        broadcast.append(cpu.broadcast(dense) if on_device else 0.0)
-    sizes = profile.sizes
+        reduce.append((cpu.reduce(dense) if on_device else 0.0) + to_wire)
+        broadcast.append((cpu.broadcast(dense) if on_device else 0.0) + from_wire)
     model = CostModel(
         compute.ready,
         tuple(numels),
-        Cost.measured(sizes, [codec_scale * t for t in profile.encode_s]),
+        Cost.measured(sizes, [codec_scale * t + w for t, w in zip(profile.encode_s, widen)]),
         Cost.measured(sizes, link),
-        Cost.measured(sizes, [codec_scale * t for t in profile.decode_s]),
+        Cost.measured(sizes, [codec_scale * t + w for t, w in zip(profile.decode_s, narrow)]),
         compute.other,
         Cost.measured(sizes, between),
         # fp32 buckets; the node's reduce is an eager round, so every hierarchical exchange waits
@@ -316,7 +347,8 @@ def advise(
         options = check_config(spec)
         hierarchy = options.get("hierarchy", "flat")
         world = topology.nodes if hierarchy == "node" else topology.world_size
-        codec = (world, *sorted((k, str(v)) for k, v in _roles(options).items() if k != "fusion"))
+        precision = options.get("node_precision", "full")  # bf16 casts are measured with the codec
+        codec = (world, precision, *sorted((k, str(v)) for k, v in _roles(options).items() if k != "fusion"))
         if codec not in profiles:  # configurations that differ only in fusion share one profile
             profiles[codec] = profile(options, shapes, world)
         measured = replace(profiles[codec], options=options)
@@ -442,11 +474,15 @@ def project(name: str, configs: list[str], gpus: list[int], inter_rates: list[st
                     per_element * n / 2 + gathered * (ranks - 1) * b / H100_MEMORY_BYTES_PER_S
                     for n, b in zip(profiled.sizes, profiled.payload_bytes)
                 ]
+                # a cast to bf16 or back: half the bf16 compressor's codec, which is those two casts
+                cast = tuple(H100_CODEC_S_PER_ELEMENT["bf16"] * n / 2 for n in profiled.sizes)
                 gpu = replace(
                     profiled,
                     encode_s=tuple(per_element * n / 2 for n in profiled.sizes),
                     between_s=tuple(0.0 for _ in profiled.sizes),
                     decode_s=tuple(decode),
+                    narrow_s=cast if profiled.narrow_s else (),
+                    widen_s=cast if profiled.widen_s else (),
                 )
                 times[spec] = predict(gpu, numels, plans[spec], compute, topology, 1.0)
             seconds[rate, count] = times

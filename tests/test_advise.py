@@ -46,6 +46,11 @@ def test_profiles_count_the_bytes_each_compressor_sends():
     assert powersgd.eager and dgc.eager  # P, and a variable-size gather's lengths, are eager rounds
     assert not (none.eager or topk.eager)  # one round, and a fixed size
     assert all(t >= 0 for t in powersgd.encode_s + powersgd.decode_s + powersgd.between_s)
+    # the casts around the node's collectives are timed only where they run: node_precision="bf16"
+    assert none.narrow_s == none.widen_s == ()
+    node_bf16 = profile({"compressor": "none", "hierarchy": "node", "node_precision": "bf16"}, SHAPES, 2)
+    assert len(node_bf16.narrow_s) == len(node_bf16.widen_s) == len(node_bf16.sizes)
+    assert all(t > 0 for t in node_bf16.narrow_s + node_bf16.widen_s)
 
 
 def test_a_one_bucket_prediction_is_the_timeline_written_out():
@@ -66,10 +71,17 @@ def test_a_one_bucket_prediction_is_the_timeline_written_out():
     inside = 2 * (2 * 1 * 4000 / (2 * 1e9))  # reduce onto the owner and broadcast back, dense fp32
     across = 2 * 1 * (2 * 1e-3 + 4000 / (2 * 1e6))  # allreduce over the 2 nodes, 2 rounds
     assert node_step == pytest.approx(0.05 + 0.2 + encode + inside + across + 2 * 0.005 + decode)
-    # node_precision="bf16": the same, with half the bytes inside the node
-    bf16 = replace(measured, options={"hierarchy": "node", "node_precision": "bf16"})
+    # node_precision="bf16": half the bytes inside the node, and device time for the casts (codec
+    # times 2): every rank rounds to bf16 before the reduce and widens after the broadcast; the owner
+    # widens the node's sum before it encodes and rounds the average before it broadcasts
+    bf16 = replace(
+        measured,
+        options={"hierarchy": "node", "node_precision": "bf16"},
+        narrow_s=(0.001, 0.002),
+        widen_s=(0.0005, 0.003),
+    )
     bf16_step = predict(bf16, numels, [3], compute, topology, 2.0)
-    assert bf16_step == pytest.approx(node_step - inside / 2)
+    assert bf16_step == pytest.approx(node_step - inside / 2 + 2 * 2 * (0.002 + 0.003))
     # CPU ranks: the node's reduce (10 µs per byte) is compute before the launch, its broadcast (2 µs
     # per byte) compute with the decode; neither is on the link any more
     no_exchange = {(span, sums): Cost.linear(0.0, 0.0) for span in ("world", "across") for sums in (True, False)}
