@@ -90,8 +90,9 @@ def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[f
     for run in range(runs + 1):  # the first run warms up
         total, sent = 0.0, 0
         for bucket, flat in zip(buckets, flats):
-            *seconds, nbytes, _ = time_exchange(c.compressor, c.memory, c.communicator, flat, bucket)
-            total, sent = total + sum(seconds), sent + nbytes
+            timed = time_exchange(c.compressor, c.memory, c.communicator, flat, bucket)
+            total += timed.encode_s + timed.comm_s + timed.decode_s + timed.between_s
+            sent += timed.sent_bytes
         if run:
             totals.append(total)
     return statistics.median(totals), sent

@@ -39,7 +39,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -413,24 +413,35 @@ def measure_costs(
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
             if engine.nodes is None:
-                *ours, _, waits = time_exchange(compressor, memory, engine.communicator, flat, bucket)
+                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)
             else:
-                *ours, waits = time_node_exchange(engine, compressor, memory, flat, bucket)
-                ours.append(0.0)
-            eager = eager or waits
-            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket)[1] for p in ("fp32", "bf16")]
+                ours = time_node_exchange(engine, compressor, memory, flat, bucket)
+            eager = eager or ours.eager
+            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")]
             if run:
-                timed.append([*ours, *baselines])
+                timed.append([ours.encode_s, ours.comm_s, ours.decode_s, ours.between_s, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
     return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T, eager
 
 
+class ExchangeTimes(NamedTuple):
+    """One bucket's exchange, timed: seconds of encode, communication, decode and the work between
+    rounds, the bytes this rank sent, and whether a round was eager."""
+
+    encode_s: float
+    comm_s: float
+    decode_s: float
+    between_s: float
+    sent_bytes: int
+    eager: bool
+
+
 def time_node_exchange(
     engine: Synchronizer, compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket
-) -> tuple[float, float, float, bool]:
-    """hierarchy="node": (encode, communication, decode) seconds of one sample bucket's node exchange,
-    as :func:`measure_costs` counts them (zeros on a rank that does not own it), and whether a round
-    was eager (the node's reduce is, on every rank)."""
+) -> ExchangeTimes:
+    """hierarchy="node": one sample bucket's node exchange, timed as :func:`measure_costs` counts it:
+    the owner's work between rounds is in its encode and communication, so ``between_s`` is 0; zero
+    seconds on a rank that does not own it. Its eager round (the node's reduce) is on every rank."""
     nodes = engine.nodes
     flat = flat.clone()
     dist.barrier()
@@ -438,10 +449,12 @@ def time_node_exchange(
     running = RunningExchange(exchange, clock=_clock(flat))
     running.finish()
     if nodes.local_rank != 0:
-        return 0.0, 0.0, 0.0, running.eager
+        return ExchangeTimes(0.0, 0.0, 0.0, 0.0, running.sent_bytes, running.eager)
     coding = running.encode_s + running.between_s
     share = 1 / nodes.ranks_per_node
-    return share * coding, coding + running.wait_s, share * running.decode_s, running.eager
+    return ExchangeTimes(
+        share * coding, coding + running.wait_s, share * running.decode_s, 0.0, running.sent_bytes, running.eager
+    )
 
 
 def _clock(flat: Tensor) -> Callable[[], float]:
@@ -457,10 +470,9 @@ def _clock(flat: Tensor) -> Callable[[], float]:
 
 def time_exchange(
     compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
-) -> tuple[float, float, float, float, int, bool]:
-    """(encode, communication, decode, between) seconds of one bucket's exchange, all ranks of the
-    communicator's group starting together (``memory`` may be None), the bytes it sent and whether
-    a round was eager; the exchange runs as the engine runs it (the memory's
+) -> ExchangeTimes:
+    """One bucket's exchange timed, all ranks of the communicator's group starting together
+    (``memory`` may be None); the exchange runs as the engine runs it (the memory's
     :meth:`~gc_strategy.algos.base.Memory.exchange` driven by a
     :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
     compensation, communication every round, decode the last combine and the memory's update,
@@ -471,4 +483,6 @@ def time_exchange(
         dist.barrier(group=communicator.group)
     running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
     running.finish()
-    return running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes, running.eager
+    return ExchangeTimes(
+        running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes, running.eager
+    )
