@@ -517,10 +517,13 @@ def _roles(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in ("hierarchy", "node_precision")}
 
 
+MODELS = ("resnet18", "resnet50", "resnet101", "bert-base")
+
+
 def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callable[[], Any], Callable]:
     """A model of the advisor's list (weights random: only shapes and compute time matter), a maker
     of random batches, and its loss."""
-    if name.startswith("resnet"):
+    if name in MODELS and name.startswith("resnet"):
         import torchvision
 
         model = getattr(torchvision.models, name)(num_classes=10 if name == "resnet18" else 1000)
@@ -540,7 +543,7 @@ def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callab
             lambda: torch.randint(vocabulary, (batch, size)),
             lambda m, b: m(input_ids=b, labels=b).loss,
         )
-    raise ValueError(f"model = {name!r} is invalid; allowed: resnet18, resnet50, resnet101, bert-base")
+    raise ValueError(f"model = {name!r} is invalid; allowed: {', '.join(MODELS)}")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -554,9 +557,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gc_strategy.advise", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet18", help="resnet18, resnet50, resnet101 or bert-base")
+    parser.add_argument("--model", default="resnet18", help=", ".join(MODELS))
     parser.add_argument("--batch", type=int, default=32, help="samples per rank")
     parser.add_argument("--size", type=int, default=32, help="image side (ResNets) or sequence length (BERT)")
     parser.add_argument("--nodes", type=int, default=1)
@@ -586,36 +589,67 @@ def main(argv: list[str] | None = None) -> None:
         help="print a projection for 8-1024 H100s (8 per node, 25 and 100 Gbit/s) of --model resnet50 or bert-base",
     )
     parser.add_argument("--plot", help="also draw the answer into this PNG file (needs matplotlib)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check_arguments(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every argument checked before any measurement (raises ``ValueError`` naming the option, the
+    value and what is allowed); the options of each configuration."""
     for option in ("batch", "size", "nodes", "ranks_per_node", "threads"):
         if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} = {getattr(args, option)} is invalid; allowed: an integer >= 1")
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} = {getattr(args, option)} is invalid; allowed: an integer >= 1")
     for option in ("intra_latency_us", "inter_latency_us"):
         if not getattr(args, option) >= 0:
             flag = "--" + option.replace("_", "-")
-            parser.error(f"{flag} = {getattr(args, option)} is invalid; allowed: microseconds >= 0")
+            raise ValueError(f"{flag} = {getattr(args, option)} is invalid; allowed: microseconds >= 0")
     if args.compute_s is not None and not args.compute_s > 0:
-        parser.error(f"--compute-s = {args.compute_s} is invalid; allowed: seconds > 0")
+        raise ValueError(f"--compute-s = {args.compute_s} is invalid; allowed: seconds > 0")
+    parse_rate(args.inter, "--inter")
+    if args.intra != "measure":
+        parse_rate(args.intra, "--intra")
+    configs = [check_config(spec) for spec in args.configs]
+    if args.model not in MODELS:
+        raise ValueError(f"--model = {args.model!r} is invalid; allowed: {', '.join(MODELS)}")
+    if args.project:
+        if args.model not in PROJECTION:
+            raise ValueError(f"--project: --model = {args.model!r} is invalid; allowed: {', '.join(PROJECTION)}")
+        for options in configs:
+            compressor = options.get("compressor", "none")
+            if compressor not in H100_CODEC_S_PER_ELEMENT:
+                raise ValueError(
+                    f"--project: compressor = {compressor!r} has no GPU cost measured; allowed: "
+                    + ", ".join(H100_CODEC_S_PER_ELEMENT)
+                )
+    if args.intra == "measure" and args.ranks_per_node < 2:
+        raise ValueError("--intra measure needs --ranks-per-node >= 2 (a node of one rank has no link inside)")
+    if args.plot:
+        check_can_plot(args.plot)
+    return configs
+
+
+def _describe_cpu_ranks(cpu: CpuRanks) -> str:
+    """What the measured CPU ranks' collectives take from the backward, at the largest sizes measured."""
+    dense, payload = INSIDE_BYTES[-1], EXCHANGE_BYTES[-1]
+    lost = {key: cost(payload) for key, cost in cpu.exchange.items()}
+    over = {"world": "over all ranks", "across": "over one rank per node"}
+    exchanges = ", ".join(
+        f"{where} {lost[span, True]:.3f} and {lost[span, False]:.3f} s"
+        for span, where in over.items()
+        if (span, True) in lost
+    )
+    return (
+        f"CPU ranks, measured beside the backward: a node's reduce and broadcast of {dense >> 20} MB take "
+        f"{cpu.reduce(dense):.3f} and {cpu.broadcast(dense):.3f} s of compute; an allreduce and an allgather of "
+        f"{payload >> 20} MB per rank {exchanges}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
-        inter = Link(parse_rate(args.inter, "--inter"), args.inter_latency_us * 1e-6)
-        measure = args.intra == "measure"
-        intra = None if measure else Link(parse_rate(args.intra, "--intra"), args.intra_latency_us * 1e-6)
-        configs = [check_config(spec) for spec in args.configs]  # every one checked before any measurement
-        model, make_batch, loss = model_and_batch(args.model, args.batch, args.size)
-        if args.project:
-            if args.model not in PROJECTION:
-                raise ValueError(f"--project: --model = {args.model!r} is invalid; allowed: {', '.join(PROJECTION)}")
-            for options in configs:
-                compressor = options.get("compressor", "none")
-                if compressor not in H100_CODEC_S_PER_ELEMENT:
-                    raise ValueError(
-                        f"--project: compressor = {compressor!r} has no GPU cost measured; allowed: "
-                        + ", ".join(H100_CODEC_S_PER_ELEMENT)
-                    )
-        if measure and args.ranks_per_node < 2:
-            raise ValueError("--intra measure needs --ranks-per-node >= 2 (a node of one rank has no link inside)")
-        if args.plot:
-            check_can_plot(args.plot)
+        configs = _check_arguments(args)
     except ValueError as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
@@ -627,9 +661,11 @@ def main(argv: list[str] | None = None) -> None:
             plot_projection(projection.title, projection.speedups(), args.plot)
             print(f"plot: {args.plot}")
         return
+    model, make_batch, loss = model_and_batch(args.model, args.batch, args.size)
     order, here = measure_compute(model, make_batch, loss)  # first: nothing else running on this machine
+    inter = Link(parse_rate(args.inter), args.inter_latency_us * 1e-6)
     cpu = None
-    if measure:
+    if args.intra == "measure":
         hierarchical = any(options.get("hierarchy") == "node" for options in configs)
         spans = EXCHANGE_SPANS if hierarchical else ("world",)  # the baseline is flat
 
@@ -639,7 +675,10 @@ def main(argv: list[str] | None = None) -> None:
         cpu = measure_cpu_ranks(args.nodes, args.ranks_per_node, step, spans=spans)
         # a message between nodes also waits for its CPU ranks, as one inside does
         inter = Link(inter.bandwidth, inter.latency + cpu.link.latency)
-    topology = Topology(args.nodes, args.ranks_per_node, cpu.link if cpu else intra, inter)
+        intra = cpu.link
+    else:
+        intra = Link(parse_rate(args.intra), args.intra_latency_us * 1e-6)
+    topology = Topology(args.nodes, args.ranks_per_node, intra, inter)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())
     shapes = {name: parameters[name].shape for name in order}
@@ -647,19 +686,7 @@ def main(argv: list[str] | None = None) -> None:
     setting = f"{args.model}, batch {args.batch}, size {args.size}; {topology.describe()}"
     print(setting)
     if cpu is not None:
-        dense, payload = INSIDE_BYTES[-1], EXCHANGE_BYTES[-1]
-        lost = {key: cost(payload) for key, cost in cpu.exchange.items()}
-        over = {"world": "over all ranks", "across": "over one rank per node"}
-        exchanges = ", ".join(
-            f"{where} {lost[span, True]:.3f} and {lost[span, False]:.3f} s"
-            for span, where in over.items()
-            if (span, True) in lost
-        )
-        print(
-            f"CPU ranks, measured beside the backward: a node's reduce and broadcast of {dense >> 20} MB take "
-            f"{cpu.reduce(dense):.3f} and {cpu.broadcast(dense):.3f} s of compute; an allreduce and an allgather of "
-            f"{payload >> 20} MB per rank {exchanges}"
-        )
+        print(_describe_cpu_ranks(cpu))
     print(f"compute per step {compute.step_s:.3f} s ({'given' if args.compute_s else 'measured here'}); predicted:")
     print(table(rows))
     print(recommendation(rows))

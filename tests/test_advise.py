@@ -262,6 +262,7 @@ def _advise(*args):
     "args, message",
     [
         (["--nodes", "0", "--configs", "compressor=none"], "--nodes = 0 is invalid"),
+        (["--model", "resnet7", "--configs", "compressor=none"], "--model = 'resnet7' is invalid; allowed: resnet18"),
         (["--inter", "fast", "--configs", "compressor=none"], "--inter = 'fast' is invalid"),
         (["--inter-latency-us", "-1", "--configs", "compressor=none"], "--inter-latency-us = -1.0 is invalid"),
         (["--configs", "compressor=zip"], "unknown compressor 'zip'"),
