@@ -299,11 +299,16 @@ def test_a_projection_grows_the_cluster_and_plots_the_speedups(monkeypatch, tmp_
     """ResNet-18 stands in for the projection's models (their shapes take longer to profile): fp16
     sends the bf16 allreduce's bytes at the same GPU cost, so it is the baseline's speed everywhere;
     flat top-k's gathered payload grows with the ranks while the allreduce's stays flat, so its
-    speedup falls as the cluster grows."""
+    speedup falls as the cluster grows. The casts of ``node_precision=bf16`` are priced at the
+    GPU's speed, as the bf16 compressor's codec: about 0.1 ms a step here, where this CPU's would
+    take 10 ms or more."""
     monkeypatch.setitem(advise.PROJECTION, "resnet18", (64, 224, 3 * 1.8e9))
     topk = "compressor=topk,memory=residual,density=0.01"
-    configs = ["compressor=fp16", topk, f"{topk},hierarchy=node"]
+    node, bf16 = "compressor=fp16,hierarchy=node", "compressor=fp16,hierarchy=node,node_precision=bf16"
+    configs = ["compressor=fp16", topk, f"{topk},hierarchy=node", node, bf16]
     projection = advise.project("resnet18", configs, [8, 64, 1024], ["25gbit"])
+    for times in projection.seconds.values():
+        assert abs(times[bf16] - times[node]) < 1e-3
     assert list(projection.seconds) == [("25gbit", 8), ("25gbit", 64), ("25gbit", 1024)]
     speedups = projection.speedups()
     for count in (8, 64, 1024):
