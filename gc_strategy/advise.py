@@ -592,9 +592,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_arguments(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _check_arguments(args: argparse.Namespace) -> tuple[list[dict[str, Any]], Link, Link | None]:
     """Every argument checked before any measurement (raises ``ValueError`` naming the option, the
-    value and what is allowed); the options of each configuration."""
+    value and what is allowed): the options of each configuration, the link between nodes and the
+    link inside a node (None: ``--intra measure``)."""
     for option in ("batch", "size", "nodes", "ranks_per_node", "threads"):
         if getattr(args, option) < 1:
             flag = "--" + option.replace("_", "-")
@@ -605,9 +606,9 @@ def _check_arguments(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise ValueError(f"{flag} = {getattr(args, option)} is invalid; allowed: microseconds >= 0")
     if args.compute_s is not None and not args.compute_s > 0:
         raise ValueError(f"--compute-s = {args.compute_s} is invalid; allowed: seconds > 0")
-    parse_rate(args.inter, "--inter")
-    if args.intra != "measure":
-        parse_rate(args.intra, "--intra")
+    inter = Link(parse_rate(args.inter, "--inter"), args.inter_latency_us * 1e-6)
+    measure = args.intra == "measure"
+    intra = None if measure else Link(parse_rate(args.intra, "--intra"), args.intra_latency_us * 1e-6)
     configs = [check_config(spec) for spec in args.configs]
     if args.model not in MODELS:
         raise ValueError(f"--model = {args.model!r} is invalid; allowed: {', '.join(MODELS)}")
@@ -621,11 +622,11 @@ def _check_arguments(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"--project: compressor = {compressor!r} has no GPU cost measured; allowed: "
                     + ", ".join(H100_CODEC_S_PER_ELEMENT)
                 )
-    if args.intra == "measure" and args.ranks_per_node < 2:
+    if measure and args.ranks_per_node < 2:
         raise ValueError("--intra measure needs --ranks-per-node >= 2 (a node of one rank has no link inside)")
     if args.plot:
         check_can_plot(args.plot)
-    return configs
+    return configs, inter, intra
 
 
 def _describe_cpu_ranks(cpu: CpuRanks) -> str:
@@ -649,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        configs = _check_arguments(args)
+        configs, inter, intra = _check_arguments(args)
     except ValueError as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
@@ -663,9 +664,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     model, make_batch, loss = model_and_batch(args.model, args.batch, args.size)
     order, here = measure_compute(model, make_batch, loss)  # first: nothing else running on this machine
-    inter = Link(parse_rate(args.inter), args.inter_latency_us * 1e-6)
     cpu = None
-    if args.intra == "measure":
+    if intra is None:
         hierarchical = any(options.get("hierarchy") == "node" for options in configs)
         spans = EXCHANGE_SPANS if hierarchical else ("world",)  # the baseline is flat
 
@@ -676,8 +676,6 @@ def main(argv: list[str] | None = None) -> None:
         # a message between nodes also waits for its CPU ranks, as one inside does
         inter = Link(inter.bandwidth, inter.latency + cpu.link.latency)
         intra = cpu.link
-    else:
-        intra = Link(parse_rate(args.intra), args.intra_latency_us * 1e-6)
     topology = Topology(args.nodes, args.ranks_per_node, intra, inter)
     compute = here if args.compute_s is None else here.scaled(args.compute_s / here.step_s)
     parameters = dict(model.named_parameters())
