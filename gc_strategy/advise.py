@@ -523,7 +523,9 @@ MODELS = ("resnet18", "resnet50", "resnet101", "bert-base")
 def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callable[[], Any], Callable]:
     """A model of the advisor's list (weights random: only shapes and compute time matter), a maker
     of random batches, and its loss."""
-    if name in MODELS and name.startswith("resnet"):
+    if name not in MODELS:
+        raise ValueError(f"model = {name!r} is invalid; allowed: {', '.join(MODELS)}")
+    if name.startswith("resnet"):
         import torchvision
 
         model = getattr(torchvision.models, name)(num_classes=10 if name == "resnet18" else 1000)
@@ -533,17 +535,15 @@ def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callab
             lambda: (torch.randn(batch, 3, size, size), torch.randint(classes, (batch,))),
             lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
         )
-    if name == "bert-base":
-        from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertConfig, BertForMaskedLM
 
-        model = BertForMaskedLM(BertConfig())
-        vocabulary = model.config.vocab_size
-        return (
-            model,
-            lambda: torch.randint(vocabulary, (batch, size)),
-            lambda m, b: m(input_ids=b, labels=b).loss,
-        )
-    raise ValueError(f"model = {name!r} is invalid; allowed: {', '.join(MODELS)}")
+    model = BertForMaskedLM(BertConfig())
+    vocabulary = model.config.vocab_size
+    return (
+        model,
+        lambda: torch.randint(vocabulary, (batch, size)),
+        lambda m, b: m(input_ids=b, labels=b).loss,
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -3,6 +3,7 @@ compressor=none and torch's DDP's on real training patterns, the plain math for 
 compressor keeps the replicas identical, an overflow on one rank reaches no rank's error-feedback
 memory, and a bad layout fails with an error that names it on every rank."""
 
+import contextlib
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from compressor_helpers import SMALL_MODEL_OPTIONS
 from distributed import run_ranks
 from models import SmallCNN
+from torch.nn.parallel import DistributedDataParallel
 
 from gc_strategy import COMPRESSORS, GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
@@ -103,10 +105,6 @@ def _against_torch_ddp(rank, world_size, ranks_per_node):
     """compressor=none over nodes against torch's DistributedDataParallel, for each training
     pattern: plain steps, 2 micro-batches accumulated under ``no_sync()``, and a layer each rank
     uses on a third of the steps (``find_unused_parameters=True``). SGD with momentum."""
-    import contextlib
-
-    from torch.nn.parallel import DistributedDataParallel
-
     results = {}
     for pattern in ("plain", "accumulate", "unused"):
         torch.manual_seed(0)
