@@ -27,6 +27,11 @@ continue from ``θ`` itself and are identical after each outer step.
 sent at bf16 with no error feedback (``vectors="bf16"``; ``"fp32"``: uncompressed;
 ``"compressed"``: with the configured compressor like the rest).
 
+Buffers are not optimised, so they have no outer value. After each outer step, with
+``broadcast_buffers=True``, floating-point buffers (BatchNorm's running statistics) become their
+mean over the replicas and the others (counters) rank 0's: the statistics of all replicas' inner
+phases, as the outer parameters are. Rank 0's alone would describe one replica's trajectory.
+
 The outer state (``θ``, the outer optimizer's momentum) is kept in fp32, on the parameters' device
 or, with ``offload=True``, in CPU memory, so that accelerator memory does not hold a second copy
 of the model; with ``offload=True`` the error-feedback and compressor state also waits in CPU
@@ -47,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .components import Components, build_components
-from .engine import GradientSynchronizer, broadcast_from_rank0
+from .engine import GradientSynchronizer, average_buffers
 from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
 from .telemetry import StepTelemetry, TelemetryLog, add_into
@@ -406,7 +411,7 @@ class DiLoCo:
         fragment.started, fragment.averaged = None, None
         self.step += 1
         if self.broadcast_buffers and self.world_size > 1:
-            broadcast_from_rank0(list(self.module.buffers()), self.process_group)
+            average_buffers(list(self.module.buffers()), self.process_group)
 
     def _record_telemetry(self, fragment: _Fragment) -> None:
         merged = StepTelemetry()
@@ -422,7 +427,7 @@ class DiLoCo:
     # ------------------------------------------------------------------ what the strategies call
     @contextmanager
     def forward_pass(self) -> Iterator[None]:
-        """Inner forwards need nothing (buffers are rank 0's after each outer step)."""
+        """Inner forwards need nothing (buffers are averaged at each outer step)."""
         yield
 
     @contextmanager
@@ -439,6 +444,10 @@ class DiLoCo:
                 self._collect(fragment)
 
     # ------------------------------------------------------------------ checkpoints
+    def holds_rank_state(self) -> bool:
+        """Always: each replica's own module and inner optimizer states differ inside an inner phase."""
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's DiLoCo state: the schedule, the outer values and optimizer, the roles' state
         of every synchroniser, the averaged Δ of exchanges not applied yet (collected now, so

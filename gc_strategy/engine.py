@@ -50,7 +50,7 @@ Semantics, those of ``DistributedDataParallel``:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -604,6 +604,19 @@ class GradientSynchronizer:
         numels = [self.parameter(name).numel() for name in self.order]
         write_plan_file(path, self.order, numels, self.tensors_per_bucket, self.planner.describe(), self.plan_report)
 
+    def holds_rank_state(self) -> bool:
+        """Whether any rank keeps state of its own for a checkpoint (the memory's, the
+        compressor's): a collective, called on every rank. Without it rank 0's state is every rank's."""
+        own = (
+            self.memory.state_by_parameter(self.buckets)
+            or self.compressor.state_by_parameter(self.buckets)
+            or self.compressor.extra_state()
+        )
+        held = torch.tensor([float(bool(own))], device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(held.item())
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronisation state, on the CPU, keyed by parameter name."""
         return _to_cpu(
@@ -649,18 +662,39 @@ class GradientSynchronizer:
 
 
 def broadcast_from_rank0(tensors: list[Tensor], group: Any = None) -> None:
-    """Rank 0's (of ``group``) values of ``tensors`` to every rank: one broadcast per dtype and
-    device, of the tensors flattened into one buffer (like DDP's coalesced broadcast)."""
-    if not tensors:
-        return
+    """Rank 0's (of ``group``) values of ``tensors`` to every rank, coalesced like DDP's broadcast."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    _coalesced(tensors, lambda flat: dist.broadcast(flat, src, group=group))
+
+
+def average_buffers(buffers: list[Tensor], group: Any = None) -> None:
+    """Floating-point ``buffers`` (BatchNorm's running mean and variance) to their mean over the
+    ranks of ``group``, the others (counters such as ``num_batches_tracked``) to rank 0's.
+
+    Why: DiLoCo's outer step moves every replica to the outer parameters, which come from the mean
+    of all replicas' progress. One replica's running statistics describe its own inner trajectory
+    only; their mean describes all of them, as the outer parameters do.
+    """
+    world_size = dist.get_world_size(group)
+
+    def mean(flat: Tensor) -> None:
+        dist.all_reduce(flat, group=group)
+        flat.div_(world_size)
+
+    _coalesced([b for b in buffers if b.is_floating_point()], mean)
+    broadcast_from_rank0([b for b in buffers if not b.is_floating_point()], group)
+
+
+def _coalesced(tensors: list[Tensor], collective: Callable[[Tensor], None]) -> None:
+    """Run ``collective`` in place on one flat buffer per dtype and device holding ``tensors``,
+    then copy the results back (one collective per kind instead of one per tensor)."""
     same_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for tensor in tensors:
         same_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
     with torch.no_grad():
         for same in same_kind.values():
             flat = torch.cat([t.reshape(-1) for t in same])
-            dist.broadcast(flat, src, group=group)
+            collective(flat)
             start = 0
             for t in same:
                 t.copy_(flat[start : start + t.numel()].view_as(t))

@@ -120,6 +120,44 @@ def test_one_inner_step_with_outer_sgd_at_lr_1_is_torch_ddp():
         assert gap < 1e-6
 
 
+def _buffers_at_an_outer_step(rank, world_size, broadcast_buffers):
+    """BatchNorm's buffers after H=2 inner steps on each replica's own data, rank 1 running one more
+    forward (so its counter differs): before and after the outer step, and every replica's before."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    sync = DiLoCo(model, build_components("none"), inner_steps=2, broadcast_buffers=broadcast_buffers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(8, 6, generator=g) * (rank + 1) + rank).square().mean().backward()
+        optimizer.step()
+        if rank == 1 and step == 1:
+            model(torch.randn(8, 6, generator=g))
+        before = {n: b.clone() for n, b in model.named_buffers()}
+        sync.after_inner_step()
+    every = {}
+    for name, buffer in before.items():
+        every[name] = [torch.empty_like(buffer) for _ in range(world_size)]
+        dist.all_gather(every[name], buffer)
+    return every, dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_an_outer_step_averages_floating_buffers_and_takes_rank_0s_counters(broadcast_buffers):
+    """With broadcast_buffers=True the running mean and variance become the replicas' mean and
+    num_batches_tracked rank 0's, on every rank; with False every replica keeps its own."""
+    results = run_ranks(_buffers_at_an_outer_step, 2, broadcast_buffers)
+    every = results[0][0]
+    assert not torch.equal(*every["1.running_mean"]) and not torch.equal(*every["1.num_batches_tracked"])
+    for rank, (_, after) in enumerate(results):
+        for name in ("1.running_mean", "1.running_var"):
+            expected = (every[name][0] + every[name][1]) / 2 if broadcast_buffers else every[name][rank]
+            assert torch.allclose(after[name], expected, rtol=0, atol=1e-6), name
+        counter = every["1.num_batches_tracked"][0 if broadcast_buffers else rank]
+        assert torch.equal(after["1.num_batches_tracked"], counter)
+
+
 def _every_compressor(rank, world_size):
     results = {}
     for name in COMPRESSORS.names():
@@ -240,7 +278,7 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
     )
-    ranks = [torch.load(checkpoints / "last.ckpt.gc_state" / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(tmp_path / "ckpt.gc_state" / "last.ckpt" / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["inner_step"] == 4
     assert not torch.equal(ranks[0]["local"]["net.head.weight"], ranks[1]["local"]["net.head.weight"])
     pl.seed_everything(0, verbose=False)
