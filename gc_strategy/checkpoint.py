@@ -1,14 +1,21 @@
-"""The synchroniser's state in a checkpoint: one file per rank, written by every rank at once.
+"""The synchroniser's state in a checkpoint: nothing beside it where no rank keeps state of its
+own, else one file per rank, written by every rank at once.
 
-Error-feedback state is per rank and as large as the gradients, so gathering it into the file rank 0
-writes would make rank 0's memory and that file grow as ``W`` × the model (64 ranks with residual
-memory for a 1B-parameter model: 256 GB). Instead each rank writes its own
+Without error feedback or compressor state (``compressor="none"``, ``fp16``, ``qsgd`` with no
+memory) every rank's synchroniser state is the same small record (step, gradient order, plan), so
+the checkpoint holds rank 0's, ``{"format": "shared", "state": ...}``, and nothing else is written,
+as with ``ddp``. Error-feedback state is per rank and as large as the gradients, so gathering it
+into the file rank 0 writes would make rank 0's memory and that file grow as ``W`` × the model (64
+ranks with residual memory for a 1B-parameter model: 256 GB). Instead each rank writes its own
 :meth:`~gc_strategy.engine.GradientSynchronizer.state_dict` to ``FOLDER/rank<r>.pt`` and the
-checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": W}``. On resume
-each rank reads its own file; with another world size each rank reads the old ranks' files one at
-a time into the running mean of :func:`~gc_strategy.engine.resharded`, so no rank holds more than
-two states at once. Checkpoints that hold every rank's state gathered (``{"world_size": W,
-"ranks": [...]}``) still load. Paths go through fsspec, as Lightning's own checkpoints do.
+checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": W}``. For a
+Lightning checkpoint ``DIR/NAME.ckpt`` the folder is ``DIR.gc_state/NAME.ckpt/``, beside ``DIR``,
+so that listing or globbing ``DIR`` finds only checkpoints, as with ``ddp``. On resume each rank reads its
+own file; with another world size each rank reads the old ranks' files one at a time into the
+running mean of :func:`~gc_strategy.engine.resharded`, so no rank holds more than two states at
+once. Checkpoints that hold every rank's state gathered (``{"world_size": W, "ranks": [...]}``), or
+whose files sit in ``DIR/NAME.ckpt.gc_state/``, still load. Paths go through fsspec, as Lightning's
+own checkpoints do.
 """
 
 from __future__ import annotations
@@ -23,19 +30,32 @@ from .diloco import DiLoCo
 from .engine import GradientSynchronizer, load_rank_state, resharded
 
 MANIFEST_FORMAT = "per_rank_files"
+SHARED_FORMAT = "shared"
+#: appended to a checkpoint folder's name to name the folder of its checkpoints' per-rank files
+FOLDER_SUFFIX = ".gc_state"
 
 
 def state_folder(checkpoint_path: Any, saved: bool = False) -> str:
-    """Where the per-rank files of the checkpoint at ``checkpoint_path`` go: beside it. For a saved
-    local checkpoint, beside the file a link points to (Lightning's ``save_last="link"``)."""
+    """Where the per-rank files of the checkpoint ``DIR/NAME`` go: ``DIR.gc_state/NAME``, beside
+    ``DIR`` so that ``DIR`` holds only checkpoints (``DIR/.gc_state/NAME`` where ``DIR`` is a root).
+    For a saved local checkpoint, beside the file a link points to (Lightning's ``save_last="link"``),
+    and the earlier ``DIR/NAME.gc_state`` where only that exists."""
     path = str(checkpoint_path)
-    if saved and "://" not in path:
-        path = os.path.realpath(path)
-    return f"{path}.gc_state"
+    if "://" not in path:
+        path = os.path.realpath(path) if saved else os.path.abspath(path)
+    head, _, name = path.rpartition("/")
+    is_root = not head or ("://" in head and "/" not in head.split("://", 1)[1])
+    folder = f"{head}/{FOLDER_SUFFIX}/{name}" if is_root else f"{head}{FOLDER_SUFFIX}/{name}"
+    if saved and not get_filesystem(folder).exists(folder) and get_filesystem(path).exists(f"{path}.gc_state"):
+        return f"{path}.gc_state"
+    return folder
 
 
 def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -> dict[str, Any]:
-    """Write this rank's state to ``folder`` (call it on every rank); returns the manifest."""
+    """Write this rank's state to ``folder`` where any rank keeps state of its own (call it on every
+    rank); returns the manifest, which holds the state itself where no rank does."""
+    if not synchronizer.holds_rank_state():
+        return {"format": SHARED_FORMAT, "state": synchronizer.state_dict()}
     fs = get_filesystem(folder)
     fs.makedirs(folder, exist_ok=True)
     with fs.open(_rank_file(folder, synchronizer.rank), "wb") as f:
@@ -45,6 +65,9 @@ def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -
 
 def load_rank_states(synchronizer: GradientSynchronizer | DiLoCo, saved: dict[str, Any], folder: str) -> None:
     """Restore this rank's state from a manifest and its ``folder``, or from gathered states."""
+    if saved.get("format") == SHARED_FORMAT:
+        synchronizer.load_state_dict(saved["state"])
+        return
     if saved.get("format") != MANIFEST_FORMAT:
         load_rank_state(synchronizer, saved)
         return
@@ -61,9 +84,13 @@ def load_rank_states(synchronizer: GradientSynchronizer | DiLoCo, saved: dict[st
 
 
 def remove_rank_states(folder: str) -> None:
+    """Remove a checkpoint's per-rank files, and their parent folder once it holds no other's."""
     fs = get_filesystem(folder)
     if fs.exists(folder):
         fs.rm(folder, recursive=True)
+    parent = folder.rpartition("/")[0]
+    if parent.endswith(FOLDER_SUFFIX) and fs.exists(parent) and not fs.ls(parent):
+        fs.rm(parent, recursive=True)
 
 
 def _rank_file(folder: str, rank: int) -> str:

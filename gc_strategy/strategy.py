@@ -276,6 +276,12 @@ class GCFusedStrategy(DDPStrategy):
         super().teardown()
 
     # ---------------------------------------------------------------- telemetry
+    def _trainer(self) -> Any:
+        """The Trainer the LightningModule is attached to, or None: also for a module loaded or
+        connected outside ``fit``, whose ``.trainer`` raises."""
+        module = self.lightning_module
+        return None if module is None else module._trainer
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if isinstance(self.synchronizer, DiLoCo):
@@ -301,7 +307,7 @@ class GCFusedStrategy(DDPStrategy):
             f"profiling {report['profile_s']:.2f} s, "
             f"search {1000 * report['search_s']:.1f} ms){verdict}"
         )
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is None or not self.is_global_zero:
             return
         metrics = {
@@ -319,7 +325,7 @@ class GCFusedStrategy(DDPStrategy):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def _log_telemetry(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if self.synchronizer is None or trainer is None or not trainer.loggers or not self.is_global_zero:
             return
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -359,7 +365,7 @@ class GCFusedStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
         if saved is not None and fitting:  # validate/test/predict(ckpt_path=...) have no synchroniser
             folder = state_folder(checkpoint_path, saved=True)

@@ -1,4 +1,5 @@
-"""Rank 0's memory during a save does not grow with the world size (benchmarks/checkpoint_memory.py)."""
+"""Where per-rank state files go, and rank 0's memory during a save does not grow with the world size
+(benchmarks/checkpoint_memory.py)."""
 
 import sys
 from pathlib import Path
@@ -9,9 +10,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from checkpoint_memory import measure  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+from gc_strategy.checkpoint import remove_rank_states, state_folder  # noqa: E402
 
 
+def test_rank_files_go_beside_the_checkpoint_folder_and_leave_with_their_checkpoint(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    assert state_folder(checkpoints / "last.ckpt") == f"{tmp_path}/ckpt.gc_state/last.ckpt"
+    assert state_folder("/last.ckpt") == "/.gc_state/last.ckpt"  # no folder beside a root
+    assert state_folder("s3://bucket/last.ckpt") == "s3://bucket/.gc_state/last.ckpt"
+    assert state_folder("s3://bucket/run/last.ckpt") == "s3://bucket/run.gc_state/last.ckpt"
+    for name in ("a.ckpt", "b.ckpt"):
+        folder = Path(state_folder(checkpoints / name))
+        folder.mkdir(parents=True)
+        (folder / "rank0.pt").write_bytes(b"")
+    remove_rank_states(state_folder(checkpoints / "a.ckpt"))
+    assert [p.name for p in (tmp_path / "ckpt.gc_state").iterdir()] == ["b.ckpt"]
+    remove_rank_states(state_folder(checkpoints / "b.ckpt"))
+    assert not (tmp_path / "ckpt.gc_state").exists()
+
+
+def test_a_checkpoint_whose_files_sit_in_the_earlier_folder_finds_them(tmp_path):
+    checkpoint = tmp_path / "ckpt" / "last.ckpt"
+    (tmp_path / "ckpt" / "last.ckpt.gc_state").mkdir(parents=True)
+    checkpoint.write_bytes(b"")
+    assert state_folder(checkpoint, saved=True) == f"{checkpoint}.gc_state"
+    Path(state_folder(checkpoint)).mkdir(parents=True)
+    assert state_folder(checkpoint, saved=True) == f"{tmp_path}/ckpt.gc_state/last.ckpt"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_rank_0_peak_memory_during_a_save_does_not_grow_with_the_world_size():
     """32 MB of residual state per rank at W = 1, 2, 4: with per-rank files rank 0's peak stays
     under 1.5 states at every W, so it never holds a second rank's state (the peak itself moves by a

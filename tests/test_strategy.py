@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -107,7 +108,7 @@ def _validate_then_fit(rank, world_size, checkpoints):
         callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
     )
     last = os.path.join(checkpoints, "last.ckpt")
-    residual = torch.load(f"{last}.gc_state/rank0.pt")["memory"]["residual"]
+    residual = torch.load(os.path.join(f"{checkpoints}.gc_state", "last.ckpt", "rank0.pt"))["memory"]["residual"]
     fresh = _train(strategy(), seed=1, devices=1)
     pl.seed_everything(1, verbose=False)
     module = ValidatedModule()
@@ -157,7 +158,7 @@ def test_checkpoint_resume_continues_identically(tmp_path, options):
     )
     last = checkpoints / "last.ckpt"
     assert torch.load(last, weights_only=False)["gc_strategy"] == {"format": "per_rank_files", "world_size": 2}
-    ranks = [torch.load(checkpoints / "last.ckpt.gc_state" / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(tmp_path / "ckpt.gc_state" / "last.ckpt" / f"rank{r}.pt") for r in range(2)]
     states = [r["memory"] if "residual" in r["memory"] else r["compressor"] for r in ranks]
     per_rank = [next(iter(state.values())) for state in states]  # residual / error per parameter
     assert any(not torch.equal(per_rank[0][k], per_rank[1][k]) for k in per_rank[0])  # each rank wrote its own
@@ -194,9 +195,83 @@ def test_removed_checkpoints_take_their_rank_states_along(tmp_path):
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1)],
     )
-    files = sorted(p.name for p in checkpoints.iterdir())
-    assert len(files) == 2 and files[1] == files[0] + ".gc_state", files  # the latest step's only
-    assert sorted(p.name for p in (checkpoints / files[1]).iterdir()) == ["rank0.pt", "rank1.pt"]
+    (latest,) = [p.name for p in checkpoints.iterdir()]  # the latest step's only, and nothing beside it
+    assert [p.name for p in (tmp_path / "ckpt.gc_state").iterdir()] == [latest]
+    assert sorted(p.name for p in (tmp_path / "ckpt.gc_state" / latest).iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+class SaveCountingModule(ParityModule):
+    """Counts this rank's ``torch.save`` calls during fit into ``<folder>/saves<rank>``."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def on_fit_start(self):
+        self.saves, save = 0, torch.save
+
+        def counted(*args, **kwargs):
+            self.saves += 1
+            return save(*args, **kwargs)
+
+        torch.save = counted  # in this rank's forked process only
+
+    def on_fit_end(self):
+        with open(os.path.join(self.folder, f"saves{self.global_rank}"), "w") as f:
+            f.write(str(self.saves))
+
+
+def _checkpointed(folder, strategy):
+    """Fit with a checkpoint every 2 steps and last.ckpt; the files it wrote, and each rank's
+    ``torch.save`` calls."""
+    pl.seed_everything(0, verbose=False)
+    checkpoints = folder / "ckpt"
+    fit(
+        SaveCountingModule(str(folder)),
+        strategy,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1, save_last=True)],
+    )
+    saves = [int((folder / f"saves{rank}").read_text()) for rank in range(2)]
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.name.startswith("saves")), saves
+
+
+def test_with_no_state_per_rank_a_checkpoint_folder_holds_what_ddp_writes(tmp_path):
+    """compressor="none": the files ``ddp`` writes and nothing beside them, ``torch.save`` on rank 0
+    as often as ``ddp`` and never on rank 1; the checkpoint holds the shared state and resumes."""
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "gc").mkdir()
+    ddp_files, ddp_saves = _checkpointed(tmp_path / "ddp", "ddp_fork")
+    files, saves = _checkpointed(tmp_path / "gc", "gc_fused_fork")
+    assert files == ddp_files and "ckpt/last.ckpt" in files, (files, ddp_files)
+    assert saves == ddp_saves and saves[0] > 0 and saves[1] == 0, (saves, ddp_saves)
+    last = tmp_path / "gc" / "ckpt" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)["gc_strategy"]
+    assert saved["format"] == "shared" and saved["state"]["step"] == 4 and saved["state"]["ready_order"]
+    pl.seed_everything(0, verbose=False)
+    fit(ParityModule(), GCFusedStrategy(start_method="fork"), max_epochs=2, ckpt_path=str(last))
+
+
+def test_a_checkpoint_loads_into_a_module_attached_to_no_trainer(tmp_path):
+    """As Lightning's test pipelines load a trained model: the strategy connected to a new module
+    that no Trainer holds reads the checkpoint, its weights and its compression state."""
+    ((trained, path),) = run_ranks(_train_and_save, 1, str(tmp_path / "ckpt"))
+    module = ParityModule()
+    strategy = GCFusedStrategy(compressor="topk", memory="residual", density=0.1)
+    strategy.connect(module)
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        module.trainer  # noqa: B018 (what the strategy must not read)
+    checkpoint = strategy.load_checkpoint(path)
+    module.load_state_dict(checkpoint["state_dict"])
+    assert torch.equal(flat_params(module), trained)
+    assert checkpoint["gc_strategy"]["format"] == "per_rank_files"
+
+
+def _train_and_save(rank, world_size, checkpoints):
+    strategy = GCFusedStrategy(compressor="topk", memory="residual", density=0.1)
+    module = _train(strategy, devices=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints)])
+    (path,) = [str(p) for p in Path(checkpoints).glob("*.ckpt")]
+    return flat_params(module), path
 
 
 def test_a_linked_last_checkpoint_resumes_with_its_target_s_rank_states(tmp_path):
