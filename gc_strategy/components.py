@@ -16,7 +16,10 @@ from typing import Any
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .communicators import COMMUNICATORS, Communicator
 from .fusion import FusionPlanner, parse_fusion
-from .registry import fresh_copy
+from .registry import closest, fresh_copy
+
+#: the keywords that choose the roles, which an unknown option may have meant
+ROLE_KEYWORDS = ("compressor", "memory", "communicator", "fusion")
 
 
 @dataclass
@@ -61,9 +64,12 @@ def build_components(
                 declared.setdefault(key, []).append(registry)
     unknown = sorted(set(options) - set(declared))
     if unknown:
-        accepted = ", ".join(sorted(declared)) or "none"
         names = ", ".join(f"{r.role}={c if isinstance(c, str) else type(c).__name__}" for r, c in registries)
-        raise ValueError(f"option(s) {', '.join(unknown)} are not taken by {names}; accepted options: {accepted}")
+        meant = {key: closest(key, [*declared, *ROLE_KEYWORDS]) for key in unknown}
+        hints = ", ".join(f"{match}= for {key}" for key, match in meant.items() if match)
+        hint = f" (did you mean {hints}?)" if hints else ""
+        accepted = f"accepted options: {', '.join(sorted(declared))}" if declared else "they take no options"
+        raise ValueError(f"option(s) {', '.join(unknown)} are not taken by {names}{hint}; {accepted}")
 
     def build(registry: Any, choice: Any, base: type) -> Any:
         if isinstance(choice, base):

@@ -9,12 +9,27 @@ allowed, before any training work starts.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice a misspelled ``word`` most likely meant: the same letters in another case, the one
+    choice it begins (``comm`` for ``communicator``), or difflib's closest match; None if none is close."""
+    choices = list(choices)
+    by_lower = {choice.lower(): choice for choice in choices}
+    if word.lower() in by_lower:
+        return by_lower[word.lower()]
+    beginning = [choice for choice in choices if len(word) >= 3 and choice.startswith(word)]
+    if len(beginning) == 1:
+        return beginning[0]
+    matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return matches[0] if matches else None
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,9 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> type[T]:
         if not isinstance(name, str) or name not in self._classes:
-            raise ValueError(f"unknown {self.role} {name!r}; valid names: {', '.join(self.names())}")
+            match = closest(name, self.names()) if isinstance(name, str) else None
+            hint = f" (did you mean {match!r}?)" if match else ""
+            raise ValueError(f"unknown {self.role} {name!r}{hint}; valid names: {', '.join(self.names())}")
         return self._classes[name]
 
     def options(self, name: str) -> Mapping[str, Option]:

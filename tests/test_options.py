@@ -11,9 +11,15 @@ from gc_strategy import GCFusedStrategy, build_components
     [
         (
             dict(compressor="topkk"),
-            "unknown compressor 'topkk'; valid names: " + ", ".join(gc_strategy.COMPRESSORS.names()),
+            "unknown compressor 'topkk' (did you mean 'topk'?); valid names: "
+            + ", ".join(gc_strategy.COMPRESSORS.names()),
         ),
-        (dict(memory="residul"), "unknown memory 'residul'; valid names: " + ", ".join(gc_strategy.MEMORIES.names())),
+        (dict(compressor="topK"), "unknown compressor 'topK' (did you mean 'topk'?)"),
+        (
+            dict(memory="residul"),
+            "unknown memory 'residul' (did you mean 'residual'?); valid names: "
+            + ", ".join(gc_strategy.MEMORIES.names()),
+        ),
         (dict(communicator="broadcast"), "unknown communicator 'broadcast'; valid names: allgather, allreduce"),
         (
             dict(memory="residual", beta=1.5),
@@ -23,8 +29,15 @@ from gc_strategy import GCFusedStrategy, build_components
         (dict(memory="residual", beta="high"), "option 'beta' = 'high' is invalid"),
         (
             dict(memory="residual", betta=0.5),
-            "option(s) betta are not taken by compressor=none, memory=residual; accepted options: beta, gamma",
+            "option(s) betta are not taken by compressor=none, memory=residual (did you mean beta= for betta?); "
+            "accepted options: beta, gamma",
         ),
+        (
+            dict(comm="allgather"),
+            "option(s) comm are not taken by compressor=none, memory=none (did you mean communicator= for comm?); "
+            "they take no options",
+        ),
+        (dict(compressor="fp16", xyz=1), "option(s) xyz are not taken by compressor=fp16, memory=none; they take no"),
         (dict(fusion="groups:0"), "fusion = 'groups:0' is invalid; allowed: 'layerwise', 'single', 'groups:N'"),
         (dict(fusion="groups:x"), "fusion = 'groups:x' is invalid"),
         (dict(fusion="bucket_mb:-1"), "fusion = 'bucket_mb:-1' is invalid"),
