@@ -24,12 +24,14 @@ from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFusedStrategy
 from gc_strategy.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
+from recipes.console import StepProgressBar, quiet_harmless_messages
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
 RECIPES = {"resnet": "images", "lstm": "text", "bert": "mlm"}
+CHECKPOINTS = ("last", "all", "none")
 #: the Hydra groups made from the registries: one member per registered name
 ROLE_GROUPS = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
 
@@ -121,13 +123,16 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
         from lightning.pytorch.loggers import WandbLogger
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        return WandbLogger(
+        logger = WandbLogger(
             project=cfg.logger.project,
             name=run_name,
             save_dir=str(output_dir),
             mode=cfg.logger.mode,
             config=OmegaConf.to_container(cfg, resolve=True),
         )
+        # Lightning passes anonymous=None, which W&B warns about as a setting that has no effect
+        logger._wandb_init.pop("anonymous", None)
+        return logger
     if kind == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
@@ -139,16 +144,46 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
     raise ValueError(f"logger.kind = {kind!r} is invalid; allowed: wandb, csv, tensorboard")
 
 
-def run(cfg: DictConfig, output_dir: Path) -> dict:
-    """Validate everything, then train; returns rank 0's summary (also in output_dir/summary.json)."""
-    t = cfg.trainer
-    torch.set_num_threads(t.threads_per_rank)
-    strategy = build_strategy(cfg)
+def check_run(cfg: DictConfig) -> None:
+    """Refuse what would waste or lose the run: an unknown ``checkpoints``, a baseline phase under
+    DiLoCo, and a baseline phase with no timed step in it or none left after it (its steps count
+    within ``trainer.max_steps``)."""
+    if cfg.checkpoints not in CHECKPOINTS:
+        raise ValueError(f"checkpoints = {cfg.checkpoints!r} is invalid; allowed: {', '.join(CHECKPOINTS)}")
     if cfg.sync.name == "diloco" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
         raise ValueError(
             "sync=diloco runs one set of roles on one model from start to end; set speedup.baseline_steps=0 "
             f"(is {cfg.speedup.baseline_steps}) and lowrank_model=none (is enabled: {cfg.lowrank_model.enabled})"
         )
+    baseline, warmup, steps = cfg.speedup.baseline_steps, cfg.speedup.warmup_steps, cfg.trainer.max_steps
+    if baseline and baseline <= warmup:
+        raise ValueError(
+            f"speedup.baseline_steps = {baseline} is invalid with speedup.warmup_steps = {warmup}: no baseline "
+            f"step would be timed; allowed: 0, or more than {warmup}"
+        )
+    if baseline and steps - baseline <= warmup:
+        raise ValueError(
+            f"speedup.baseline_steps = {baseline} is invalid with trainer.max_steps = {steps}: the baseline steps "
+            f"count within max_steps, and no compressed step would be timed after speedup.warmup_steps = {warmup}; "
+            f"allowed: {warmup + 1} to {steps - warmup - 1}, or trainer.max_steps >= {baseline + warmup + 1}"
+        )
+
+
+def build_checkpointing(cfg: DictConfig, folder: Path) -> list[pl.Callback]:
+    """``checkpoints=last``: last.ckpt only; ``all``: also one per write; ``none``: nothing."""
+    if cfg.checkpoints == "none":
+        return []
+    keep = -1 if cfg.checkpoints == "all" else 0
+    every = cfg.trainer.checkpoint_every_n_steps
+    return [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=keep, every_n_train_steps=every)]
+
+
+def run(cfg: DictConfig, output_dir: Path) -> dict:
+    """Validate everything, then train; returns rank 0's summary (also in output_dir/summary.json)."""
+    t = cfg.trainer
+    torch.set_num_threads(t.threads_per_rank)
+    check_run(cfg)
+    strategy = build_strategy(cfg)
     pl.seed_everything(cfg.seed, verbose=False)
     module, data = build_recipe(cfg, cfg.seed)
     run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"
@@ -167,10 +202,12 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         log_every_n_steps=t.log_every_n_steps,
         strategy=strategy,
         logger=build_logger(cfg, output_dir, run_name),
+        enable_checkpointing=cfg.checkpoints != "none",
         callbacks=[
             monitor,
+            StepProgressBar(),
             *build_lowrank_model(cfg, module),
-            ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=t.checkpoint_every_n_steps),
+            *build_checkpointing(cfg, checkpoints),
         ],
     )
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
@@ -181,12 +218,24 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
+    quiet_harmless_messages()
     try:
         summary = run(cfg, output_dir)
     except (ValueError, MissingDataset) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and summary:
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print_summary(cfg, summary, output_dir)
+
+
+def print_summary(cfg: DictConfig, summary: dict, output_dir: Path) -> None:
+    """Rank 0's closing lines: the median step and the speedup, and where the outputs went."""
+    if not summary:
+        print(
+            f"\nno step was timed: all trainer.max_steps = {cfg.trainer.max_steps} fell within "
+            f"speedup.warmup_steps = {cfg.speedup.warmup_steps} (lower it to time short runs)"
+        )
+    else:
         speedup = summary.get("speedup_vs_fp32_allreduce_measured")
         estimate = summary.get("speedup_vs_fp32_allreduce_estimated_by_timeline_model")
         if speedup:
@@ -206,7 +255,10 @@ def main(cfg: DictConfig) -> None:
             )
         if "wandb_dir" in summary:
             print(f"W&B run: {Path(summary['wandb_dir']).parent}")
-        print(f"checkpoints: {output_dir / 'checkpoints'}\nsummary: {output_dir / 'summary.json'}")
+    kept = "none kept (checkpoints=none)" if cfg.checkpoints == "none" else output_dir / "checkpoints"
+    print(f"checkpoints: {kept}")
+    if summary:
+        print(f"summary: {output_dir / 'summary.json'}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The Hydra app: config composition, the recipes' real loaders on tiny generated files, the CLI."""
 
+import csv
 import json
 import os
 import pickle
@@ -262,7 +263,7 @@ def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
     assert summary["compression_ratio"] == 2.0 and summary["speedup_vs_fp32_allreduce_measured"] > 0
     assert summary["auto_plan_buckets"] >= 1 and summary["speedup_vs_fp32_allreduce_estimated_by_timeline_model"] > 0
     assert "fusion=auto plan:" in done.stdout
-    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["last.ckpt"]  # checkpoints=last, the default
     wandb_runs = list((run / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 1
     # an offline run keeps its history and summary in the run's .wandb file, tables under media/
@@ -271,6 +272,44 @@ def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
     tables = sorted(p.name for p in (wandb_runs[0] / "files" / "media" / "table" / "gc").glob("*.table.json"))
     assert [t.split("_")[0] for t in tables] == ["bucket", "step"]
     assert "W&B run:" in done.stdout and "checkpoints:" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_run_prints_steps_no_harmless_third_party_noise_and_keeps_the_checkpoints_asked(tmp_path):
+    args = [a for a in QUICK if not a.startswith("speedup.warmup_steps")]  # the default 5: none of 4 timed
+    done = _cli(tmp_path, *args, "checkpoints=all", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Step (epoch 0)" in done.stdout and "4/4" in done.stdout and "Epoch 0/-2" not in done.stdout
+    for noise in ("LeafSpec", "💡 Tip", "anonymous setting"):
+        assert noise not in done.stdout + done.stderr, noise
+    assert "no step was timed: all trainer.max_steps = 4 fell within speedup.warmup_steps = 5" in done.stdout
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+
+    done = _cli(tmp_path, *QUICK, "checkpoints=none", f"hydra.run.dir={tmp_path / 'none'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checkpoints: none kept (checkpoints=none)" in done.stdout
+    assert not (tmp_path / "none" / "checkpoints").exists()
+
+
+def _final_validation_accuracy(run: Path) -> float:
+    (metrics,) = run.glob("csv/*/metrics.csv")
+    with metrics.open() as f:
+        return float([row for row in csv.DictReader(f) if row["val/acc"]][-1]["val/acc"])
+
+
+@pytest.mark.slow
+def test_diloco_in_the_app_validates_like_every_step_training(tmp_path):
+    """The app's default recipe (ResNet-18 with BatchNorm on synthetic images, 2 CPU ranks, 150 steps,
+    validation right after each outer step) with sync=diloco at its defaults ends within 5 points of
+    sync=every_step's validation accuracy, which passes 90%."""
+    accuracy = {}
+    for sync in ("every_step", "diloco"):
+        run = tmp_path / sync
+        done = _cli(tmp_path, f"sync={sync}", "logger=csv", "checkpoints=none", f"hydra.run.dir={run}", timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        accuracy[sync] = _final_validation_accuracy(run)
+    assert accuracy["every_step"] > 0.9 and accuracy["diloco"] >= accuracy["every_step"] - 0.05, accuracy
 
 
 def test_help_lists_the_groups_and_the_config():
@@ -307,7 +346,7 @@ def test_cli_powerfish_converts_after_the_warmup_and_checkpoints_the_low_rank_mo
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert "net.layer2.0.conv1.u.weight" in state["state_dict"] and "net.layer1.0.conv1.weight" in state["state_dict"]
     # saved by the synchroniser of the low-rank phase: no PowerSGD state
-    synchronizer = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt.gc_state" / "rank0.pt")
+    synchronizer = torch.load(tmp_path / "run" / "checkpoints.gc_state" / "last.ckpt" / "rank0.pt")
     assert "net.layer2.0.conv1.u.weight" in synchronizer["ready_order"] and not synchronizer["compressor_extra"]
 
 
@@ -333,6 +372,12 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["fusion=file"], "fusion.path"),
         (["sync=diloco", "sync.inner_steps=0"], "inner_steps = 0 is invalid; allowed: an integer >= 1"),
         (["sync=diloco", "speedup.baseline_steps=2"], "set speedup.baseline_steps=0 (is 2)"),
+        (["checkpoints=some"], "checkpoints = 'some' is invalid; allowed: last, all, none"),
+        (["speedup.baseline_steps=2"], "speedup.baseline_steps = 2 is invalid with speedup.warmup_steps = 5"),
+        (
+            ["speedup.warmup_steps=1", "speedup.baseline_steps=3"],
+            "speedup.baseline_steps = 3 is invalid with trainer.max_steps = 4: the baseline steps count within",
+        ),
         (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
         (
             ["lowrank_model=pufferfish", "lowrank_model.ratio=1.5"],
