@@ -55,6 +55,8 @@ def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -
     """Write this rank's state to ``folder`` where any rank keeps state of its own (call it on every
     rank); returns the manifest, which holds the state itself where no rank does."""
     if not synchronizer.holds_rank_state():
+        if synchronizer.rank == 0:  # an earlier save to the same path may have left files
+            remove_rank_states(folder)
         return {"format": SHARED_FORMAT, "state": synchronizer.state_dict()}
     fs = get_filesystem(folder)
     fs.makedirs(folder, exist_ok=True)
