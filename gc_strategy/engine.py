@@ -261,6 +261,7 @@ class GradientSynchronizer:
             self._build(list(reversed(self.names)))
             if not on_backward:  # no backward to record an order in
                 self.ready_order = list(self.order)
+        compressor.check_group(communicator.group, self.buckets)
         self._enabled = True
         self._accumulated = [False] * len(self.params)  # got a gradient inside no_sync since the last synchronisation
         self._reset_step()

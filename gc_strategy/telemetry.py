@@ -32,8 +32,9 @@ class StepTelemetry:
     #: of it synchronises, e.g. when the metrics are logged)
     nonfinite_buckets: int | Tensor = 0
     collectives: int = 0
-    #: method-specific measurements (e.g. achieved vs target density of a sparsifier)
-    extra: dict[str, float] = field(default_factory=dict)
+    #: method-specific measurements (e.g. achieved vs target density of a sparsifier): numbers, or 0-d
+    #: tensors on the device that :meth:`as_metrics` reads when the metrics are logged
+    extra: dict[str, float | Tensor] = field(default_factory=dict)
 
     @property
     def compression_ratio(self) -> float:
@@ -42,7 +43,7 @@ class StepTelemetry:
     def as_metrics(self, prefix: str = "gc/") -> dict[str, float]:
         values = {item.name: float(getattr(self, item.name)) for item in fields(self) if item.name != "extra"}
         values["compression_ratio"] = self.compression_ratio
-        values.update(self.extra)
+        values.update({key: float(value) for key, value in self.extra.items()})  # a device counter is read here
         return {prefix + key: value for key, value in values.items()}
 
 

@@ -27,27 +27,80 @@ def test_topk_keeps_the_k_largest_magnitudes(case, density):
     assert torch.equal(out[kept], g[kept]) and torch.all(out[~kept] == 0)
 
 
-def test_threshold_keeps_entries_above_tau():
+def _sent_set(values, indices, n):
+    """The positions whose slots carry a value (fillers carry 0), checked distinct."""
+    assert indices.unique().numel() == indices.numel()
+    sent = torch.zeros(n, dtype=torch.bool)
+    sent[indices.long()[values != 0]] = True
+    return sent
+
+
+def test_threshold_sends_the_entries_above_tau_that_fit_its_capacity():
     g = torch.randn(999)
-    out = roundtrip(build("threshold", threshold=0.5), g)
-    assert torch.equal(out, torch.where(g.abs() > 0.5, g, torch.zeros_like(g)))
-    assert torch.equal(roundtrip(build("threshold", threshold=0.5), torch.zeros(10)), torch.zeros(10))
+    above = g.abs() > 0.5
+    roomy = build("threshold", threshold=0.5, capacity=1.0)
+    assert torch.equal(roundtrip(roomy, g), torch.where(above, g, torch.zeros_like(g)))
+    assert torch.equal(roundtrip(roomy, torch.zeros(10)), torch.zeros(10))
+
+    compressor = build("threshold", threshold=0.5, capacity=0.1)  # 100 slots, about 600 entries above τ
+    values, indices = compressor.encode(g, bucket(999))
+    assert values.numel() == indices.numel() == 100
+    sent = _sent_set(values, indices, 999)
+    largest = g.abs().sort(descending=True).indices[:100]
+    assert torch.equal(sent.nonzero().view(-1), largest.sort().values)  # the largest of those above τ
+    assert torch.equal(values[values != 0], g[indices.long()][values != 0])
+    metrics = compressor.pop_metrics()
+    assert int(metrics["overflow"]) == int(above.sum()) - 100
+    assert float(metrics["density_achieved"]) == pytest.approx(100 / 999)
 
 
 @pytest.mark.parametrize("n", [50, 10_000, 200_001])
-def test_dgc_selects_a_threshold_set_of_about_k(n):
+def test_dgc_sends_a_threshold_set_of_about_k_within_its_capacity(n):
+    """Plain reference: the threshold from the same sample (the compressor's seed), scaled by 1.3 or
+    0.7 while the count of |g| >= thr is outside [0.7k, 1.3k]; the sent set is exactly |g| >= thr
+    when it fits C = ceil(1.3 k) slots."""
     g = torch.randn(n) * torch.rand(n)  # heavier tails than a Gaussian
     compressor = build("dgc", density=0.01)
-    values, indices = compressor.encode(g, bucket(n))
+    b = bucket(n)
+    values, indices = compressor.encode(g, b)
     k = _k(0.01, n)
-    count = indices.numel()
-    assert 0.7 * k <= count <= 1.3 * k or count == k  # in the window, or the exact top-k fallback
-    kept = torch.zeros(n, dtype=torch.bool)
-    kept[indices.long()] = True
-    if (~kept).any():
-        assert g.abs()[kept].min() >= g.abs()[~kept].max()  # everything above the threshold
-    assert torch.equal(values, g[indices.long()])
-    assert compressor.pop_metrics() == {"density_achieved": count / n, "density_target": 0.01}
+    capacity = math.ceil(1.3 * k)
+    assert values.numel() == indices.numel() == capacity
+    samples = min(n, max(4096, math.ceil(0.01 * n)))
+    if samples < n:
+        generator = torch.Generator().manual_seed(compressor.seed_for(b, shared=False))
+        sample = g.abs()[torch.randint(n, (samples,), generator=generator)]
+    else:
+        sample = g.abs()
+    threshold = float(sample.topk(_k(0.01, samples)).values.min())
+    for _ in range(4):
+        count = int((g.abs() >= threshold).sum())
+        if 0.7 * k <= count <= 1.3 * k:
+            break
+        threshold *= 1.3 if count > 1.3 * k else 0.7
+    assert 0.7 * k <= count <= 1.3 * k
+    sent = _sent_set(values, indices, n)
+    assert torch.equal(sent, g.abs() >= threshold)
+    assert torch.equal(values[values != 0], g[indices.long()][values != 0])
+    metrics = compressor.pop_metrics()
+    assert float(metrics["density_achieved"]) == pytest.approx(count / n) and int(metrics["overflow"]) == 0
+
+
+def test_dgc_keeps_what_overflows_its_capacity_in_the_residual():
+    """A threshold that cannot settle (every |g| equal): C slots of the largest go, and residual
+    error feedback keeps every entry not sent, exactly."""
+    from gc_strategy import MEMORIES
+
+    g = torch.ones(10_000)
+    compressor = build("dgc", density=0.01, adjust_rounds=0)
+    memory = MEMORIES.build("residual")
+    b = bucket(10_000)
+    residual = memory.buffer("residual", b)
+    payload = compressor.encode_with_residual(g.clone(), residual, torch.tensor(True), b)
+    sent = _sent_set(payload[0], payload[1], 10_000)
+    assert int(sent.sum()) == math.ceil(1.3 * 100)
+    assert torch.equal(residual, torch.where(sent, torch.zeros_like(g), g))
+    assert int(compressor.pop_metrics()["overflow"]) == 10_000 - 130
 
 
 def test_dgc_density_warm_up_is_exponential_from_25_percent():
@@ -126,7 +179,8 @@ def test_sparse_aggregation_adds_overlapping_indices():
     [
         ("topk", dict(density=0.01), lambda n, g: 8 * _k(0.01, n)),
         ("randk", dict(density=0.01), lambda n, g: 4 * _k(0.01, n)),
-        ("threshold", dict(threshold=1.0), lambda n, g: 8 * int((g.abs() > 1.0).sum())),
+        ("threshold", dict(threshold=1.0, capacity=0.05), lambda n, g: 8 * math.ceil(0.05 * n)),
+        ("dgc", dict(density=0.01), lambda n, g: 8 * math.ceil(1.3 * _k(0.01, n))),
     ],
 )
 def test_bytes_on_the_wire(name, options, expected):
@@ -172,6 +226,46 @@ def test_sample_without_replacement_above_the_permutation_size_is_sorted_and_uni
         counts[chosen] += 1
     expected = draws * k / n
     assert float(((counts - expected) ** 2 / expected).sum()) < 492
+
+
+def test_sample_on_device_draws_every_subset_equally_often_in_increasing_order():
+    """The accelerator's draw (the k largest of n uniform keys), n = 6, k = 2: each of the 15
+    subsets with probability 1/15 (chi-square over the counts, 14 degrees of freedom, below its
+    0.1% quantile 36.1), distinct and increasing."""
+    from collections import Counter
+
+    from gc_strategy.algos.sparse import sample_on_device
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.empty(6)
+    draws = 15_000
+    counts = Counter()
+    for _ in range(draws):
+        chosen = sample_on_device(6, 2, generator, keys)
+        assert chosen.numel() == 2 and bool(chosen[1] > chosen[0]) and 0 <= int(chosen[0]) and int(chosen[1]) < 6
+        counts[tuple(chosen.tolist())] += 1
+    expected = draws / 15
+    assert len(counts) == 15 and sum((c - expected) ** 2 / expected for c in counts.values()) < 36.1
+
+
+def test_randk_on_the_accelerators_path_draws_alike_on_every_rank_and_unbiased():
+    """Kernels forced to the accelerator's variants: the positions come from the device draw, the
+    same on two ranks, new each step, and with scaling the estimate is unbiased (as for the host's)."""
+    from gc_strategy import kernels
+
+    g = torch.randn(40)
+    with kernels.forced("torch"):
+        a = build("randk", density=0.25, unbiased=True, process_rank=0, world_size=2)
+        b = build("randk", density=0.25, unbiased=True, process_rank=1, world_size=2)
+        assert torch.equal(roundtrip(a, g), roundtrip(b, g))
+        b.begin_step(1)
+        assert not torch.equal(roundtrip(a, g) != 0, roundtrip(b, g) != 0)
+        total = torch.zeros(40)
+        for step in range(4000):
+            a.begin_step(step)
+            total += roundtrip(a, g)
+    std_of_mean = g.abs() * math.sqrt(40 / 10 - 1) / math.sqrt(4000)
+    assert torch.all((total / 4000 - g).abs() <= 5 * std_of_mean + 1e-7)
 
 
 @pytest.mark.parametrize("name", ["topk", "randk", "dgc"])

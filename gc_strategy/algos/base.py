@@ -39,6 +39,7 @@ class Compressor(BucketState):
       needs of this rank's own payload), :meth:`encode_with_residual` (the kernel of residual
       feedback fused into the encode; :meth:`~gc_strategy.algos.memory.ResidualMemory.exchange` calls it);
     - *multi-round*: :meth:`exchange` (several collectives per step, ``yield from`` each);
+    - *start-up*: :meth:`check_group` (refuse ranks that cannot work together);
     - *state and telemetry*: :meth:`extra_state` / :meth:`load_extra_state`, :meth:`pop_metrics`.
 
     **Flags** (class attributes): ``summable``, ``variable_size`` (payload lengths may differ
@@ -76,6 +77,11 @@ class Compressor(BucketState):
     def begin_step(self, step: int) -> None:
         """Before synchronised step ``step`` (0-based, the same on every rank)."""
         self.step = step
+
+    def check_group(self, group: Any, buckets: list[Bucket]) -> None:
+        """Once, before any step, on every rank of ``group`` (the process group its payloads travel
+        in), with the first buckets: refuse ranks that cannot work together, such as ranks whose
+        random draws differ. It may run collectives over ``group``."""
 
     # ------------------------------------------------------------------ required
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:

@@ -8,8 +8,10 @@ sum over ranks of each rank's sparse vector (overlapping indices add up), divide
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import kernels
@@ -108,7 +110,7 @@ class Sparsifier(_Positional):
         total = zeros(bucket, values, out)
         return total.index_add_(0, indices, values.div_(len(gathered)).to(total.dtype))
 
-    def pop_metrics(self) -> dict[str, float]:
+    def pop_metrics(self) -> dict[str, float | Tensor]:
         if not self._elements:
             return {}
         achieved = self._selected / self._elements
@@ -127,28 +129,95 @@ class TopK(Sparsifier):
         return kernels.top_k(self.magnitudes(flat, bucket), keep_count(self.options["density"], flat.numel()))
 
 
+class CapacitySparsifier(Sparsifier):
+    """Entries of ``|g|`` at or above a threshold (``above`` them where ``strict``), in a payload of
+    fixed capacity ``C``: the ``C`` largest of them (by :meth:`keyed` magnitude, entries below the
+    threshold keyed −1). Slots left over carry other positions with the value 0; entries above the
+    threshold that do not fit stay in the error-feedback memory, counted as ``overflow``.
+
+    Why: the size of a threshold's selection is known only on the device. Reading it on the host
+    (``nonzero``, then a length exchange) makes the host wait for the device in every bucket of
+    every step; a fixed capacity keeps the payload's size on the host, and a fixed size travels by
+    allgather without a length exchange. The math is DGC's hierarchical selection (Lin et al. 2018:
+    a top-k over what a sampled threshold selects when it selects too many).
+    """
+
+    strict = False
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._overflow: int | Tensor = 0
+
+    def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float | Tensor:
+        raise NotImplementedError
+
+    def capacity(self, n: int) -> int:
+        """``C``, the slots of a bucket of ``n`` elements."""
+        raise NotImplementedError
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        magnitudes = self.magnitudes(flat, bucket)
+        threshold = self.threshold(magnitudes, bucket)
+        above = (magnitudes > threshold if self.strict else magnitudes >= threshold) | magnitudes.isnan()
+        keyed = magnitudes.masked_fill_(~above, -1.0)
+        capacity = self.capacity(flat.numel())
+        indices = torch.topk(keyed, capacity, sorted=False).indices
+        sent = above.index_select(0, indices)
+        self._selected = self._selected + sent.sum()
+        self._overflow = self._overflow + (above.sum() - capacity).clamp_min(0)
+        self._elements += flat.numel()
+        return [flat.index_select(0, indices).masked_fill_(~sent, 0), indices.to(torch.int32)]
+
+    def sent_positions(self, payload: Payload, bucket: Bucket) -> Tensor:
+        """A bool mask of the slots that carry a selected entry (nonzero values; a zero sent is a
+        zero kept, alike for a memory that masks what was sent)."""
+        values, indices = payload
+        mask = torch.zeros(bucket.numel, dtype=torch.bool, device=values.device)
+        return mask.index_put_((indices.long(),), values != 0)
+
+    def pop_metrics(self) -> dict[str, float | Tensor]:
+        overflow = self._overflow
+        metrics = super().pop_metrics()
+        if metrics:
+            metrics["overflow"] = overflow
+        self._overflow = 0
+        return metrics
+
+
+CAPACITY_OF_K = Option(1.3, float, low=1.0, help="payload slots C as a multiple of k (DGC's upper bound 1.3k)")
+
+
 @COMPRESSORS.register("threshold")
-class Threshold(Sparsifier):
-    """Hard threshold, as in GRACE except for the boundary: send every entry with ``|g| > τ`` (GRACE
-    keeps ``|g| ≥ τ``; the two differ only on ties). Variable size."""
+class Threshold(CapacitySparsifier):
+    """Hard threshold, as in GRACE except for the boundary: send the entries with ``|g| > τ`` (GRACE
+    keeps ``|g| ≥ τ``; the two differ only on ties), at most ``C = ⌈capacity · n⌉`` of them, the
+    largest (:class:`CapacitySparsifier`)."""
 
-    OPTIONS = {"threshold": Option(0.01, float, low=0.0, low_open=True, help="τ")}
-    variable_size = True
+    OPTIONS = {
+        "threshold": Option(0.01, float, low=0.0, low_open=True, help="τ"),
+        "capacity": Option(0.1, float, low=0.0, high=1.0, low_open=True, help="payload slots as a fraction of n"),
+    }
+    strict = True
 
-    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        return kernels.positions_at_least(self.magnitudes(flat, bucket), self.options["threshold"], strict=True)
+    def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float:
+        return self.options["threshold"]
+
+    def capacity(self, n: int) -> int:
+        return max(1, math.ceil(self.options["capacity"] * n))
 
     def target_density(self) -> float:
         return float("nan")  # no target: the density follows the gradients
 
 
 @COMPRESSORS.register("dgc")
-class DGC(Sparsifier):
+class DGC(CapacitySparsifier):
     """Deep Gradient Compression's selection (Lin et al., ICLR 2018): estimate the top-δ threshold
     from a random sample of ``|g|`` (``sample_ratio`` of the bucket, at least ``min_sample``
-    elements, all of them for small buckets), select ``|g| ≥ thr``; while the count is outside
-    ``[0.7k, 1.3k]`` scale ``thr`` by 1.3 or 0.7 (``adjust_rounds`` times), then fall back to exact
-    top-k. Variable size. Pair it with ``memory='dgc'`` (momentum correction, masking).
+    elements, all of them for small buckets); while the count of ``|g| ≥ thr`` is outside
+    ``[0.7k, 1.3k]``, scale ``thr`` by 1.3 or 0.7 (``adjust_rounds`` times; the counts stay on the
+    device); send what the first threshold in the window (else the last) selects, at most
+    ``C = ⌈capacity · k⌉`` entries, the largest (:class:`CapacitySparsifier`). Pair it with
+    ``memory='dgc'`` (momentum correction, masking).
 
     Density warm-up (the paper's exponential schedule from 25% to δ): with ``warmup_steps`` > 0 the
     density at step ``s`` is ``0.25 · (δ/0.25)^(s/warmup_steps)`` until ``warmup_steps``.
@@ -159,10 +228,10 @@ class DGC(Sparsifier):
         "sample_ratio": Option(0.01, float, low=0.0, high=1.0, low_open=True),
         "min_sample": Option(4096, int, low=1),
         "adjust_rounds": Option(3, int, low=0),
+        "capacity": CAPACITY_OF_K,
         "warmup_steps": Option(0, int, low=0, help="steps of exponential density warm-up (0: off)"),
         "seed": SEED,
     }
-    variable_size = True
 
     def density_now(self) -> float:
         density, warmup = self.options["density"], self.options["warmup_steps"]
@@ -173,27 +242,30 @@ class DGC(Sparsifier):
     def target_density(self) -> float:
         return self.density_now()
 
-    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
-        magnitudes = self.magnitudes(flat, bucket)
-        n = flat.numel()
+    def capacity(self, n: int) -> int:
+        return min(n, math.ceil(self.options["capacity"] * keep_count(self.density_now(), n)))
+
+    def threshold(self, magnitudes: Tensor, bucket: Bucket) -> Tensor:
+        n = magnitudes.numel()
         density = self.density_now()
         k = keep_count(density, n)
         samples = min(n, max(self.options["min_sample"], math.ceil(self.options["sample_ratio"] * n)))
         if samples >= n:
             sample = magnitudes
         else:
-            positions = torch.randint(
-                n, (samples,), device=flat.device, generator=self.generator(bucket, flat.device, shared=False)
-            )
+            generator = self.generator(bucket, magnitudes.device, shared=False)
+            positions = torch.randint(n, (samples,), device=magnitudes.device, generator=generator)
             sample = magnitudes.index_select(0, positions)
         threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
-        for _ in range(self.options["adjust_rounds"] + 1):
-            selected = kernels.positions_at_least(magnitudes, threshold)
-            count = selected.numel()
-            if 0.7 * k <= count <= 1.3 * k:
-                return selected
-            threshold = threshold * (1.3 if count > 1.3 * k else 0.7)
-        return kernels.top_k(magnitudes, k)
+        chosen, settled = threshold, torch.zeros((), dtype=torch.bool, device=magnitudes.device)
+        for round_ in range(self.options["adjust_rounds"] + 1):
+            count = (magnitudes >= threshold).sum()
+            chosen = torch.where(settled, chosen, threshold)
+            settled = settled | ((count >= 0.7 * k) & (count <= 1.3 * k))
+            if round_ < self.options["adjust_rounds"]:
+                factor = torch.where(count > 1.3 * k, 1.3, 0.7)
+                threshold = torch.where(settled, threshold, threshold * factor)
+        return chosen
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
@@ -216,11 +288,26 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Te
     return distinct[keep].long()
 
 
+def sample_on_device(n: int, k: int, generator: torch.Generator, keys: Tensor) -> Tensor:
+    """``k`` distinct positions of ``range(n)`` in increasing order, every k-subset equally likely,
+    with no host wait: the positions of the ``k`` largest of ``n`` iid uniform keys (drawn into
+    ``keys``, ``n`` floats) form a uniform k-subset. One random pass, one top-k and a sort of ``k``."""
+    keys.uniform_(generator=generator)
+    return torch.topk(keys, k, sorted=False).indices.sort().values
+
+
 @COMPRESSORS.register("randk")
 class RandK(_Positional):
     """Random-k: ``k = max(1, ⌊δn⌋)`` positions drawn uniformly without replacement from a seed
     shared by all ranks (global seed, step, bucket), so only the values travel and they are summed
-    by allreduce. With ``unbiased`` the values are scaled by ``n/k`` (then ``E[ĝ] = g``)."""
+    by allreduce. With ``unbiased`` the values are scaled by ``n/k`` (then ``E[ĝ] = g``).
+
+    The positions are drawn where the bucket lives, with nothing sent or copied: in host memory by
+    :func:`sample_without_replacement`, on an accelerator by :func:`sample_on_device` from a device
+    generator, whose draws agree across ranks on the same device model (the random kernels' launch
+    grid follows the number of multiprocessors) and torch version. :meth:`check_group` verifies at
+    start-up that every rank draws the same.
+    """
 
     OPTIONS = {"density": DENSITY, "unbiased": Option(False, bool), "seed": SEED}
     summable = True
@@ -235,10 +322,30 @@ class RandK(_Positional):
         drawn_for, positions = self._drawn.get(bucket.index, (None, None))
         if drawn_for != (self.step, bucket.numel):
             k = keep_count(self.options["density"], bucket.numel)
-            generator = self.generator(bucket, torch.device("cpu"), shared=True)
-            positions = sample_without_replacement(bucket.numel, k, generator).to(device)
+            if kernels.in_host_memory(device):
+                positions = sample_without_replacement(bucket.numel, k, self.generator(bucket, device, shared=True))
+            else:
+                keys = self.workspace("keys", bucket)
+                positions = sample_on_device(bucket.numel, k, self.generator(bucket, device, shared=True), keys)
             self._drawn[bucket.index] = ((self.step, bucket.numel), positions)
         return positions
+
+    def check_group(self, group: Any, buckets: list[Bucket]) -> None:
+        """Refuse, before any step, ranks whose accelerators draw other positions from the same seed."""
+        if not buckets or self.world_size == 1 or kernels.in_host_memory(buckets[0].device):
+            return
+        largest = max(buckets, key=lambda b: b.numel)
+        drawn = self._positions(largest, largest.device).double()
+        fingerprint = torch.stack([drawn.sum(), drawn.square().sum()])
+        every = [torch.empty_like(fingerprint) for _ in range(self.world_size)]
+        dist.all_gather(every, fingerprint, group=group)
+        differing = [rank for rank, other in enumerate(every) if not torch.equal(other, every[0])]
+        if differing:
+            raise ValueError(
+                f"compressor 'randk': rank(s) {differing} drew other positions than rank 0 from the same seed. "
+                "Draws on accelerators agree only between devices of one model and one torch version; use the "
+                "same on every rank, or compressor='topk'"
+            )
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         return [flat.index_select(0, self._positions(bucket, flat.device))]
