@@ -305,7 +305,7 @@ class _LowRank(Compressor):
             return
         error = self.buffer("error", bucket)
         keep_difference(error, m_flat, approximation, finite)
-        error[self.layout(bucket).dense] = 0
+        error.index_fill_(0, self.layout(bucket).dense, 0)
 
     def _dense_exchange(self, flat: Tensor, communicator: Communicator, local_form: LocalForm) -> Exchange:
         """Plain allreduce of the whole bucket (before ``start_iter``, or nothing to compress)."""
