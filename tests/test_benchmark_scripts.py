@@ -47,6 +47,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("cpu_paths.py", "--repeats"),
         ("step_overhead.py", "--rounds"),
         ("overlap_cost.py", "--runs"),
+        ("op_census.py", "--steps"),
     ],
 )
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
@@ -145,3 +146,30 @@ def test_the_overlap_cost_times_each_collective_beside_the_step():
     for row in rows:
         step, collective, beside, lost = (float(cell) for cell in row[2:6])
         assert step > 0 and collective > 0 and lost == pytest.approx(beside - step, abs=1.5e-3)
+
+
+def test_the_op_census_counts_one_copy_per_tensor_for_none_and_the_waits_of_a_host_read(monkeypatch):
+    """``none`` adds one copy per tensor into its bucket (4 more layers: 8 more ops), and no wait;
+    a compressor that reads a value back to the host in its step shows it in the census."""
+    import op_census
+
+    from gc_strategy import Compressor, kernels
+
+    added = []
+    with kernels.forced("torch"):
+        for layers in (4, 8):
+            model, loss = op_census.mlp(layers)
+            plain, _ = op_census.census(model, loss, None, 1)
+            ops, waits = op_census.census(model, loss, "none", 1)
+            added.append(ops - plain)
+            assert waits == {}
+        original = Compressor.begin_step
+
+        def reading(self, step):
+            float(torch.ones(1).sum())
+            original(self, step)
+
+        monkeypatch.setattr(Compressor, "begin_step", reading)
+        _, waits = op_census.census(*op_census.mlp(4), "fp16", 1)
+    assert added[1] - added[0] == 8
+    assert waits.get("_local_scalar_dense", 0) >= 1
