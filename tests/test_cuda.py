@@ -48,7 +48,8 @@ from gc_strategy import COMPRESSORS  # noqa: E402
 from gc_strategy.bucket import Bucket  # noqa: E402
 
 #: draws on the tensor's device (the CPU and CUDA generators differ): checked by sampling instead
-RANDOM_ON_DEVICE = {"qsgd", "terngrad", "natural", "dgc"}
+#: (randk: tests/test_sparsifiers.py checks its device draw on the CPU)
+RANDOM_ON_DEVICE = {"qsgd", "terngrad", "natural", "dgc", "randk"}
 UNBIASED = {"qsgd", "terngrad", "natural"}
 MEMORY = {
     "topk": "residual",
@@ -148,3 +149,38 @@ def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_betwee
     assert results == [{"cpu"}, {"cuda"}]
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+# ---------------------------------------------------------------- no host synchronisation in a step
+from test_no_host_wait import CONFIGS, WAITING  # noqa: E402
+from test_no_host_wait import OPTIONS as STEP_OPTIONS  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=WAITING[c])) if c in WAITING else c for c in CONFIGS],
+    ids=[f"{name}+{memory}" for name, memory in CONFIGS],
+)
+def test_a_synchronised_step_runs_under_cuda_sync_debug_mode_error(config):
+    """Every compressor and memory (as tests/test_no_host_wait.py lists them) on one GPU: the fourth
+    synchronised step, after the gradient order is recorded and the buckets built, runs with
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host synchronisation."""
+    name, memory = config
+    torch.manual_seed(0)
+    model = SmallCNN().cuda()
+    roles = build_components(name, memory, "auto", "groups:2", **STEP_OPTIONS.get(name, {}))
+    synchronizer = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
+    x, y = torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda")
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        with synchronizer.forward_pass():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == 3:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronizer.close()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

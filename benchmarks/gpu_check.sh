@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check: one call on one borrowed NVIDIA GPU, about 5 minutes, offline, with only torch,
+# torchvision, lightning, triton, cupy and pytest installed (gc_strategy runs from this checkout).
+#
+#   bash benchmarks/gpu_check.sh            # writes $OUT/gpu_check.md (or ./gpu_check.md)
+#
+# 1. the CUDA tests: every compressor on a CUDA bucket against the CPU, the Triton kernels, and a
+#    synchronised step of every compressor and memory under torch.cuda.set_sync_debug_mode("error");
+# 2. the time each configuration adds to a ResNet-50 step (batch 64, fp32) over plain training,
+#    next to torch DDP, interleaved in one process (benchmarks/step_overhead.py);
+# 3. compression costs of every compressor on ResNet-50's gradients, with each one's top kernels
+#    (benchmarks/compression_costs.py --profile).
+# Each part has its own time limit, so that one that hangs still leaves the others' results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report="${OUT:-.}/gpu_check.md"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=python3
+
+part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in the report
+    local title=$1 seconds=$2
+    shift 2
+    echo "## $title" >>"$report"
+    echo >>"$report"
+    echo "\`$*\`" >>"$report"
+    echo >>"$report"
+    echo '```' >>"$report"
+    local started=$SECONDS
+    timeout "$seconds" "$@" 2>&1 | tail -n 80 >>"$report"
+    local status=${PIPESTATUS[0]}
+    echo '```' >>"$report"
+    echo "exit status $status after $((SECONDS - started)) s (limit $seconds s)" >>"$report"
+    echo >>"$report"
+}
+
+{
+    echo "# GPU check"
+    echo
+    echo "- date: $(date -u +%Y-%m-%d)"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
+    echo "- $($python -c 'import torch, triton; print(f"torch {torch.__version__}, Triton {triton.__version__}")' 2>&1)"
+    echo "- $($python -c 'import cupy; print(f"CuPy {cupy.__version__}")' 2>&1 | tail -n 1)"
+    echo
+} >"$report"
+
+part "CUDA tests" 150 $python -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests/test_triton_bits.py
+part "Time added to a ResNet-50 step (batch 64, fp32)" 120 $python benchmarks/step_overhead.py \
+    --rounds 5 --steps 10 --warmup 5 \
+    --compressors fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual qsgd powersgd acpsgd
+part "Compression costs on ResNet-50's gradients" 90 $python benchmarks/compression_costs.py \
+    --device cuda --models resnet50 --runs 3 --profile
+echo "report: $report"
