@@ -126,6 +126,26 @@ def test_dgc_on_cuda_sends_about_its_density():
     assert 0.2 * 0.01 * g.numel() <= int(average.count_nonzero()) <= 5 * 0.01 * g.numel()
 
 
+def test_randk_on_cuda_draws_alike_on_every_rank_and_is_unbiased():
+    """The device draw: two ranks' compressors pick the same positions, new ones each step, and with
+    scaling the mean of many decodes approaches g (5 standard deviations of the mean)."""
+    n, trials = 40, 4000
+    bucket = Bucket(0, ["p"], [torch.Size([n])], torch.float32, torch.device("cuda"))
+    g = torch.randn(n, device="cuda")
+    ranks = [build_components("randk", density=0.25, unbiased=True).compressor for _ in range(2)]
+    for rank, compressor in enumerate(ranks):
+        compressor.bind(2, rank)
+    decoded = [c.decode(c.encode(g, bucket), bucket) for c in ranks]
+    assert torch.equal(decoded[0], decoded[1])
+    total = torch.zeros(n, device="cuda")
+    for step in range(trials):
+        ranks[0].begin_step(step)
+        total += ranks[0].decode(ranks[0].encode(g, bucket), bucket)
+    std_of_mean = g.abs() * (n / 10 - 1) ** 0.5 / trials**0.5
+    assert torch.all((total / trials - g).abs() <= 5 * std_of_mean + 1e-6)
+    assert not torch.equal(decoded[0] != 0, total != 0)  # the positions moved from step to step
+
+
 def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_between_exchanges():
     from gc_strategy.diloco import DiLoCo
 
