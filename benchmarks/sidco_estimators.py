@@ -76,7 +76,8 @@ def measure(name: str, options: dict, density: float, g: torch.Tensor, repeats: 
         if g.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        selected = values.numel()
+        # what the threshold selected (a fixed-capacity payload also holds empty slots)
+        selected = int(compressor.above) if hasattr(compressor, "above") else values.numel()
     return selected / g.numel(), statistics.median(times[1:])
 
 

@@ -36,10 +36,6 @@ MEMORIES = {
 }
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 CONFIGS = [(name, memory) for name in COMPRESSORS.names() for memory in MEMORIES.get(name, ("none",))]
-#: configurations that still make the host wait, and why
-WAITING = {
-    ("sidco", "residual"): "sizes its payload on the host (its fitted threshold's selection, then a length exchange)",
-}
 
 
 def _step(model, rank, step):
@@ -77,11 +73,7 @@ def waits():
     return run_ranks(_waits_of_every_config, 2, timeout=300)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=WAITING[c])) if c in WAITING else c for c in CONFIGS],
-    ids=[f"{name}+{memory}" for name, memory in CONFIGS],
-)
+@pytest.mark.parametrize("config", CONFIGS, ids=[f"{name}+{memory}" for name, memory in CONFIGS])
 def test_a_synchronised_step_never_makes_the_host_wait(waits, config):
     for rank, found in enumerate(waits):
         ops, sites = found[config]

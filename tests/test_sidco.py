@@ -24,11 +24,13 @@ def _laplace(n, seed=0):
 def test_achieved_density_within_20_percent_on_laplace_gradients(estimator, stages, density):
     g = _laplace(N)  # |g| is exponential
     compressor = build("sidco", density=density, estimator=estimator, stages=stages, adapt_every=0)
-    _, indices = compressor.encode(g, bucket(N))
-    achieved = indices.numel() / N
+    values, indices = compressor.encode(g, bucket(N))
+    assert values.numel() == indices.numel() == math.ceil(1.3 * math.floor(density * N))  # the capacity
+    achieved = int((values != 0).sum()) / N
     assert abs(achieved / density - 1) <= 0.2, achieved
     metrics = compressor.pop_metrics()
-    assert metrics["density_achieved"] == achieved and metrics["density_target"] == density
+    assert float(metrics["density_achieved"]) == pytest.approx(achieved) and metrics["density_target"] == density
+    assert int(metrics["overflow"]) == 0
 
 
 def test_estimators_match_their_closed_forms():
@@ -54,7 +56,9 @@ def test_multi_stage_threshold_adds_the_fits_of_the_exceedances():
     for q in ratios[1:]:
         above = a.double()[a.double() > threshold]
         threshold = threshold + (above - threshold).mean() * math.log(1 / q)
-    assert float(compressor.threshold(a, 3)) == pytest.approx(float(threshold), rel=1e-5)
+    assert float(compressor.fitted_threshold(a, 3)) == pytest.approx(float(threshold), rel=1e-5)
+    # the device's form: the count held as a tensor, every possible stage fitted and 3 kept
+    assert float(compressor.fitted_threshold(a, torch.tensor(3))) == pytest.approx(float(threshold), rel=1e-5)
 
 
 def test_stage_ratios_multiply_to_the_density():
@@ -78,13 +82,35 @@ def test_adaptive_stages_are_per_bucket_and_bounded():
     counts = compressor.extra_state()["stage_counts"]
     assert counts["p0"] == 1  # stages removed down to the lower bound
     assert counts["p1"] == 2  # a stage added, then the density is within ±20%
-    assert abs(selected.numel() / 100_000 / 0.01 - 1) <= 0.2
+    assert abs(float(compressor.above) / 100_000 / 0.01 - 1) <= 0.2
     restored = build("sidco", density=0.01)
     restored.load_extra_state(compressor.extra_state())
     assert restored.stage_counts == counts
 
 
+def test_adaptive_stages_on_the_accelerators_path_are_those_of_the_host():
+    """Kernels forced to the accelerator's variants: the stage count stays a device tensor, and
+    the counts and thresholds equal the host's step by step."""
+    from gc_strategy import kernels
+
+    g = torch.Generator().manual_seed(0)
+    heavy = torch.randn(100_000, generator=g).exp()
+    host = build("sidco", density=0.01, stages=1, adapt_every=1)
+    with kernels.forced("torch"):
+        device = build("sidco", density=0.01, stages=1, adapt_every=1)
+    for step in range(6):
+        host.begin_step(step)
+        expected = host.encode(heavy, bucket(100_000))
+        with kernels.forced("torch"):
+            device.begin_step(step)
+            got = device.encode(heavy, bucket(100_000))
+            assert isinstance(device.stage_counts["p0"], torch.Tensor)
+        b = bucket(100_000)
+        assert torch.equal(device.decode(got, b), host.decode(expected, b))  # the same entries sent
+    assert device.extra_state() == host.extra_state() and host.extra_state()["stage_counts"]["p0"] > 1
+
+
 def test_nothing_selected_is_a_valid_payload():
     compressor = build("sidco", density=0.001, adapt_every=0)
     values, indices = compressor.encode(torch.zeros(1000), bucket(1000))
-    assert values.numel() == 0 and indices.numel() == 0
+    assert values.numel() == indices.numel() == 2 and not values.any()  # the capacity, nothing in it

@@ -17,6 +17,12 @@ Multi-stage: stage 1 targets ``δ₁`` (``first_ratio``, default 0.25) and each 
 stages keeps the ratio ``(δ/δ₁)^(1/(S-1))`` of the previous stage's exceedances, so the final density
 is ``δ``. Adaptive stages: every ``adapt_every`` steps a bucket whose achieved density is above 1.2δ
 gains a stage, below 0.8δ loses one, within ``[1, ⌈log δ / log 0.5⌉]``. The count is per bucket.
+
+The payload holds ``C = ⌈capacity · k⌉`` slots (:class:`~gc_strategy.algos.sparse.CapacitySparsifier`).
+Off the host the fit runs on the device end to end: exceedances are masks rather than new tensors,
+and the stage count stays a device tensor, so every possible stage is fitted and those beyond the
+count leave the threshold as it is. The host never reads the device, except for the gamma
+estimator's first stage, whose inverse incomplete gamma function comes from scipy.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from torch import Tensor
 
 from .. import kernels
 from ..bucket import Bucket
+from ..communicators import Payload
 from ..registry import Option
 from .base import COMPRESSORS
-from .sparse import DENSITY, Sparsifier
+from .sparse import CAPACITY_OF_K, DENSITY, CapacitySparsifier, keep_count
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
@@ -41,17 +48,30 @@ def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
     return tail if isinstance(threshold, float) and threshold == 0 else tail.sub_(threshold)
 
 
-def exponential_threshold(y: Tensor, q: float) -> Tensor:
-    return y.mean() * math.log(1 / q)
+def _mean(y: Tensor, mask: Tensor | None) -> Tensor:
+    """The mean of ``y`` where ``mask`` (all of it where None), with no host read of the count."""
+    if mask is None:
+        return y.mean()
+    return torch.where(mask, y, 0).sum() / mask.sum().clamp_min(1)
 
 
-def gpareto_threshold(y: Tensor, q: float) -> Tensor:
-    mean, var = y.mean(), y.var(unbiased=False)
+def _log_inverse(q: float | Tensor) -> float | Tensor:
+    """``ln(1/q)`` of a number, or of a device scalar without reading it."""
+    return torch.log(1 / q) if isinstance(q, Tensor) else math.log(1 / q)
+
+
+def exponential_threshold(y: Tensor, q: float | Tensor, mask: Tensor | None = None) -> Tensor:
+    return _mean(y, mask) * _log_inverse(q)
+
+
+def gpareto_threshold(y: Tensor, q: float | Tensor, mask: Tensor | None = None) -> Tensor:
+    mean = _mean(y, mask)
+    var = _mean((y - mean).square(), mask)
     ratio = mean.square() / var.clamp_min(torch.finfo(y.dtype).tiny)
     xi = 0.5 * (1 - ratio)
     beta = 0.5 * mean * (ratio + 1)
     general = beta / xi * (q ** (-xi) - 1)
-    return torch.where(xi.abs() < 1e-6, beta * math.log(1 / q), general)
+    return torch.where(xi.abs() < 1e-6, beta * _log_inverse(q), general)
 
 
 def gamma_threshold(y: Tensor, q: float) -> Tensor:
@@ -71,7 +91,7 @@ ESTIMATORS = ("exponential", "gpareto", "gamma")
 
 
 @COMPRESSORS.register("sidco")
-class SIDCo(Sparsifier):
+class SIDCo(CapacitySparsifier):
     __doc__ = __doc__
 
     OPTIONS = {
@@ -80,12 +100,14 @@ class SIDCo(Sparsifier):
         "stages": Option(1, int, low=1, help="initial number of fitting stages"),
         "first_ratio": Option(0.25, float, low=0.0, high=1.0, low_open=True, help="δ₁"),
         "adapt_every": Option(5, int, low=0, help="steps between stage adjustments (0: fixed)"),
+        "capacity": CAPACITY_OF_K,
     }
-    variable_size = True
+    strict = True
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self.stage_counts: dict[str, int] = {}
+        #: the stage count per bucket (by its first parameter): a number, or a device tensor once adapted
+        self.stage_counts: dict[str, int | Tensor] = {}
 
     def max_stages(self) -> int:
         return max(1, math.ceil(math.log(self.options["density"]) / math.log(0.5)))
@@ -96,44 +118,78 @@ class SIDCo(Sparsifier):
             return [density]
         return [first] + [(density / first) ** (1 / (stages - 1))] * (stages - 1)
 
-    def threshold(self, magnitudes: Tensor, stages: int) -> Tensor:
+    def capacity(self, n: int) -> int:
+        return min(n, math.ceil(self.options["capacity"] * keep_count(self.options["density"], n)))
+
+    def fitted_threshold(self, magnitudes: Tensor, stages: int | Tensor) -> Tensor:
         """The sum of the stages' estimates: the first fits ``a`` itself, each later one the
-        exceedances over the threshold so far, taken from the previous stage's (a subset: ``a > t +
-        η`` exactly where ``a − t > η``), and none is formed after the last stage."""
-        estimator = self.options["estimator"]
-        threshold = estimate = None
+        exceedances ``a − t`` over the threshold so far (``a > t``, a subset of the previous
+        stage's: ``a > t + η`` exactly where ``a − t > η``), and an empty one ends the fit. A count
+        known on the host fits the exceedances as new, small tensors; a count held as a device
+        tensor fits every possible stage on masks and keeps those within it, so that the host
+        never reads the device."""
+        if isinstance(stages, int):
+            return self._fit_tails(magnitudes, self.stage_ratios(stages))
+        return self._fit_masks(magnitudes, stages)
+
+    def _first_fit(self, magnitudes: Tensor, q: float | Tensor) -> Tensor:
+        if self.options["estimator"] == "gamma":
+            return gamma_threshold(magnitudes, float(q))
+        return self._later_fit()(magnitudes, q)
+
+    def _later_fit(self):
+        """The estimator of the later stages (the gamma fit is the first stage's only)."""
+        return exponential_threshold if self.options["estimator"] == "exponential" else gpareto_threshold
+
+    def _fit_tails(self, magnitudes: Tensor, ratios: list[float]) -> Tensor:
+        threshold = estimate = self._first_fit(magnitudes, ratios[0])
         tail = magnitudes
-        for stage, q in enumerate(self.stage_ratios(stages)):
-            if stage:
-                tail = exceedances(tail, estimate)
-                if tail.numel() == 0:
-                    break
-            if stage == 0 and estimator == "gamma":
-                fit = gamma_threshold
-            elif estimator == "exponential":
-                fit = exponential_threshold
-            else:
-                fit = gpareto_threshold
-            estimate = fit(tail, q)
-            threshold = estimate if stage == 0 else threshold + estimate
+        for q in ratios[1:]:
+            tail = exceedances(tail, estimate)
+            if tail.numel() == 0:
+                break
+            estimate = self._later_fit()(tail, q)
+            threshold = threshold + estimate
         return threshold
 
-    def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
+    def _fit_masks(self, magnitudes: Tensor, stages: Tensor) -> Tensor:
+        density, first = self.options["density"], self.options["first_ratio"]
+        if density >= first:
+            return self._first_fit(magnitudes, density)
+        q_later = (density / first) ** (1 / (stages - 1).clamp_min(1).to(magnitudes.dtype))
+        threshold = self._first_fit(magnitudes, torch.where(stages == 1, density, first))
+        for stage in range(1, self.max_stages()):
+            above = magnitudes > threshold
+            estimate = self._later_fit()(magnitudes - threshold, q_later, above)
+            threshold = torch.where(above.any() & (stage < stages), threshold + estimate, threshold)
+        return threshold
+
+    def _stages(self, bucket: Bucket, device: torch.device) -> int | Tensor:
+        """The bucket's stage count: a number in host memory, a device tensor elsewhere."""
         key = bucket.names[0]
         stages = self.stage_counts.setdefault(key, min(self.options["stages"], self.max_stages()))
-        magnitudes = self.magnitudes(flat, bucket)
-        selected = kernels.positions_at_least(magnitudes, self.threshold(magnitudes, stages), strict=True)
+        if kernels.in_host_memory(device):
+            return int(stages)
+        if isinstance(stages, int):
+            stages = self.stage_counts[key] = torch.full((), stages, dtype=torch.int64, device=device)
+        return stages
+
+    def threshold(self, magnitudes: Tensor, bucket: Bucket) -> Tensor:
+        return self.fitted_threshold(magnitudes, self._stages(bucket, magnitudes.device))
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        payload = super().encode(flat, bucket)
         every = self.options["adapt_every"]
         if every and (self.step + 1) % every == 0:
-            achieved, density = selected.numel() / flat.numel(), self.options["density"]
-            if achieved > 1.2 * density:
-                self.stage_counts[key] = min(stages + 1, self.max_stages())
-            elif achieved < 0.8 * density:
-                self.stage_counts[key] = max(stages - 1, 1)
-        return selected
+            stages = self._stages(bucket, flat.device)
+            achieved, density = self.above / flat.numel(), self.options["density"]
+            change = (achieved > 1.2 * density).long() - (achieved < 0.8 * density).long()
+            adapted = (stages + change).clamp(1, self.max_stages())
+            self.stage_counts[bucket.names[0]] = int(adapted) if isinstance(stages, int) else adapted
+        return payload
 
     def extra_state(self) -> dict:
-        return {"stage_counts": dict(self.stage_counts)}
+        return {"stage_counts": {key: int(count) for key, count in self.stage_counts.items()}}
 
     def load_extra_state(self, state: dict) -> None:
         self.stage_counts = dict(state.get("stage_counts", {}))

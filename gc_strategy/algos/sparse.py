@@ -158,13 +158,12 @@ class CapacitySparsifier(Sparsifier):
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         magnitudes = self.magnitudes(flat, bucket)
         threshold = self.threshold(magnitudes, bucket)
-        above = (magnitudes > threshold if self.strict else magnitudes >= threshold) | magnitudes.isnan()
-        keyed = magnitudes.masked_fill_(~above, -1.0)
         capacity = self.capacity(flat.numel())
-        indices = torch.topk(keyed, capacity, sorted=False).indices
-        sent = above.index_select(0, indices)
+        indices, sent, above = kernels.select_above(magnitudes, threshold, capacity, self.strict)
+        #: this encode's count of entries above the threshold (a 0-d tensor)
+        self.above = above
         self._selected = self._selected + sent.sum()
-        self._overflow = self._overflow + (above.sum() - capacity).clamp_min(0)
+        self._overflow = self._overflow + (above - capacity).clamp_min(0)
         self._elements += flat.numel()
         return [flat.index_select(0, indices).masked_fill_(~sent, 0), indices.to(torch.int32)]
 
@@ -257,12 +256,19 @@ class DGC(CapacitySparsifier):
             positions = torch.randint(n, (samples,), device=magnitudes.device, generator=generator)
             sample = magnitudes.index_select(0, positions)
         threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
+        rounds = self.options["adjust_rounds"]
+        if kernels.in_host_memory(magnitudes.device):  # a count costs no device wait: stop at the first fit
+            for round_ in range(rounds + 1):
+                count = kernels.positions_at_least(magnitudes, threshold).numel()
+                if 0.7 * k <= count <= 1.3 * k or round_ == rounds:
+                    return threshold
+                threshold = threshold * (1.3 if count > 1.3 * k else 0.7)
         chosen, settled = threshold, torch.zeros((), dtype=torch.bool, device=magnitudes.device)
-        for round_ in range(self.options["adjust_rounds"] + 1):
+        for round_ in range(rounds + 1):
             count = (magnitudes >= threshold).sum()
             chosen = torch.where(settled, chosen, threshold)
             settled = settled | ((count >= 0.7 * k) & (count <= 1.3 * k))
-            if round_ < self.options["adjust_rounds"]:
+            if round_ < rounds:
                 factor = torch.where(count > 1.3 * k, 1.3, 0.7)
                 threshold = torch.where(settled, threshold, threshold * factor)
         return chosen

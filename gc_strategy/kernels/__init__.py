@@ -29,6 +29,7 @@ __all__ = [
     "pack_bits",
     "pack_signs",
     "positions_at_least",
+    "select_above",
     "select_per_tensor",
     "sum_per_tensor",
     "top_k",
@@ -54,6 +55,17 @@ def positions_at_least(magnitudes: Tensor, threshold: float | Tensor, strict: bo
     """int64 positions ``j`` (increasing) with ``magnitudes[j] >= threshold`` (``>`` when
     ``strict``), and those holding NaN."""
     return _module(magnitudes).positions_at_least(magnitudes, threshold, strict)
+
+
+def select_above(
+    magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A fixed-capacity selection of the entries ``>= threshold`` (``>`` when ``strict``) or NaN:
+    ``capacity`` distinct int64 positions, the largest such entries first in priority and other
+    positions in the slots left over; a bool per slot, True where it holds such an entry; and
+    their count, a 0-d tensor (never read on the host off the host). ``magnitudes`` may be
+    overwritten."""
+    return _module(magnitudes).select_above(magnitudes, threshold, capacity, strict)
 
 
 def top_k(magnitudes: Tensor, k: int) -> Tensor:

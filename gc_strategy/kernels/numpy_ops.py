@@ -53,6 +53,24 @@ def top_k(magnitudes: Tensor, k: int) -> Tensor:
     return _top_k_by_kth_value(magnitudes, k)
 
 
+def select_above(
+    magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One pass finds the entries above the threshold (their count is free on the host). More than
+    ``capacity``: the largest of them (``argpartition`` among them, NaN largest); fewer: the first
+    positions not among them fill the slots left over (a full top-k would cost ten times more)."""
+    selected = positions_at_least(magnitudes, threshold, strict)
+    count = selected.numel()
+    if count > capacity:
+        values = np.nan_to_num(magnitudes.numpy()[selected.numpy()], nan=np.inf)
+        keep = np.argpartition(values, count - capacity)[count - capacity :]
+        return selected[torch.from_numpy(keep)], torch.ones(capacity, dtype=torch.bool), torch.tensor(count)
+    others = np.setdiff1d(np.arange(capacity + count), selected.numpy(), assume_unique=True)[: capacity - count]
+    sent = torch.zeros(capacity, dtype=torch.bool)
+    sent[:count] = True
+    return torch.cat([selected, torch.from_numpy(others)]), sent, torch.tensor(count)
+
+
 def _candidate_threshold(magnitudes: Tensor, k: int) -> float:
     """A magnitude that about ``1.2 k + 3 sd`` elements exceed, from a strided sample of
     ``SAMPLE``: with high probability below the k-th largest, so every top-k element is a candidate.

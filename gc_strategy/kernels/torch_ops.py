@@ -22,6 +22,16 @@ def top_k(magnitudes: Tensor, k: int) -> Tensor:
     return torch.topk(magnitudes, min(k, magnitudes.numel()), sorted=False).indices
 
 
+def select_above(
+    magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The top ``capacity`` of the magnitudes with those not above the threshold keyed −1: one
+    top-k, no size read back."""
+    above = (magnitudes > threshold if strict else magnitudes >= threshold) | magnitudes.isnan()
+    positions = torch.topk(magnitudes.masked_fill_(~above, -1.0), capacity, sorted=False).indices
+    return positions, above.index_select(0, positions), above.sum()
+
+
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
     return magnitudes[magnitudes > threshold]
 
