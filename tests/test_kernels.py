@@ -75,6 +75,22 @@ def test_top_k(variant, n, k):
 
 
 @pytest.mark.parametrize("variant", CPU_VARIANTS)
+@pytest.mark.parametrize("threshold, capacity", [(1.5, 2000), (0.5, 300)], ids=["room to spare", "overflow"])
+def test_select_above_fills_its_capacity_with_the_largest_above_the_threshold(variant, threshold, capacity):
+    """Against a plain computation: the slots marked sent hold exactly the entries above the
+    threshold when they fit (NaN among them), else the ``capacity`` largest (NaN first); every
+    position is distinct; the count is of all entries above."""
+    magnitudes = _vector(5000).abs()
+    magnitudes[7] = float("nan")
+    above = [j for j, a in enumerate(magnitudes.tolist()) if math.isnan(a) or a > threshold]
+    by_size = sorted(above, key=lambda j: -math.inf if math.isnan(magnitudes[j]) else -float(magnitudes[j]))
+    with kernels.forced(variant):
+        positions, sent, count = kernels.select_above(magnitudes.clone(), threshold, capacity, strict=True)
+    assert positions.numel() == sent.numel() == capacity and positions.unique().numel() == capacity
+    assert sorted(positions[sent].tolist()) == sorted(by_size[:capacity]) and int(count) == len(above)
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
 def test_exceedances(variant):
     magnitudes = _vector(3000).abs()
     with kernels.forced(variant):
