@@ -1,11 +1,13 @@
 """The synchroniser's overhead at world size 1: plain training against synchronised training, on one
 GPU (NCCL; what the side stream gains) or on the CPU (gloo; what each compressor's passes cost).
 
-A torchvision ResNet (``--model``, ``--image-size``, batch ``--batch``, SGD) trains with: no
-synchronisation at all (``plain``), torch's DistributedDataParallel (``ddp``), and the gradient
-synchroniser over fused buckets (``bucket_mb:25``): ``compressor=none`` and ``efsignsgd`` +
-residual memory, each with its exchanges on the side stream and on the compute stream (CUDA), and
-any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY`` with their default options. One process
+A torchvision ResNet (``--model``, ``--image-size``, batch ``--batch``, SGD, the forward under bf16
+autocast with ``--autocast bf16``) trains with: no synchronisation at all (``plain``), torch's
+DistributedDataParallel (``ddp``) alone and with torch's fp16, bf16 and PowerSGD (rank 4)
+communication hooks, and the gradient synchroniser over fused buckets (``bucket_mb:25``):
+``compressor=none`` and ``efsignsgd`` + residual memory, each with its exchanges on the side stream
+and on the compute stream (CUDA), and any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY``
+with their default options. One process
 holds every configuration (same initial weights); they run interleaved round by round (A B C ...
 A B C ...) so that clock and thermal drift hit all alike; a step is timed from its start to the
 end of the optimizer step (``torch.cuda.synchronize`` on a GPU). Reported: median step time, its
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 from cli import add_device_option, integer_at_least
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torchvision import models
 
@@ -52,6 +55,9 @@ from gc_strategy import build_components
 CONFIGS = {
     "plain": None,
     "ddp": None,
+    "ddp fp16 hook": None,
+    "ddp bf16 hook": None,
+    "ddp powerSGD hook rank 4": None,
     "gc none": ("none", "none", "bucket_mb:25", True),
     "gc none, compute stream": ("none", "none", "bucket_mb:25", False),
     "gc efsignsgd": ("efsignsgd", "residual", "bucket_mb:25", True),
@@ -86,9 +92,11 @@ def build(
 ) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     model = copy.deepcopy(reference)
     keep = None
-    if name == "ddp":
+    if name.startswith("ddp"):
         on_gpu = next(model.parameters()).is_cuda
         model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
+        if name != "ddp":
+            model.register_comm_hook(*ddp_hook(name))
     elif roles is not None:
         compressor, memory, fusion, side = roles
         c = package.components.build_components(compressor, memory, fusion=fusion)
@@ -96,6 +104,17 @@ def build(
             model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side
         )
     return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), keep
+
+
+def ddp_hook(name: str) -> tuple[object, object]:
+    """(state, hook) of torch's own communication hook for DDP: fp16, bf16, or PowerSGD rank 4
+    (its error feedback and warm start, as it ships; compressing from the third step)."""
+    if name == "ddp fp16 hook":
+        return None, default_hooks.fp16_compress_hook
+    if name == "ddp bf16 hook":
+        return None, default_hooks.bf16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+    return state, powerSGD_hook.powerSGD_hook
 
 
 def compressor_config(spec: str) -> tuple[str, tuple]:
@@ -128,6 +147,9 @@ def main() -> None:
         help="more synchronised configurations, e.g. topk+residual qsgd",
     )
     parser.add_argument("--against", metavar="REV", help="also run the synchronised configurations at git REV")
+    parser.add_argument(
+        "--autocast", choices=["none", "bf16"], default="none", help="run the forward under bf16 autocast"
+    )
     args = parser.parse_args()
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
@@ -166,7 +188,9 @@ def main() -> None:
         synchronize()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
-        nn.functional.cross_entropy(model(x), y).backward()
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
         optimizer.step()
         synchronize()
         return time.perf_counter() - start
@@ -180,7 +204,7 @@ def main() -> None:
     plain = statistics.median(times["plain"]) if "plain" in times else None
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
     print(
-        f"\n{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, {device}, "
+        f"\n{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, autocast {args.autocast}, {device}, "
         f"torch {torch.__version__}; "
         f"{args.rounds} rounds x {args.steps} steps\n"
     )

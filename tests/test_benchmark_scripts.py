@@ -173,3 +173,23 @@ def test_the_op_census_counts_one_copy_per_tensor_for_none_and_the_waits_of_a_ho
         _, waits = op_census.census(*op_census.mlp(4), "fp16", 1)
     assert added[1] - added[0] == 8
     assert waits.get("_local_scalar_dense", 0) >= 1
+
+
+def test_the_step_overhead_times_torch_s_hooks_and_bf16_autocast_beside_the_synchroniser():
+    """Under bf16 autocast on the CPU, DDP with torch's fp16, bf16 and PowerSGD hooks and a
+    compressor each get a row with a step time, beside plain training."""
+    configs = ["plain", "ddp fp16 hook", "ddp bf16 hook", "ddp powerSGD hook rank 4"]
+    done = subprocess.run(
+        [sys.executable, "step_overhead.py", "--device", "cpu", "--model", "resnet18", "--image-size", "16"]
+        + ["--batch", "2", "--rounds", "1", "--steps", "1", "--warmup", "3", "--autocast", "bf16"]
+        + ["--configs", *configs, "--compressors", "topk+residual"],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "autocast bf16" in done.stdout
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    for name in [*configs, "gc topk+residual"]:
+        assert float(rows[name].split("|")[2]) > 0, rows
