@@ -6,9 +6,9 @@
 #
 # 1. the CUDA tests: every compressor on a CUDA bucket against the CPU, the Triton kernels, and a
 #    synchronised step of every compressor and memory under torch.cuda.set_sync_debug_mode("error");
-# 2. the time each configuration adds to a ResNet-50 step (batch 64; fp32, then bf16 autocast) over
-#    plain training, next to torch DDP alone and with its fp16, bf16 and PowerSGD hooks,
-#    interleaved in one process (benchmarks/step_overhead.py);
+# 2. the time each configuration adds to a step over plain training, next to torch DDP alone and
+#    with its fp16, bf16 and PowerSGD hooks, interleaved in one process: ResNet-50 (batch 64) in
+#    fp32 and under bf16 autocast, BERT-base (batch 32) in fp32 (benchmarks/step_overhead.py);
 # 3. compression costs of every compressor on ResNet-50's gradients, with each one's top kernels
 #    (benchmarks/compression_costs.py --profile).
 # Each part has its own time limit, so that one that hangs still leaves the others' results.
@@ -46,11 +46,14 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
 } >"$report"
 
 compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual qsgd powersgd acpsgd)
-part "CUDA tests" 120 $python -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests/test_triton_bits.py
-for autocast in none bf16; do  # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-    part "Time added to a ResNet-50 step (batch 64, autocast $autocast)" 75 $python benchmarks/step_overhead.py \
+part "CUDA tests" 100 $python -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests/test_triton_bits.py
+# 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
+for autocast in none bf16; do
+    part "Time added to a ResNet-50 step (batch 64, autocast $autocast)" 60 $python benchmarks/step_overhead.py \
         --autocast $autocast --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
 done
-part "Compression costs on ResNet-50's gradients" 60 $python benchmarks/compression_costs.py \
+part "Time added to a BERT-base step (batch 32, fp32)" 60 $python benchmarks/step_overhead.py \
+    --model bert-base --batch 32 --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
+part "Compression costs on ResNet-50's gradients" 45 $python benchmarks/compression_costs.py \
     --device cuda --models resnet50 --runs 3 --profile
 echo "report: $report"

@@ -1,14 +1,14 @@
 """The synchroniser's overhead at world size 1: plain training against synchronised training, on one
 GPU (NCCL; what the side stream gains) or on the CPU (gloo; what each compressor's passes cost).
 
-A torchvision ResNet (``--model``, ``--image-size``, batch ``--batch``, SGD, the forward under bf16
-autocast with ``--autocast bf16``) trains with: no synchronisation at all (``plain``), torch's
-DistributedDataParallel (``ddp``) alone and with torch's fp16, bf16 and PowerSGD (rank 4)
-communication hooks, and the gradient synchroniser over fused buckets (``bucket_mb:25``):
-``compressor=none`` and ``efsignsgd`` + residual memory, each with its exchanges on the side stream
-and on the compute stream (CUDA), and any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY``
-with their default options. One process
-holds every configuration (same initial weights); they run interleaved round by round (A B C ...
+A torchvision ResNet (``--model``, ``--image-size``) or BERT-base (``--model bert-base``, masked
+LM on 128 tokens), batch ``--batch``, SGD, the forward under bf16 autocast with ``--autocast
+bf16``, trains with: no synchronisation at all (``plain``), torch's DistributedDataParallel
+(``ddp``) alone and with torch's fp16, bf16 and PowerSGD (rank 4) communication hooks, and the
+gradient synchroniser over fused buckets (``bucket_mb:25``): ``compressor=none`` and
+``efsignsgd`` + residual memory, each with its exchanges on the side stream and on the compute
+stream (CUDA), and any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY`` with their default
+options. One process holds every configuration (same initial weights); they run interleaved round by round (A B C ...
 A B C ...) so that clock and thermal drift hit all alike; a step is timed from its start to the
 end of the optimizer step (``torch.cuda.synchronize`` on a GPU). Reported: median step time, its
 ratio to ``plain``, and the exposed time (median minus plain's).
@@ -117,6 +117,21 @@ def ddp_hook(name: str) -> tuple[object, object]:
     return state, powerSGD_hook.powerSGD_hook
 
 
+def model_and_loss(name: str, batch: int, image_size: int, device: torch.device):
+    """The model, and the loss of a fixed random batch for any copy of it: a torchvision ResNet on
+    ``image_size`` images, or ``transformers``' BERT-base masked LM on 128 tokens."""
+    if name == "bert-base":
+        from transformers import BertConfig, BertForMaskedLM
+
+        model = BertForMaskedLM(BertConfig()).to(device)
+        ids = torch.randint(0, model.config.vocab_size, (batch, 128), device=device)
+        return model, lambda copy_: copy_(input_ids=ids, labels=ids).loss
+    model = getattr(models, name)(num_classes=1000).to(device)
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    return model, lambda copy_: nn.functional.cross_entropy(copy_(x), y)
+
+
 def compressor_config(spec: str) -> tuple[str, tuple]:
     """``NAME`` or ``NAME+MEMORY`` -> (configuration name, roles)."""
     compressor, _, memory = spec.partition("+")
@@ -126,7 +141,7 @@ def compressor_config(spec: str) -> tuple[str, tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(parser)
-    parser.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet101"])
+    parser.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet101", "bert-base"])
     parser.add_argument("--image-size", type=integer_at_least(1), default=224)
     parser.add_argument("--batch", type=integer_at_least(1), default=64)
     parser.add_argument("--threads", type=integer_at_least(1), default=1, help="CPU threads (--device cpu)")
@@ -171,9 +186,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     torch.manual_seed(0)
-    reference = getattr(models, args.model)(num_classes=1000).to(args.device)
-    x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=args.device)
-    y = torch.randint(0, 1000, (args.batch,), device=args.device)
+    reference, loss_of = model_and_loss(args.model, args.batch, args.image_size, torch.device(args.device))
     runs = {name: build(name, roles, reference) for name, roles in configs.items()}
     if args.against:
         at_rev = package_at(args.against)
@@ -189,7 +202,7 @@ def main() -> None:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = loss_of(model)
         loss.backward()
         optimizer.step()
         synchronize()
@@ -203,8 +216,9 @@ def main() -> None:
             times[name] += [step(model, optimizer) for _ in range(args.steps)]
     plain = statistics.median(times["plain"]) if "plain" in times else None
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
+    inputs = "128 tokens" if args.model == "bert-base" else f"{args.image_size}x{args.image_size}"
     print(
-        f"\n{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, autocast {args.autocast}, {device}, "
+        f"\n{args.model}, {inputs}, batch {args.batch}, autocast {args.autocast}, {device}, "
         f"torch {torch.__version__}; "
         f"{args.rounds} rounds x {args.steps} steps\n"
     )
