@@ -37,6 +37,8 @@ def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Code ``j`` of each byte shifted to bits ``j·bits`` and the byte's codes summed (their bits
+    are disjoint, so the sum is their OR): a shift and a sum per bucket, whatever ``bits``."""
     codes = codes.reshape(-1).to(torch.uint8)
     if bits == 8:
         return codes
@@ -44,19 +46,17 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     pad = (-codes.numel()) % per_byte
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    groups = codes.view(-1, per_byte)  # code j of each byte: a strided column, not a shift-and-sum per row
-    packed = groups[:, 0].clone()
-    for j in range(1, per_byte):
-        packed.bitwise_or_(groups[:, j] << (j * bits))
-    return packed
+    return (codes.view(-1, per_byte) << _shifts(bits, codes.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
-    per_byte = 8 // bits
-    codes = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)
-    for j in range(per_byte):
-        torch.bitwise_and(packed >> (j * bits), (1 << bits) - 1, out=codes[:, j])
+    codes = (packed.unsqueeze(1) >> _shifts(bits, packed.device)).bitwise_and_((1 << bits) - 1)
     return codes.view(-1)[:n]
+
+
+def _shifts(bits: int, device: torch.device) -> Tensor:
+    """The shift of each code in its byte: ``0, bits, 2·bits, …``."""
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
 
 
 def frexp_into(a: Tensor, mantissa: Tensor, exponent: Tensor) -> tuple[Tensor, Tensor]:
