@@ -38,11 +38,12 @@ FOLDER_SUFFIX = ".gc_state"
 def state_folder(checkpoint_path: Any, saved: bool = False) -> str:
     """Where the per-rank files of the checkpoint ``DIR/NAME`` go: ``DIR.gc_state/NAME``, beside
     ``DIR`` so that ``DIR`` holds only checkpoints (``DIR/.gc_state/NAME`` where ``DIR`` is a root).
-    For a saved local checkpoint, beside the file a link points to (Lightning's ``save_last="link"``),
-    and the earlier ``DIR/NAME.gc_state`` where only that exists."""
+    A local path is resolved first, so that a checkpoint reached through a link (Lightning's
+    ``save_last="link"``, a linked folder) finds the files of the one it points to. For a ``saved``
+    checkpoint, the earlier ``DIR/NAME.gc_state`` where only that exists."""
     path = str(checkpoint_path)
     if "://" not in path:
-        path = os.path.realpath(path) if saved else os.path.abspath(path)
+        path = os.path.realpath(path)
     head, _, name = path.rpartition("/")
     is_root = not head or ("://" in head and "/" not in head.split("://", 1)[1])
     folder = f"{head}/{FOLDER_SUFFIX}/{name}" if is_root else f"{head}{FOLDER_SUFFIX}/{name}"

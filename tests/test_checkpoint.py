@@ -29,6 +29,19 @@ def test_rank_files_go_beside_the_checkpoint_folder_and_leave_with_their_checkpo
     assert not (tmp_path / "ckpt.gc_state").exists()
 
 
+def test_a_checkpoint_folder_reached_through_a_link_finds_the_same_files(tmp_path):
+    """Saved through a linked folder, loaded through the real one (and through a linked file)."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "alias").symlink_to(real)
+    (real / "epoch=0.ckpt").write_bytes(b"")
+    (real / "last.ckpt").symlink_to("epoch=0.ckpt")
+    written = state_folder(tmp_path / "alias" / "epoch=0.ckpt")
+    assert written == f"{tmp_path}/real.gc_state/epoch=0.ckpt"
+    assert state_folder(real / "epoch=0.ckpt", saved=True) == written
+    assert state_folder(tmp_path / "alias" / "last.ckpt", saved=True) == written
+
+
 def test_a_checkpoint_whose_files_sit_in_the_earlier_folder_finds_them(tmp_path):
     checkpoint = tmp_path / "ckpt" / "last.ckpt"
     (tmp_path / "ckpt" / "last.ckpt.gc_state").mkdir(parents=True)
