@@ -55,14 +55,15 @@ def state_folder(checkpoint_path: Any, saved: bool = False) -> str:
 def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -> dict[str, Any]:
     """Write this rank's state to ``folder`` where any rank keeps state of its own (call it on every
     rank); returns the manifest, which holds the state itself where no rank does."""
-    if not synchronizer.holds_rank_state():
+    state = synchronizer.state_dict()
+    if not synchronizer.holds_rank_state(state):
         if synchronizer.rank == 0:  # an earlier save to the same path may have left files
             remove_rank_states(folder)
-        return {"format": SHARED_FORMAT, "state": synchronizer.state_dict()}
+        return {"format": SHARED_FORMAT, "state": state}
     fs = get_filesystem(folder)
     fs.makedirs(folder, exist_ok=True)
     with fs.open(_rank_file(folder, synchronizer.rank), "wb") as f:
-        torch.save(synchronizer.state_dict(), f)
+        torch.save(state, f)
     return {"format": MANIFEST_FORMAT, "world_size": synchronizer.world_size}
 
 

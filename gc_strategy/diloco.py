@@ -444,7 +444,7 @@ class DiLoCo:
                 self._collect(fragment)
 
     # ------------------------------------------------------------------ checkpoints
-    def holds_rank_state(self) -> bool:
+    def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Always: each replica's own module and inner optimizer states differ inside an inner phase."""
         return True
 

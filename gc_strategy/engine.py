@@ -605,14 +605,11 @@ class GradientSynchronizer:
         numels = [self.parameter(name).numel() for name in self.order]
         write_plan_file(path, self.order, numels, self.tensors_per_bucket, self.planner.describe(), self.plan_report)
 
-    def holds_rank_state(self) -> bool:
+    def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Whether any rank keeps state of its own for a checkpoint (the memory's, the
-        compressor's): a collective, called on every rank. Without it rank 0's state is every rank's."""
-        own = (
-            self.memory.state_by_parameter(self.buckets)
-            or self.compressor.state_by_parameter(self.buckets)
-            or self.compressor.extra_state()
-        )
+        compressor's), given this rank's :meth:`state_dict`: a collective, called on every rank.
+        Without it rank 0's state is every rank's."""
+        own = state["memory"] or state["compressor"] or state["compressor_extra"]
         held = torch.tensor([float(bool(own))], device=self.device)
         if self.world_size > 1:
             dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.process_group)

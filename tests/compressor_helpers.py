@@ -15,6 +15,24 @@ SMALL_MODEL_OPTIONS = {
     "threshold": dict(threshold=0.01),
 }
 
+#: each compressor with the memories it is usually run with
+STEP_MEMORIES = {
+    "topk": ("none", "residual"),
+    "randk": ("none", "residual"),
+    "dgc": ("dgc", "residual"),
+    "threshold": ("residual",),
+    "sidco": ("residual",),
+    "onebit": ("residual",),
+    "efsignsgd": ("residual",),
+    "signsgd": ("none",),
+    "fp16": ("none", "residual"),
+    "qsgd": ("none", "residual"),
+}
+#: options that make every compressor compress from its second step on the small test models
+STEP_OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
+#: (compressor, memory) of every synchronised-step test of all compressors
+STEP_CONFIGS = [(name, memory) for name in COMPRESSORS.names() for memory in STEP_MEMORIES.get(name, ("none",))]
+
 
 def bucket(n: int, index: int = 0, dtype=torch.float32) -> Bucket:
     return Bucket(index, [f"p{index}"], [torch.Size([n])], dtype, torch.device("cpu"))

@@ -172,13 +172,12 @@ def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_betwee
 
 
 # ---------------------------------------------------------------- no host synchronisation in a step
-from test_no_host_wait import CONFIGS  # noqa: E402
-from test_no_host_wait import OPTIONS as STEP_OPTIONS  # noqa: E402
+from compressor_helpers import STEP_CONFIGS, STEP_OPTIONS  # noqa: E402
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[f"{name}+{memory}" for name, memory in CONFIGS])
+@pytest.mark.parametrize("config", STEP_CONFIGS, ids=[f"{name}+{memory}" for name, memory in STEP_CONFIGS])
 def test_a_synchronised_step_runs_under_cuda_sync_debug_mode_error(config):
-    """Every compressor and memory (as tests/test_no_host_wait.py lists them) on one GPU: the fourth
+    """Every compressor and memory (``STEP_CONFIGS``, as tests/test_no_host_wait.py runs them) on one GPU: the fourth
     synchronised step, after the gradient order is recorded and the buckets built, runs with
     ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host synchronisation."""
     name, memory = config

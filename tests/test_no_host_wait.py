@@ -11,31 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from compressor_helpers import SMALL_MODEL_OPTIONS
+from compressor_helpers import STEP_CONFIGS, STEP_OPTIONS
 from distributed import run_ranks
 from models import SmallCNN
 
-from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components, kernels
+from gc_strategy import GradientSynchronizer, build_components, kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from op_recorder import OpRecorder  # noqa: E402
-
-#: each compressor with the memories it is usually run with
-MEMORIES = {
-    "topk": ("none", "residual"),
-    "randk": ("none", "residual"),
-    "dgc": ("dgc", "residual"),
-    "threshold": ("residual",),
-    "sidco": ("residual",),
-    "onebit": ("residual",),
-    "efsignsgd": ("residual",),
-    "signsgd": ("none",),
-    "fp16": ("none", "residual"),
-    "qsgd": ("none", "residual"),
-}
-OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
-CONFIGS = [(name, memory) for name in COMPRESSORS.names() for memory in MEMORIES.get(name, ("none",))]
 
 
 def _step(model, rank, step):
@@ -51,10 +35,10 @@ def _waits_of_every_config(rank, world_size):
     """Per configuration: the waits of step 3 (after the order is recorded and the warm-ups of
     PowerSGD's start_iter), and where they came from."""
     found = {}
-    for name, memory in CONFIGS:
+    for name, memory in STEP_CONFIGS:
         torch.manual_seed(0)
         model = SmallCNN()
-        roles = build_components(name, memory, "auto", "groups:2", **OPTIONS.get(name, {}))
+        roles = build_components(name, memory, "auto", "groups:2", **STEP_OPTIONS.get(name, {}))
         with kernels.forced("torch"):
             model.gc_synchronizer = GradientSynchronizer(
                 model, roles.compressor, roles.memory, roles.communicator, roles.fusion
@@ -73,7 +57,7 @@ def waits():
     return run_ranks(_waits_of_every_config, 2, timeout=300)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[f"{name}+{memory}" for name, memory in CONFIGS])
+@pytest.mark.parametrize("config", STEP_CONFIGS, ids=[f"{name}+{memory}" for name, memory in STEP_CONFIGS])
 def test_a_synchronised_step_never_makes_the_host_wait(waits, config):
     for rank, found in enumerate(waits):
         ops, sites = found[config]

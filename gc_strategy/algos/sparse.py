@@ -130,10 +130,10 @@ class TopK(Sparsifier):
 
 
 class CapacitySparsifier(Sparsifier):
-    """Entries of ``|g|`` at or above a threshold (``above`` them where ``strict``), in a payload of
-    fixed capacity ``C``: the ``C`` largest of them (by :meth:`keyed` magnitude, entries below the
-    threshold keyed −1). Slots left over carry other positions with the value 0; entries above the
-    threshold that do not fit stay in the error-feedback memory, counted as ``overflow``.
+    """Entries of ``|g|`` at or above a threshold (``above`` it where ``strict``), in a payload of
+    fixed capacity ``C``: the ``C`` largest of them (:func:`~gc_strategy.kernels.select_above`).
+    Slots left over carry other positions with the value 0; entries above the threshold that do not
+    fit stay in the error-feedback memory, counted as ``overflow``.
 
     Why: the size of a threshold's selection is known only on the device. Reading it on the host
     (``nonzero``, then a length exchange) makes the host wait for the device in every bucket of
