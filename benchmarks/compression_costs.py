@@ -6,7 +6,8 @@ masked LM on 128 tokens; batch ``--batch``), one backward gives the gradients; e
 its usual memory and options) then encodes, exchanges and decodes every bucket of a plan in one
 process (the collectives are then no-ops: the time is the compression alone), timed with device
 synchronisation, median of ``--runs``. Plans: ``layerwise`` (one tensor per bucket), ``single`` (one
-bucket), ``bucket_mb:25``, and the plan ``fusion=auto:2`` chooses after profiling this model here.
+bucket), ``bucket_mb:25``, and the plan ``fusion=auto:2`` chooses after profiling this model here
+(``--plans``: some of them; "buckets" counts those of the last).
 
 Floor = bytes the method must move / copy bandwidth measured here: read the gradient (4n), read and
 write the error-feedback memory when it has one (8n), write the payload, write the decoded result (4n).
@@ -41,7 +42,7 @@ USUAL = {
     "powersgd": ("none", {"rank": 4, "start_iter": 0}),
     "acpsgd": ("none", {"rank": 4, "start_iter": 0}),
 }
-PLANS = ("layerwise", "single", "bucket_mb:25")
+PLANS = ("layerwise", "single", "bucket_mb:25", "auto:2")
 
 
 def model_and_loss(name: str, batch: int, image_size: int, device: torch.device):
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--batch", type=integer_at_least(1), default=8)
     parser.add_argument("--image-size", type=integer_at_least(1), default=224)
     parser.add_argument("--runs", type=integer_at_least(1), default=5)
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS, help="default: all")
     parser.add_argument("--profile", action="store_true", help="print each compressor's top kernels on one bucket")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -153,15 +155,12 @@ def main() -> None:
         elements = sum(p.numel() for p in model.parameters())
         tensors = sum(1 for _ in model.parameters())
         print(f"### {model_name}: {tensors} tensors, {elements:,} elements\n")
-        print(
-            "| compressor | layerwise (ms) | single bucket (ms) | bucket_mb:25 (ms) | auto plan (ms) "
-            "| auto buckets | floor (ms) |"
-        )
-        print("|---|---|---|---|---|---|---|")
+        print(f"| compressor | {' | '.join(f'{plan} (ms)' for plan in args.plans)} | buckets | floor (ms) |")
+        print(f"|---|{'---|' * len(args.plans)}---|---|")
         profiles = []
         for compressor in args.compressors:
             cells, sent = [], 0
-            for plan in (*PLANS, "auto:2"):
+            for plan in args.plans:
                 buckets, flats = buckets_of(model, loss, compressor, plan)
                 seconds, sent = time_plan(compressor, buckets, flats, args.runs)
                 cells.append(f"{1000 * seconds:.2f}")

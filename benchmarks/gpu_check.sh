@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one call on one borrowed NVIDIA GPU, about 5 minutes, offline, with only torch,
+# The GPU check: one call on one borrowed NVIDIA GPU, under 5 minutes, offline, with only torch,
 # torchvision, lightning, triton, cupy and pytest installed (gc_strategy runs from this checkout).
 #
 #   bash benchmarks/gpu_check.sh            # writes $OUT/gpu_check.md (or ./gpu_check.md)
@@ -8,9 +8,11 @@
 #    synchronised step of every compressor and memory under torch.cuda.set_sync_debug_mode("error");
 # 2. the time each configuration adds to a step over plain training, next to torch DDP alone and
 #    with its fp16, bf16 and PowerSGD hooks, interleaved in one process: ResNet-50 (batch 64) in
-#    fp32 and under bf16 autocast, BERT-base (batch 32) in fp32 (benchmarks/step_overhead.py);
-# 3. compression costs of every compressor on ResNet-50's gradients, with each one's top kernels
-#    (benchmarks/compression_costs.py --profile).
+#    fp32 and under bf16 autocast, BERT-base (batch 32) in fp32; with the first, each
+#    configuration's CUDA runtime calls per step: launches, copies and host synchronisations
+#    (benchmarks/step_overhead.py --calls);
+# 3. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
+#    buckets, with each one's top kernels (benchmarks/compression_costs.py --profile).
 # Each part has its own time limit, so that one that hangs still leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
     echo >>"$report"
     echo '```' >>"$report"
     local started=$SECONDS
-    timeout "$seconds" "$@" 2>&1 | tail -n 80 >>"$report"
+    timeout "$seconds" "$@" 2>&1 | tail -n 400 >>"$report"
     local status=${PIPESTATUS[0]}
     echo '```' >>"$report"
     echo "exit status $status after $((SECONDS - started)) s (limit $seconds s)" >>"$report"
@@ -46,14 +48,14 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
 } >"$report"
 
 compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual qsgd powersgd acpsgd)
-part "CUDA tests" 100 $python -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests/test_triton_bits.py
+part "CUDA tests" 100 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-for autocast in none bf16; do
-    part "Time added to a ResNet-50 step (batch 64, autocast $autocast)" 60 $python benchmarks/step_overhead.py \
-        --autocast $autocast --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
-done
-part "Time added to a BERT-base step (batch 32, fp32)" 60 $python benchmarks/step_overhead.py \
-    --model bert-base --batch 32 --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
-part "Compression costs on ResNet-50's gradients" 45 $python benchmarks/compression_costs.py \
-    --device cuda --models resnet50 --runs 3 --profile
+part "Time added to a ResNet-50 step (batch 64, fp32)" 70 $python benchmarks/step_overhead.py \
+    --rounds 3 --steps 10 --warmup 12 --calls --compressors "${compressors[@]}"
+part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 50 $python benchmarks/step_overhead.py \
+    --autocast bf16 --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
+part "Time added to a BERT-base step (batch 32, fp32)" 70 $python benchmarks/step_overhead.py \
+    --model bert-base --batch 32 --rounds 2 --steps 8 --warmup 12 --compressors "${compressors[@]}"
+part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \
+    --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3 --profile
 echo "report: $report"

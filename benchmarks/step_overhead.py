@@ -11,7 +11,9 @@ stream (CUDA), and any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY`` wi
 options. One process holds every configuration (same initial weights); they run interleaved round by round (A B C ...
 A B C ...) so that clock and thermal drift hit all alike; a step is timed from its start to the
 end of the optimizer step (``torch.cuda.synchronize`` on a GPU). Reported: median step time, its
-ratio to ``plain``, and the exposed time (median minus plain's).
+ratio to ``plain``, and the exposed time (median minus plain's). On a GPU, ``--calls`` also counts
+the CUDA runtime calls of a step under torch's profiler (CUPTI sees every thread): kernel launches,
+copies and fills, and host synchronisations (``*Synchronize`` and blocking ``cudaMemcpy``).
 
     python benchmarks/step_overhead.py --rounds 10 --steps 20                     # ResNet-50 on the GPU
     python benchmarks/step_overhead.py --device cpu --model resnet18 --image-size 32 --batch 32 \
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import copy
+import functools
 import importlib
 import io
 import os
@@ -38,6 +42,7 @@ import tarfile
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,6 +143,30 @@ def compressor_config(spec: str) -> tuple[str, tuple]:
     return f"gc {spec}", (compressor, memory or "none", "bucket_mb:25", True)
 
 
+def runtime_calls(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
+    """CUDA runtime calls per step of ``step``: kernel launches (Triton's and cuBLAS' through the
+    driver API too), copies and fills, and the calls that make the host wait for the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    counts: collections.Counter = collections.Counter()
+    for event in prof.key_averages():
+        name = event.key
+        if not name.startswith("cu"):
+            continue
+        if "Synchronize" in name or name == "cudaMemcpy":
+            counts["host syncs"] += event.count
+        elif "Launch" in name:
+            counts["kernel launches"] += event.count
+        elif "Memcpy" in name or "Memset" in name:
+            counts["copies and fills"] += event.count
+    torch.cuda.synchronize()
+    return {kind: counts[kind] / steps for kind in ("kernel launches", "copies and fills", "host syncs")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(parser)
@@ -161,11 +190,14 @@ def main() -> None:
         metavar="NAME[+MEMORY]",
         help="more synchronised configurations, e.g. topk+residual qsgd",
     )
+    parser.add_argument("--calls", action="store_true", help="count CUDA runtime calls per step (GPU only)")
     parser.add_argument("--against", metavar="REV", help="also run the synchronised configurations at git REV")
     parser.add_argument(
         "--autocast", choices=["none", "bf16"], default="none", help="run the forward under bf16 autocast"
     )
     args = parser.parse_args()
+    if args.calls and args.device != "cuda":
+        parser.error("--calls counts CUDA runtime calls; it needs --device cuda")
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
     configs = {name: CONFIGS[name] for name in args.configs}
@@ -197,14 +229,17 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in configs}
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        synchronize()
-        start = time.perf_counter()
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=False)
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
             loss = loss_of(model)
         loss.backward()
         optimizer.step()
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        synchronize()
+        start = time.perf_counter()
+        train(model, optimizer)
         synchronize()
         return time.perf_counter() - start
 
@@ -229,6 +264,13 @@ def main() -> None:
         ratio = f"{median / plain:.3f}" if plain else "-"
         exposed = f"{1000 * (median - plain):.2f}" if plain else "-"
         print(f"| {name} | {1000 * median:.2f} | {ratio} | {exposed} |")
+    if args.calls:
+        calls = {name: runtime_calls(functools.partial(train, *runs[name][:2])) for name in configs}
+        print("\nCUDA runtime calls per step (mean of 3 steps under torch's profiler)\n")
+        print("| configuration | kernel launches | copies and fills | host syncs |")
+        print("|---|---|---|---|")
+        for name, counts in calls.items():
+            print(f"| {name} | {' | '.join(f'{value:.0f}' for value in counts.values())} |")
     dist.destroy_process_group()
 
 
