@@ -94,11 +94,12 @@ class Bucket:
 def all_finite(flat: Tensor) -> Tensor:
     """0-d bool tensor: no inf or NaN in ``flat``. One reduction pass (``aminmax`` propagates NaN and
     shows ±inf at an end) without the bool temporary of ``isfinite(flat).all()`` (docs/benchmarks/cpu_paths_cpu.md);
-    stays on the device (no host synchronisation)."""
+    stays on the device (no host synchronisation). ``x·0`` is 0 for finite ``x`` and NaN for ±inf
+    and NaN: four small ops where two ``isfinite`` take nine."""
     if flat.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=flat.device)
     low, high = torch.aminmax(flat)
-    return torch.isfinite(low) & torch.isfinite(high)
+    return (low * 0 + high * 0) == 0
 
 
 def finite_on_host(finite: Tensor) -> bool:

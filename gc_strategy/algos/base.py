@@ -17,7 +17,8 @@ MEMORIES: Registry[Memory] = Registry("memory")
 
 #: what error feedback needs of a rank's own payload (:attr:`Memory.local_form`): its decode
 #: (``"estimate"``), the positions where that decode may be nonzero (``"positions"``: int64
-#: indices, or a bool mask over the bucket; see :func:`zero_at`), or nothing
+#: indices, a bool mask over the bucket, or indices with a bool flag each; see :func:`zero_at`),
+#: or nothing
 LocalForm = Literal["estimate", "positions"] | None
 
 
@@ -115,7 +116,7 @@ class Compressor(BucketState):
 
     def sent_positions(self, payload: Payload, bucket: Bucket) -> Tensor:
         """The positions where the decode of this rank's own payload may be nonzero, for a memory
-        that masks what was sent (int64 indices or a bool mask, as :func:`zero_at` takes them): by
+        that masks what was sent (in a form :func:`zero_at` takes): by
         default where :meth:`local_estimate` is nonzero; a sparsifier reads its indices from its
         payload without a dense decode."""
         return kernels.nonzero_positions(self.local_estimate(payload, bucket))
@@ -213,8 +214,13 @@ def copy_if_shared(tensor: Tensor, others: Payload) -> Tensor:
     return tensor.clone() if tensor.untyped_storage().data_ptr() in shared else tensor
 
 
-def zero_at(tensor: Tensor, positions: Tensor) -> Tensor:
-    """``tensor`` zeroed in place at ``positions``: int64 indices or a bool mask of its length."""
+def zero_at(tensor: Tensor, positions: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+    """``tensor`` zeroed in place at ``positions``: int64 indices, a bool mask of its length, or
+    ``(indices, flags)``: the distinct int64 ``indices`` whose bool flag is set (a gather and a
+    scatter of the indices alone, where a mask would take passes over the whole tensor)."""
+    if isinstance(positions, tuple):
+        indices, flags = positions
+        return tensor.index_put_((indices,), tensor.index_select(0, indices).masked_fill_(flags, 0))
     if positions.dtype == torch.bool:
         return tensor.masked_fill_(positions, 0)
     return tensor.index_fill_(0, positions, 0)

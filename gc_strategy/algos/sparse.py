@@ -167,12 +167,11 @@ class CapacitySparsifier(Sparsifier):
         self._elements += flat.numel()
         return [flat.index_select(0, indices).masked_fill_(~sent, 0), indices.to(torch.int32)]
 
-    def sent_positions(self, payload: Payload, bucket: Bucket) -> Tensor:
-        """A bool mask of the slots that carry a selected entry (nonzero values; a zero sent is a
-        zero kept, alike for a memory that masks what was sent)."""
+    def sent_positions(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        """The slots' positions, each flagged where it carries a selected entry (a nonzero value; a
+        zero sent is a zero kept, alike for a memory that masks what was sent)."""
         values, indices = payload
-        mask = torch.zeros(bucket.numel, dtype=torch.bool, device=values.device)
-        return mask.index_put_((indices.long(),), values != 0)
+        return indices.long(), values != 0
 
     def pop_metrics(self) -> dict[str, float | Tensor]:
         overflow = self._overflow
@@ -232,6 +231,10 @@ class DGC(CapacitySparsifier):
         "seed": SEED,
     }
 
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._adjust: dict[torch.device, tuple[Tensor, ...]] = {}
+
     def density_now(self) -> float:
         density, warmup = self.options["density"], self.options["warmup_steps"]
         if warmup and self.step < warmup and density < 0.25:
@@ -263,15 +266,18 @@ class DGC(CapacitySparsifier):
                 if 0.7 * k <= count <= 1.3 * k or round_ == rounds:
                     return threshold
                 threshold = threshold * (1.3 if count > 1.3 * k else 0.7)
-        chosen, settled = threshold, torch.zeros((), dtype=torch.bool, device=magnitudes.device)
-        for round_ in range(rounds + 1):
+        up, down, keep = self._factors(magnitudes.device)
+        for _ in range(rounds):  # a threshold in the window is kept: its count stays in the window
             count = (magnitudes >= threshold).sum()
-            chosen = torch.where(settled, chosen, threshold)
-            settled = settled | ((count >= 0.7 * k) & (count <= 1.3 * k))
-            if round_ < rounds:
-                factor = torch.where(count > 1.3 * k, 1.3, 0.7)
-                threshold = torch.where(settled, threshold, threshold * factor)
-        return chosen
+            threshold = threshold * torch.where(count > 1.3 * k, up, torch.where(count < 0.7 * k, down, keep))
+        return threshold
+
+    def _factors(self, device: torch.device) -> tuple[Tensor, ...]:
+        """0-d tensors 1.3, 0.7 and 1 on ``device``, made once: a Python number in ``where`` would
+        launch a fill on every use."""
+        if device not in self._adjust:
+            self._adjust[device] = tuple(torch.full((), f, device=device) for f in (1.3, 0.7, 1.0))
+        return self._adjust[device]
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
