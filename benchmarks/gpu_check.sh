@@ -3,13 +3,14 @@
 # torchvision, lightning, triton, cupy and pytest installed (gc_strategy runs from this checkout).
 #
 #   bash benchmarks/gpu_check.sh            # writes $OUT/gpu_check.md (or ./gpu_check.md)
+#   GC_COMMIT=abc1234 bash benchmarks/gpu_check.sh   # names the commit where the copy has no git
 #
 # 1. the CUDA tests: every compressor on a CUDA bucket against the CPU, the Triton kernels, and a
 #    synchronised step of every compressor and memory under torch.cuda.set_sync_debug_mode("error");
 # 2. the time each configuration adds to a step over plain training, next to torch DDP alone and
 #    with its fp16, bf16 and PowerSGD hooks, interleaved in one process: ResNet-50 (batch 64) in
-#    fp32 and under bf16 autocast, BERT-base (batch 32) in fp32; with the first, each
-#    configuration's CUDA runtime calls per step: launches, copies and host synchronisations
+#    fp32 (every compressor) and under bf16 autocast, BERT-base (batch 32) in fp32; with the first,
+#    each configuration's CUDA runtime calls per step: launches, copies and host synchronisations
 #    (benchmarks/step_overhead.py --calls);
 # 3. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
 #    buckets, with each one's top kernels (benchmarks/compression_costs.py --profile).
@@ -40,7 +41,7 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
     echo "# GPU check"
     echo
     echo "- date: $(date -u +%Y-%m-%d)"
-    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- commit: ${GC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
     echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
     echo "- $($python -c 'import torch, triton; print(f"torch {torch.__version__}, Triton {triton.__version__}")' 2>&1)"
     echo "- $($python -c 'import cupy; print(f"CuPy {cupy.__version__}")' 2>&1 | tail -n 1)"
@@ -48,13 +49,14 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
 } >"$report"
 
 compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual qsgd powersgd acpsgd)
-part "CUDA tests" 100 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
+every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+residual onebit+residual signsgd signum terngrad natural)
+part "CUDA tests" 90 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-part "Time added to a ResNet-50 step (batch 64, fp32)" 70 $python benchmarks/step_overhead.py \
-    --rounds 3 --steps 10 --warmup 12 --calls --compressors "${compressors[@]}"
-part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 50 $python benchmarks/step_overhead.py \
+part "Time added to a ResNet-50 step (batch 64, fp32)" 110 $python benchmarks/step_overhead.py \
+    --rounds 3 --steps 10 --warmup 12 --calls --compressors "${every[@]}"
+part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 80 $python benchmarks/step_overhead.py \
     --autocast bf16 --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
-part "Time added to a BERT-base step (batch 32, fp32)" 70 $python benchmarks/step_overhead.py \
+part "Time added to a BERT-base step (batch 32, fp32)" 80 $python benchmarks/step_overhead.py \
     --model bert-base --batch 32 --rounds 2 --steps 8 --warmup 12 --compressors "${compressors[@]}"
 part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \
     --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3 --profile

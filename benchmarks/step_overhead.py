@@ -103,8 +103,8 @@ def build(
         if name != "ddp":
             model.register_comm_hook(*ddp_hook(name))
     elif roles is not None:
-        compressor, memory, fusion, side = roles
-        c = package.components.build_components(compressor, memory, fusion=fusion)
+        compressor, memory, fusion, side, *options = roles
+        c = package.components.build_components(compressor, memory, fusion=fusion, **(options[0] if options else {}))
         keep = package.engine.GradientSynchronizer(
             model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side
         )
@@ -138,9 +138,17 @@ def model_and_loss(name: str, batch: int, image_size: int, device: torch.device)
 
 
 def compressor_config(spec: str) -> tuple[str, tuple]:
-    """``NAME`` or ``NAME+MEMORY`` -> (configuration name, roles)."""
-    compressor, _, memory = spec.partition("+")
-    return f"gc {spec}", (compressor, memory or "none", "bucket_mb:25", True)
+    """``NAME[+MEMORY][:OPTION=INTEGER,...]`` -> (configuration name, roles, compressor options)."""
+    roles, _, listed = spec.partition(":")
+    compressor, _, memory = roles.partition("+")
+    options = {}
+    for item in filter(None, listed.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise ValueError(f"option {item!r} is invalid; allowed: OPTION=INTEGER") from None
+    return f"gc {spec}", (compressor, memory or "none", "bucket_mb:25", True, options)
 
 
 def runtime_calls(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
@@ -187,8 +195,8 @@ def main() -> None:
         "--compressors",
         nargs="*",
         default=[],
-        metavar="NAME[+MEMORY]",
-        help="more synchronised configurations, e.g. topk+residual qsgd",
+        metavar="NAME[+MEMORY][:OPTION=INTEGER,...]",
+        help="more synchronised configurations, e.g. topk+residual qsgd topk+residual:chunk=256",
     )
     parser.add_argument("--calls", action="store_true", help="count CUDA runtime calls per step (GPU only)")
     parser.add_argument("--against", metavar="REV", help="also run the synchronised configurations at git REV")
@@ -202,9 +210,9 @@ def main() -> None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
     configs = {name: CONFIGS[name] for name in args.configs}
     for spec in args.compressors:
-        name, roles = compressor_config(spec)
         try:
-            build_components(*roles[:2])  # names and memories checked before any work
+            name, roles = compressor_config(spec)
+            build_components(*roles[:2], **roles[4])  # names, memories and options checked before any work
         except ValueError as error:
             parser.error(f"--compressors {spec}: {error}")
         configs[name] = roles

@@ -299,3 +299,54 @@ def test_fused_residual_exchange_matches_plain_error_feedback_and_writes_into_th
             assert torch.equal(average, expected)
             e = x - expected
         assert torch.equal(memory.buffer("residual", b), e)
+
+
+@pytest.mark.parametrize("n, chunk", [(1000, 64), (1024, 64), (50, 64), (70_001, 300)])
+@pytest.mark.parametrize("density", [0.05, 0.3])
+def test_chunked_topk_keeps_the_largest_of_each_chunk(n, chunk, density):
+    """Each chunk of ``c`` consecutive elements (the last one shorter) keeps its ``max(1, ⌊δc⌋)``
+    entries of largest |g|, computed plainly chunk by chunk; in-chunk indices travel in 1 byte up
+    to 256 elements a chunk, in 2 above."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    compressor = build("topk", density=density, chunk=chunk)
+    b = bucket(n)
+    values, indices = compressor.encode(g, b)
+    assert indices.dtype == (torch.uint8 if chunk <= 256 else torch.int16)
+    out = compressor.decode([values, indices], b)
+    expected = torch.zeros(n)
+    for start in range(0, n, chunk):
+        part = g[start : start + chunk]
+        top = part.abs().sort(descending=True).indices[: _k(density, part.numel())]
+        expected[start + top] = part[top]
+    assert torch.equal(out, expected)
+    assert payload_bytes([values, indices]) == values.numel() * (4 + indices.element_size())
+
+
+def test_chunked_topk_aggregates_and_keeps_its_residual_like_the_plain_math():
+    """Two ranks' chunked payloads average as their decodes do; the residual memory's fused path
+    keeps ``e = x − decode(x)`` and the accelerator's path makes the host wait nowhere."""
+    import sys
+    from pathlib import Path
+
+    from gc_strategy import kernels
+    from gc_strategy.algos import MEMORIES
+    from gc_strategy.communicators import COMMUNICATORS
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from op_recorder import OpRecorder
+
+    n, b = 1000, bucket(1000)
+    ranks = [build("topk", density=0.1, chunk=32, world_size=2, process_rank=r) for r in range(2)]
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    payloads = [c.encode(g, b) for c, g in zip(ranks, grads)]
+    expected = (ranks[0].decode(payloads[0], b) + ranks[1].decode(payloads[1], b)) / 2
+    assert torch.equal(ranks[0].aggregate(payloads, b), expected)
+    with kernels.forced("torch"):
+        compressor, memory = build("topk", density=0.1, chunk=32), MEMORIES.build("residual")
+        communicator = COMMUNICATORS.build("allgather")
+        communicator.bind(None)
+        with OpRecorder() as ops:
+            average, _ = finish(memory.exchange(compressor, grads[0].clone(), b, communicator))
+    assert not ops.waits, ops.sites
+    assert torch.equal(average, compressor.decode(compressor.encode(grads[0].clone(), b), b))
+    assert torch.equal(memory.buffer("residual", b), grads[0] - average)

@@ -100,13 +100,18 @@ class Sparsifier(_Positional):
         self._elements += flat.numel()
         return [flat.index_select(0, indices), indices.to(torch.int32)]
 
+    def positions(self, indices: Tensor, bucket: Bucket) -> Tensor:
+        """The bucket's int64 positions of the payload's ``indices`` (of one or more ranks'
+        payloads, concatenated)."""
+        return indices.long()
+
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         values, indices = payload
-        return indices.long(), values
+        return self.positions(indices, bucket), values
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
         values = torch.cat([p[0] for p in gathered])
-        indices = torch.cat([p[1] for p in gathered]).long()
+        indices = self.positions(torch.cat([p[1] for p in gathered]), bucket)
         total = zeros(bucket, values, out)
         return total.index_add_(0, indices, values.div_(len(gathered)).to(total.dtype))
 
@@ -121,12 +126,70 @@ class Sparsifier(_Positional):
 @COMPRESSORS.register("topk")
 class TopK(Sparsifier):
     """Top-k (Aji & Heafield, EMNLP 2017; Stich et al., NeurIPS 2018): the ``k = max(1, ⌊δn⌋)``
-    entries of largest ``|g|``, exactly. Fixed size: every rank sends ``k`` values + ``k`` indices."""
+    entries of largest ``|g|``, exactly. Fixed size: every rank sends ``k`` values + ``k`` indices.
 
-    OPTIONS = {"density": DENSITY}
+    Chunked (``chunk = C > 0``, SparseLoCo's form: Sarfi et al. 2025): the bucket is cut into
+    chunks of ``C`` consecutive elements (the last one shorter when ``C`` does not divide ``n``),
+    and each chunk of ``c`` elements sends its ``max(1, ⌊δc⌋)`` entries of largest ``|g|``. Why:
+    one batched top-k per bucket over small rows instead of a selection over all of it, and
+    in-chunk indices of 1 byte (``C ≤ 256``) or 2 (``C ≤ 32768``) instead of 4.
+    """
+
+    OPTIONS = {
+        "density": DENSITY,
+        "chunk": Option(0, int, low=0, help="elements per chunk, each with its own top-k (0: one top-k)"),
+    }
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._offsets: dict[tuple[int, int, torch.device], Tensor] = {}
 
     def select(self, flat: Tensor, bucket: Bucket) -> Tensor:
         return kernels.top_k(self.magnitudes(flat, bucket), keep_count(self.options["density"], flat.numel()))
+
+    def _layout(self, n: int) -> tuple[int, int, int, int]:
+        """(full chunks, entries kept per full chunk, length of the last short chunk, entries it keeps)."""
+        chunk, density = self.options["chunk"], self.options["density"]
+        full, rest = divmod(n, chunk)
+        return full, keep_count(density, chunk), rest, keep_count(density, rest) if rest else 0
+
+    def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        chunk = self.options["chunk"]
+        if not chunk:
+            return super().encode(flat, bucket)
+        full, kept, rest, rest_kept = self._layout(flat.numel())
+        magnitudes = self.magnitudes(flat, bucket)
+        values, indices = [], []
+        if full:
+            top = torch.topk(magnitudes[: full * chunk].view(full, chunk), kept, dim=1, sorted=False).indices
+            values.append(flat[: full * chunk].view(full, chunk).gather(1, top).view(-1))
+            indices.append(top.view(-1))
+        if rest:
+            top = torch.topk(magnitudes[full * chunk :], rest_kept, sorted=False).indices
+            values.append(flat[full * chunk :].index_select(0, top))
+            indices.append(top)
+        index_dtype = torch.uint8 if chunk <= 256 else torch.int16 if chunk <= 32768 else torch.int32
+        self._selected += full * kept + rest_kept
+        self._elements += flat.numel()
+        return [torch.cat(values), torch.cat(indices).to(index_dtype)]
+
+    def positions(self, indices: Tensor, bucket: Bucket) -> Tensor:
+        """In-chunk indices plus their chunk's start: one add over the ranks' indices at once."""
+        if not self.options["chunk"]:
+            return indices.long()
+        key = (bucket.index, bucket.numel, indices.device)
+        if key not in self._offsets:
+            full, kept, rest, rest_kept = self._layout(bucket.numel)
+            starts = (
+                torch.arange(full * kept, device=indices.device)
+                .div_(kept, rounding_mode="floor")
+                .mul_(self.options["chunk"])
+            )
+            self._offsets[key] = torch.cat(
+                [starts, torch.full((rest_kept,), full * self.options["chunk"], device=indices.device)]
+            )
+        offsets = self._offsets[key]
+        return (indices.long().view(-1, offsets.numel()) + offsets).view(-1)
 
 
 class CapacitySparsifier(Sparsifier):
@@ -171,7 +234,7 @@ class CapacitySparsifier(Sparsifier):
         """The slots' positions, each flagged where it carries a selected entry (a nonzero value; a
         zero sent is a zero kept, alike for a memory that masks what was sent)."""
         values, indices = payload
-        return indices.long(), values != 0
+        return self.positions(indices, bucket), values != 0
 
     def pop_metrics(self) -> dict[str, float | Tensor]:
         overflow = self._overflow
