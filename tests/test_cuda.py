@@ -119,6 +119,16 @@ def test_stochastic_quantizers_on_cuda_are_unbiased(name):
     assert float(squared_error / expected) < 1.5, (float(squared_error), float(expected))
 
 
+def test_chunked_topk_on_cuda_equals_the_cpu():
+    g = _gradients(1)[0]
+    decoded = []
+    for device in ("cuda", "cpu"):
+        compressor = build_components("topk", density=0.1, chunk=64).compressor
+        bucket = Bucket(0, [f"t{i}" for i in range(len(SHAPES))], SHAPES, torch.float32, torch.device(device))
+        decoded.append(compressor.decode(compressor.encode(g.to(device), bucket), bucket).cpu())
+    assert torch.equal(*decoded)
+
+
 def test_dgc_on_cuda_sends_about_its_density():
     g = _gradients(1)[0]
     average = _exchange("dgc", "cuda", [g])[0][0]
