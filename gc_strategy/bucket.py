@@ -72,7 +72,7 @@ class Bucket:
     def _cached(self, what: str, device: torch.device, make) -> Tensor:
         key = (what, torch.device(device))
         if key not in self._device_cache:
-            self._device_cache[key] = make().to(key[1])
+            self._device_cache[key] = to_device(make(), key[1])
         return self._device_cache[key]
 
     def per_element(self, per_tensor: Tensor) -> Tensor:
@@ -92,14 +92,12 @@ class Bucket:
 
 
 def all_finite(flat: Tensor) -> Tensor:
-    """0-d bool tensor: no inf or NaN in ``flat``. One reduction pass (``aminmax`` propagates NaN and
-    shows ±inf at an end) without the bool temporary of ``isfinite(flat).all()`` (docs/benchmarks/cpu_paths_cpu.md);
-    stays on the device (no host synchronisation). ``x·0`` is 0 for finite ``x`` and NaN for ±inf
-    and NaN: four small ops where two ``isfinite`` take nine."""
+    """0-d bool tensor: no inf or NaN in ``flat`` (:func:`gc_strategy.kernels.all_finite`: one
+    reduction pass, without the bool temporary of ``isfinite(flat).all()``); stays on the device
+    (no host synchronisation)."""
     if flat.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=flat.device)
-    low, high = torch.aminmax(flat)
-    return (low * 0 + high * 0) == 0
+    return kernels.all_finite(flat)
 
 
 def finite_on_host(finite: Tensor) -> bool:
@@ -112,6 +110,14 @@ def assign_if_finite(target: Tensor, value: Tensor, finite: Tensor) -> None:
     """``target ← value`` where the 0-d bool ``finite`` (from :func:`all_finite`) is True; else
     ``target`` stays as it was (:func:`gc_strategy.kernels.assign_if_finite`)."""
     kernels.assign_if_finite(target, value, finite)
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor copied to ``device`` without the host waiting: a copy from pageable memory
+    waits for the device's stream, one from pinned memory is queued on it (``non_blocking``)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def split_by_parameter(buckets: Iterable[Bucket], flats: dict[int, Tensor]) -> dict[str, Tensor]:

@@ -119,6 +119,17 @@ def test_stochastic_quantizers_on_cuda_are_unbiased(name):
     assert float(squared_error / expected) < 1.5, (float(squared_error), float(expected))
 
 
+def test_all_finite_on_cuda_finds_every_inf_and_nan():
+    from gc_strategy.bucket import all_finite
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for bad in (None, float("inf"), -float("inf"), float("nan")):
+            flat = torch.randn(3_000_001, device="cuda").to(dtype)
+            if bad is not None:
+                flat[2_999_999] = bad
+            assert bool(all_finite(flat)) == (bad is None), (dtype, bad)
+
+
 def test_chunked_topk_on_cuda_equals_the_cpu():
     g = _gradients(1)[0]
     decoded = []

@@ -229,3 +229,18 @@ def test_the_accelerator_variants_of_the_stochastic_quantizers_are_unbiased(name
     expected = decodes.var(dim=0).sum() / draws
     assert float((decodes.mean(dim=0) - g.double()).square().sum()) < 2 * float(expected)
     assert bool(all_finite(decodes))
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("inf"), -float("inf"), float("nan")])
+def test_all_finite_finds_every_inf_and_nan(variant, dtype, bad):
+    """As ``isfinite(x).all()``, wherever the bad value sits and beside the largest finite values."""
+    for position in (0, 500, 999):
+        flat = torch.randn(1000, generator=torch.Generator().manual_seed(position)).to(dtype)
+        flat[7] = torch.finfo(dtype).max
+        flat[8] = -torch.finfo(dtype).max
+        if bad is not None:
+            flat[position] = bad
+        with kernels.forced(variant):
+            assert bool(kernels.all_finite(flat)) == bool(torch.isfinite(flat).all())

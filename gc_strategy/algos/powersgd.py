@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..bucket import Bucket, all_finite, assign_if_finite
+from ..bucket import Bucket, all_finite, assign_if_finite, to_device
 from ..communicators import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor, LocalForm, local_in_form
@@ -168,7 +168,7 @@ class _LowRank(Compressor):
                     group = (rows, cols, rank) if self.batch_by_shape(bucket.device) else (rows, cols, rank, name)
                     groups.setdefault(group, []).append(_Matrix(name, offset, rows, cols, rank))
                     dense_mask[offset : offset + numel] = False
-            dense = torch.nonzero(dense_mask).view(-1).to(bucket.device)
+            dense = to_device(torch.nonzero(dense_mask).view(-1), bucket.device)
             slots, start = [], 0
             for ms in groups.values():
                 slots.append(slice(start, start + len(ms)))
@@ -181,7 +181,7 @@ class _LowRank(Compressor):
             for kind, size in sizes.items():
                 positions = torch.arange(start * size * self.options["rank"]).view(start, size, self.options["rank"])
                 pieces = [view.reshape(-1) for view in layout.views(kind, positions)] or [positions.view(-1)]
-                layout.index[kind] = torch.cat(pieces).to(bucket.device)
+                layout.index[kind] = to_device(torch.cat(pieces), bucket.device)
             self._layouts[key] = layout
         return self._layouts[key]
 
@@ -220,11 +220,11 @@ class _LowRank(Compressor):
             batch[slot, : value.shape[0], : m.rank] = value
             self._restored[kind].pop(m.name, None)
         if not warm:
-            return batch.to(device)
+            return to_device(batch, device)
         names = set(bucket.names)
         for old in [k for k in self._batches if k[0] == kind and names & set(k[1])]:
             del self._batches[old]
-        self._batches[key] = batch.to(device)
+        self._batches[key] = to_device(batch, device)
         return self._batches[key]
 
     def _warm_start(self) -> bool:

@@ -209,7 +209,7 @@ class CapacitySparsifier(Sparsifier):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self._overflow: int | Tensor = 0
+        self._above: int | Tensor = 0
 
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float | Tensor:
         raise NotImplementedError
@@ -225,8 +225,8 @@ class CapacitySparsifier(Sparsifier):
         indices, sent, above = kernels.select_above(magnitudes, threshold, capacity, self.strict)
         #: this encode's count of entries above the threshold (a 0-d tensor)
         self.above = above
-        self._selected = self._selected + sent.sum()
-        self._overflow = self._overflow + (above - capacity).clamp_min(0)
+        self._selected = self._selected + above.clamp_max(capacity)  # what fits is sent
+        self._above = self._above + above
         self._elements += flat.numel()
         return [flat.index_select(0, indices).masked_fill_(~sent, 0), indices.to(torch.int32)]
 
@@ -237,11 +237,11 @@ class CapacitySparsifier(Sparsifier):
         return self.positions(indices, bucket), values != 0
 
     def pop_metrics(self) -> dict[str, float | Tensor]:
-        overflow = self._overflow
+        overflow = self._above - self._selected  # entries above the threshold that did not fit
         metrics = super().pop_metrics()
         if metrics:
             metrics["overflow"] = overflow
-        self._overflow = 0
+        self._above = 0
         return metrics
 
 

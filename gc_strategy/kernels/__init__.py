@@ -19,6 +19,7 @@ from .dispatch import VARIANTS, forced, in_host_memory, uses_triton, variant_for
 
 __all__ = [
     "VARIANTS",
+    "all_finite",
     "assign_if_finite",
     "exceedances",
     "fill_where_zero",
@@ -142,6 +143,11 @@ def select_per_tensor(
     if variant_for(mask) == "numpy":
         return numpy_ops.select_per_tensor(mask, if_true, if_false, offsets, numels, out)
     return torch_ops.select_per_tensor(mask, if_true, if_false, tensor_ids(), out)
+
+
+def all_finite(flat: Tensor) -> Tensor:
+    """0-d bool: no inf or NaN in the non-empty ``flat``, in one reduction pass."""
+    return _module(flat).all_finite(flat)
 
 
 def assign_if_finite(target: Tensor, value: Tensor, finite: Tensor) -> None:
