@@ -244,3 +244,13 @@ def test_all_finite_finds_every_inf_and_nan(variant, dtype, bad):
             flat[position] = bad
         with kernels.forced(variant):
             assert bool(kernels.all_finite(flat)) == bool(torch.isfinite(flat).all())
+
+
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_row_max_magnitudes(variant):
+    rows = torch.randn(7, 33, generator=torch.Generator().manual_seed(3))
+    rows[2, 5] = -40.0
+    with kernels.forced(variant):
+        out = torch.empty(7)
+        assert kernels.row_max_magnitudes(rows, out) is out
+    assert torch.equal(out, rows.abs().amax(dim=1))

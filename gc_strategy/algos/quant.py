@@ -7,6 +7,8 @@ carries what the method claims.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -175,14 +177,16 @@ class TernGrad(_LevelQuantizer):
 
 
 def _chunk_max_magnitudes(flat: Tensor, chunk: int) -> Tensor:
-    """``max |x|`` of each ``chunk`` elements of ``flat`` (the last chunk may be short), from the
-    minimum and maximum, without a bucket-sized ``|flat|``."""
+    """``max |x|`` of each ``chunk`` elements of ``flat`` (the last chunk may be short), without a
+    bucket-sized ``|flat|``."""
     whole = flat.numel() // chunk * chunk
     pieces = [flat[:whole].view(-1, chunk)] if whole else []
     if whole < flat.numel():
         pieces.append(flat[whole:].view(1, -1))
-    tops = [torch.maximum(-low, high) for low, high in (torch.aminmax(piece, dim=1) for piece in pieces)]
-    return torch.cat(tops)
+    tops = torch.empty(sum(len(piece) for piece in pieces), dtype=flat.dtype, device=flat.device)
+    for piece, out in zip(pieces, tops.split([len(piece) for piece in pieces])):
+        kernels.row_max_magnitudes(piece, out=out)
+    return tops
 
 
 @COMPRESSORS.register("natural")
@@ -215,22 +219,32 @@ class Natural(_Quantizer):
         tiny = offset.clamp_max_(self.ZERO) == self.ZERO
         # x86 divides by a subnormal ~100x slower: on the host only when needed
         if not kernels.in_host_memory(a) or bool(tiny.any()):
-            smallest = torch.ldexp(torch.ones((), device=a.device), top - 126)  # may be subnormal: still exact
+            one = _code_table(a.device)[2][0]
+            smallest = torch.ldexp(one, top - 126)  # may be subnormal: still exact
             offset.masked_fill_(tiny & (uniform < torch.div(a, smallest, out=mantissa)), self.ZERO - 1)
         kernels.fill_where_zero(offset, a, self.ZERO)
-        codes = offset.to(torch.uint8)  # the payload is a new tensor
-        negative = torch.lt(flat, 0, out=self.workspace("negative", bucket, torch.bool)).view(torch.uint8)
-        return [top.to(torch.int32).reshape(1), codes.bitwise_or_(negative.bitwise_left_shift_(7))]
+        negative = torch.lt(flat, 0, out=self.workspace("negative", bucket, torch.bool))
+        codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)  # the payload is a new tensor
+        return [top.to(torch.int32).reshape(1), torch.add(offset, negative, alpha=128, out=codes)]
 
     def decode(self, payload: Payload, bucket: Bucket) -> Tensor:
         return self.decode_into(payload, bucket, torch.empty(bucket.numel, device=payload[1].device))
 
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
-        """A gather from the 256 values a code byte can stand for, ``±2^(top − d)`` and ±0 for
-        ``d = 127``: one indexed read per element instead of ``ldexp`` and ``where``."""
+        """A gather from the 256 values a code byte can stand for, ``±2^(top − d)`` and 0 for
+        ``d = 127``: one indexed read per element instead of ``ldexp`` and ``where``; the table is
+        ``2^(top − d) · sign`` from offsets and signs made once per device."""
         top, codes = payload
-        byte = torch.arange(256, device=codes.device)
-        values = torch.ldexp(torch.ones(256, device=codes.device), top - (byte & 127))
-        values = torch.where(byte & 127 == self.ZERO, 0.0, values)
-        values = torch.where(byte >= 128, -values, values)
+        offsets, signs, ones = _code_table(codes.device)
+        values = torch.ldexp(ones, top - offsets).mul_(signs)
         return torch.index_select(values, 0, codes.int(), out=scratch)
+
+
+@functools.cache
+def _code_table(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Per code byte of :class:`Natural`: its offset ``d`` (the low 7 bits), its sign (−1 where the
+    high bit is set, 0 for ``d = 127``, else 1), and ones to scale."""
+    byte = torch.arange(256, device=device)
+    offsets = byte & 127
+    signs = torch.where(byte >= 128, -1.0, 1.0).masked_fill_(offsets == Natural.ZERO, 0.0)
+    return offsets, signs, torch.ones(256, device=device)

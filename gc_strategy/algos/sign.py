@@ -66,9 +66,15 @@ class _ScaledSigns(_SignBits):
     split_sums: bool
 
     def sums(self, g: Tensor, bucket: Bucket) -> Tensor:
+        """The per-tensor sums, one row per term. Split: in host memory each term in turn in one
+        workspace (no new bucket-sized tensors, whose page faults cost more than a pass); on an
+        accelerator the three side by side, summed by one segmented reduction."""
         if not self.split_sums:
             return bucket.sum_per_tensor(g, magnitudes=True)
-        scratch = self.workspace("split", bucket)  # each term in turn, not three new bucket-sized tensors
+        if not kernels.in_host_memory(g):
+            terms = torch.stack([g.clamp(min=0), g.ge(0).to(g.dtype), g.clamp(max=0)], dim=1)
+            return bucket.sum_per_tensor(terms).t()
+        scratch = self.workspace("split", bucket)
         positive = bucket.sum_per_tensor(torch.clamp(g, min=0, out=scratch))
         count = bucket.sum_per_tensor(torch.ge(g, 0, out=scratch))
         negative = bucket.sum_per_tensor(torch.clamp(g, max=0, out=scratch))
@@ -144,8 +150,8 @@ class OneBit(_ScaledSigns):
 
     def levels_from_sums(self, sums: Tensor, bucket: Bucket) -> Tensor:
         positive_sum, count, negative_sum = sums
-        negative_count = bucket.lengths(sums.device) - count
-        return torch.stack([positive_sum / count.clamp_min(1), negative_sum / negative_count.clamp_min(1)]).flatten()
+        counts = torch.stack([count, bucket.lengths(sums.device) - count]).clamp_min_(1)
+        return (torch.stack([positive_sum, negative_sum]) / counts).flatten()
 
     def level_pair(self, levels: Tensor) -> tuple[Tensor, Tensor]:
         positive, negative = levels.view(2, -1)

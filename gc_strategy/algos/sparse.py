@@ -113,7 +113,7 @@ class Sparsifier(_Positional):
         values = torch.cat([p[0] for p in gathered])
         indices = self.positions(torch.cat([p[1] for p in gathered]), bucket)
         total = zeros(bucket, values, out)
-        return total.index_add_(0, indices, values.div_(len(gathered)).to(total.dtype))
+        return total.index_add_(0, indices, values.to(total.dtype), alpha=1 / len(gathered))
 
     def pop_metrics(self) -> dict[str, float | Tensor]:
         if not self._elements:
@@ -228,7 +228,8 @@ class CapacitySparsifier(Sparsifier):
         self._selected = self._selected + above.clamp_max(capacity)  # what fits is sent
         self._above = self._above + above
         self._elements += flat.numel()
-        return [flat.index_select(0, indices).masked_fill_(~sent, 0), indices.to(torch.int32)]
+        # a slot left over holds an entry below the threshold, finite: times False it is 0
+        return [flat.index_select(0, indices).mul_(sent), indices.to(torch.int32)]
 
     def sent_positions(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         """The slots' positions, each flagged where it carries a selected entry (a nonzero value; a

@@ -30,6 +30,7 @@ __all__ = [
     "pack_bits",
     "pack_signs",
     "positions_at_least",
+    "row_max_magnitudes",
     "select_above",
     "select_per_tensor",
     "sum_per_tensor",
@@ -122,7 +123,8 @@ def uniform_(out: Tensor, seed: int) -> Tensor:
 
 def sum_per_tensor(values: Tensor, offsets: list[int], numels: list[int], lengths: Tensor, magnitudes: bool) -> Tensor:
     """``out[t] = Σ_{j in tensor t} values[j]`` (of ``|values[j]|`` with ``magnitudes``) for the
-    consecutive tensors of a flat vector (``lengths``: ``numels`` on the values' device)."""
+    consecutive tensors of a flat vector, or of rows ``values[j, :]`` side by side (``lengths``:
+    ``numels`` on the values' device)."""
     if variant_for(values) == "numpy":
         return numpy_ops.sum_per_tensor(values, offsets, numels, magnitudes)
     return torch_ops.sum_per_tensor(values, lengths, magnitudes)
@@ -143,6 +145,12 @@ def select_per_tensor(
     if variant_for(mask) == "numpy":
         return numpy_ops.select_per_tensor(mask, if_true, if_false, offsets, numels, out)
     return torch_ops.select_per_tensor(mask, if_true, if_false, tensor_ids(), out)
+
+
+def row_max_magnitudes(rows: Tensor, out: Tensor) -> Tensor:
+    """``max_j |rows[i, j]|`` of each row of a 2-d tensor, written into ``out``, without a new
+    ``|rows|``."""
+    return _module(rows).row_max_magnitudes(rows, out)
 
 
 def all_finite(flat: Tensor) -> Tensor:

@@ -42,7 +42,8 @@ def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
     """Code ``j`` of each byte shifted to bits ``j·bits`` and the byte's codes summed (their bits
     are disjoint, so the sum is their OR): a shift and a sum per bucket, whatever ``bits``."""
-    codes = codes.reshape(-1).to(torch.uint8)
+    codes = codes.reshape(-1)
+    codes = codes.view(torch.uint8) if codes.dtype == torch.bool else codes.to(torch.uint8)  # bools are bytes
     if bits == 8:
         return codes
     per_byte = 8 // bits
@@ -90,6 +91,11 @@ def select_per_tensor(
     pairs = torch.stack([if_false, if_true], dim=1).view(-1)
     at = torch.add(mask, tensor_ids, alpha=2)
     return torch.take(pairs, at) if out is None else torch.take(pairs, at, out=out)
+
+
+def row_max_magnitudes(rows: Tensor, out: Tensor) -> Tensor:
+    """The infinity norm of each row: one launch."""
+    return torch.linalg.vector_norm(rows, ord=math.inf, dim=1, out=out)
 
 
 def all_finite(flat: Tensor) -> Tensor:
