@@ -44,16 +44,16 @@ def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
     A column is divided by ``‖col‖ + ε`` (torch's ``powerSGD_hook``'s ε, which keeps vanishing
     columns finite); with ``ε = 0`` an exactly zero column stays zero (zero-padded batches too).
 
-    All of it is batched: ``2r`` small ``bmm`` and ``r`` norms for the whole batch, however many
-    matrices, where a QR per batch runs one solver call per matrix.
+    All of it is batched: ``4(r − 1)`` small ``bmm`` and ``r`` norms for the whole batch, however
+    many matrices, where a QR per batch runs one solver call per matrix.
     """
     tiny = torch.finfo(matrices.dtype).tiny
     for i in range(matrices.shape[2]):
         col = matrices[:, :, i : i + 1]
         if i:
             done = matrices[:, :, :i]
-            for _ in range(2):
-                col -= torch.bmm(done, torch.bmm(done.transpose(1, 2), col))
+            for _ in range(2):  # col ← col − D (Dᵀ col): two launches
+                col.baddbmm_(done, torch.bmm(done.transpose(1, 2), col), alpha=-1)
         norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
         col /= norm + epsilon if epsilon > 0 else norm.clamp_min(tiny)
     return matrices
@@ -268,19 +268,34 @@ class _LowRank(Compressor):
         return compensated_from(self.buffer("error", bucket), flat, finite)
 
     @staticmethod
-    def _matrices(m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
-        """The batch ``[b, rows, cols]`` of same-shape matrices: a view of ``m_flat`` when there is
-        one, a stacked copy otherwise."""
-        views = [m_flat[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in matrices]
-        return views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
+    def _batch_view(flat: Tensor, matrices: list[_Matrix]) -> Tensor | None:
+        """The same-shape matrices as one ``[b, rows, cols]`` view of ``flat`` when they lie at
+        evenly spaced offsets (one matrix, or repeated blocks of a network: layer ``k`` of each
+        block at a block's stride), else None."""
+        first, size = matrices[0], matrices[0].rows * matrices[0].cols
+        step = matrices[1].offset - first.offset if len(matrices) > 1 else size
+        if step < size or any(b.offset - a.offset != step for a, b in zip(matrices, matrices[1:])):
+            return None
+        shape, strides = (len(matrices), first.rows, first.cols), (step, first.cols, 1)
+        return flat.as_strided(shape, strides, flat.storage_offset() + first.offset)
+
+    @classmethod
+    def _matrices(cls, m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
+        """The batch ``[b, rows, cols]`` of same-shape matrices: a view of ``m_flat`` where there is
+        one (:meth:`_batch_view`), a stacked copy otherwise."""
+        view = cls._batch_view(m_flat, matrices)
+        if view is not None:
+            return view
+        return torch.stack([m_flat[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in matrices])
 
     @classmethod
     def _write_products(cls, out: Tensor, layout: _Layout, p: Tensor, q: Tensor) -> None:
         """``P Qᵀ`` of every matrix (padded factor batches ``p``, ``q``) into its place in the flat
-        ``out`` (directly, for a batch of one)."""
+        ``out``: one ``bmm`` per group, into a view of ``out`` where there is one."""
         for matrices, p_group, q_group in zip(layout.groups.values(), layout.views("p", p), layout.views("q", q)):
-            if len(matrices) == 1:
-                torch.bmm(p_group, q_group.transpose(1, 2), out=cls._matrices(out, matrices))
+            view = cls._batch_view(out, matrices)
+            if view is not None:
+                torch.bmm(p_group, q_group.transpose(1, 2), out=view)
                 continue
             for m, value in zip(matrices, torch.bmm(p_group, q_group.transpose(1, 2))):
                 out[m.offset : m.offset + m.rows * m.cols] = value.reshape(-1)
