@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,6 +122,7 @@ class _Layout:
     slots: list[slice]
     sizes: dict[str, int]  # kind -> padded size
     index: dict[str, Tensor]
+    padded: dict[str, Tensor] = field(default_factory=dict)  # kind -> the batch :meth:`_LowRank._padded` fills
 
     @property
     def matrices(self) -> list[_Matrix]:
@@ -268,37 +269,44 @@ class _LowRank(Compressor):
         return compensated_from(self.buffer("error", bucket), flat, finite)
 
     @staticmethod
-    def _batch_view(flat: Tensor, matrices: list[_Matrix]) -> Tensor | None:
-        """The same-shape matrices as one ``[b, rows, cols]`` view of ``flat`` when they lie at
-        evenly spaced offsets (one matrix, or repeated blocks of a network: layer ``k`` of each
-        block at a block's stride), else None."""
-        first, size = matrices[0], matrices[0].rows * matrices[0].cols
-        step = matrices[1].offset - first.offset if len(matrices) > 1 else size
-        if step < size or any(b.offset - a.offset != step for a, b in zip(matrices, matrices[1:])):
-            return None
+    def _runs(matrices: list[_Matrix]) -> list[tuple[int, int]]:
+        """``[i, j)`` spans of same-shape matrices lying at evenly spaced offsets (repeated blocks
+        of a network: layer ``k`` of each block a block's stride apart), longest first from the left."""
+        size, runs, start = matrices[0].rows * matrices[0].cols, [], 0
+        while start < len(matrices):
+            end = start + 1
+            if end < len(matrices):
+                step = matrices[end].offset - matrices[start].offset
+                while step >= size and end < len(matrices) and matrices[end].offset - matrices[end - 1].offset == step:
+                    end += 1
+            runs.append((start, end))
+            start = end
+        return runs
+
+    @staticmethod
+    def _batch_view(flat: Tensor, matrices: list[_Matrix]) -> Tensor:
+        """Evenly spaced same-shape matrices (a span of :meth:`_runs`) as one ``[b, rows, cols]``
+        view of ``flat``."""
+        first = matrices[0]
+        step = matrices[1].offset - first.offset if len(matrices) > 1 else first.rows * first.cols
         shape, strides = (len(matrices), first.rows, first.cols), (step, first.cols, 1)
         return flat.as_strided(shape, strides, flat.storage_offset() + first.offset)
 
     @classmethod
     def _matrices(cls, m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
-        """The batch ``[b, rows, cols]`` of same-shape matrices: a view of ``m_flat`` where there is
-        one (:meth:`_batch_view`), a stacked copy otherwise."""
-        view = cls._batch_view(m_flat, matrices)
-        if view is not None:
-            return view
-        return torch.stack([m_flat[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) for m in matrices])
+        """The batch ``[b, rows, cols]`` of same-shape matrices: a view of ``m_flat`` where they are
+        evenly spaced, a stacked copy of the spans otherwise."""
+        runs = cls._runs(matrices)
+        views = [cls._batch_view(m_flat, matrices[i:j]) for i, j in runs]
+        return views[0] if len(views) == 1 else torch.cat(views)
 
     @classmethod
     def _write_products(cls, out: Tensor, layout: _Layout, p: Tensor, q: Tensor) -> None:
         """``P Qᵀ`` of every matrix (padded factor batches ``p``, ``q``) into its place in the flat
-        ``out``: one ``bmm`` per group, into a view of ``out`` where there is one."""
+        ``out``: one ``bmm`` into a view of ``out`` per span of evenly spaced matrices."""
         for matrices, p_group, q_group in zip(layout.groups.values(), layout.views("p", p), layout.views("q", q)):
-            view = cls._batch_view(out, matrices)
-            if view is not None:
-                torch.bmm(p_group, q_group.transpose(1, 2), out=view)
-                continue
-            for m, value in zip(matrices, torch.bmm(p_group, q_group.transpose(1, 2))):
-                out[m.offset : m.offset + m.rows * m.cols] = value.reshape(-1)
+            for i, j in cls._runs(matrices):
+                torch.bmm(p_group[i:j], q_group[i:j].transpose(1, 2), out=cls._batch_view(out, matrices[i:j]))
 
     @staticmethod
     def _products(kind: str, mats: list[Tensor], layout: _Layout, other: Tensor) -> Tensor:
@@ -308,8 +316,12 @@ class _LowRank(Compressor):
         return torch.cat([product(kind, m, f).reshape(-1) for m, f in zip(mats, layout.views(side, other))])
 
     def _padded(self, kind: str, layout: _Layout, flat: Tensor) -> Tensor:
-        """Factors in payload order -> a zero-padded batch (see :class:`_Layout`)."""
-        batch = flat.new_zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
+        """Factors in payload order -> the zero-padded batch (see :class:`_Layout`), kept per
+        bucket and kind: only the real entries are written, so its padding stays zero (as does
+        every product and orthogonalisation of it). Valid until the next call for the bucket."""
+        batch = layout.padded.get(kind)
+        if batch is None or batch.device != flat.device or batch.dtype != flat.dtype:
+            batch = layout.padded[kind] = flat.new_zeros(len(layout.matrices), layout.sizes[kind], self.options["rank"])
         batch.view(-1).index_copy_(0, layout.index[kind], flat)
         return batch
 

@@ -72,7 +72,7 @@ class _ScaledSigns(_SignBits):
         if not self.split_sums:
             return bucket.sum_per_tensor(g, magnitudes=True)
         if not kernels.in_host_memory(g):
-            terms = torch.stack([g.clamp(min=0), g.ge(0).to(g.dtype), g.clamp(max=0)], dim=1)
+            terms = torch.stack([g.clamp(min=0), g.ge(0), g.clamp(max=0)], dim=1)  # the bools promoted
             return bucket.sum_per_tensor(terms).t()
         scratch = self.workspace("split", bucket)
         positive = bucket.sum_per_tensor(torch.clamp(g, min=0, out=scratch))
