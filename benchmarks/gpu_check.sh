@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one call on one borrowed NVIDIA GPU, under 5 minutes, offline, with only torch,
+# The GPU check: one call on one borrowed NVIDIA GPU, about 5 to 6 minutes, offline, with only torch,
 # torchvision, lightning, triton, cupy and pytest installed (gc_strategy runs from this checkout).
 #
 #   bash benchmarks/gpu_check.sh            # writes $OUT/gpu_check.md (or ./gpu_check.md)
@@ -9,9 +9,9 @@
 #    synchronised step of every compressor and memory under torch.cuda.set_sync_debug_mode("error");
 # 2. the time each configuration adds to a step over plain training, next to torch DDP alone and
 #    with its fp16, bf16 and PowerSGD hooks, interleaved in one process: ResNet-50 (batch 64) in
-#    fp32 (every compressor) and under bf16 autocast, BERT-base (batch 32) in fp32; with the first,
-#    each configuration's CUDA runtime calls per step: launches, copies and host synchronisations
-#    (benchmarks/step_overhead.py --calls);
+#    fp32 (every compressor) and under bf16 autocast, BERT-base (batch 32) in fp32, and each
+#    configuration's CUDA runtime calls per step: launches, copies and host synchronisations
+#    (benchmarks/step_overhead.py, --calls);
 # 3. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
 #    buckets, with each one's top kernels (benchmarks/compression_costs.py --profile).
 # Each part has its own time limit, so that one that hangs still leaves the others' results.
@@ -52,12 +52,14 @@ compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual q
 every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+residual onebit+residual signsgd signum terngrad natural)
 part "CUDA tests" 90 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-part "Time added to a ResNet-50 step (batch 64, fp32)" 110 $python benchmarks/step_overhead.py \
-    --rounds 3 --steps 10 --warmup 12 --calls --compressors "${every[@]}"
-part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 80 $python benchmarks/step_overhead.py \
+part "Time added to a ResNet-50 step (batch 64, fp32)" 120 $python benchmarks/step_overhead.py \
+    --rounds 3 --steps 8 --warmup 12 --compressors "${every[@]}"
+part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 75 $python benchmarks/step_overhead.py \
     --autocast bf16 --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
-part "Time added to a BERT-base step (batch 32, fp32)" 80 $python benchmarks/step_overhead.py \
+part "Time added to a BERT-base step (batch 32, fp32)" 75 $python benchmarks/step_overhead.py \
     --model bert-base --batch 32 --rounds 2 --steps 8 --warmup 12 --compressors "${compressors[@]}"
+part "CUDA runtime calls per ResNet-50 step (fp32; read the second table)" 60 $python benchmarks/step_overhead.py \
+    --rounds 1 --steps 1 --warmup 12 --calls --compressors "${compressors[@]}"
 part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \
     --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3 --profile
 echo "report: $report"
