@@ -11,8 +11,9 @@ left out). One process, world size 1 (the collectives launch nothing), ``bucket_
   the two that record the gradient order and build the buckets), with the ops that make a GPU host
   wait;
 - growth with the tensor count: the ops ``none`` and each compressor add for MLPs of 8, 32 and 128
-  layers of one bucket each size, as ops per extra tensor (least squares): the work per bucket that
-  does not grow with its tensors shows as a slope near 0.
+  layers (the last fills two buckets: the first bucket is small, as DDP's), and per bucket the ops
+  beyond the one copy per tensor that gathers the gradients: the same at every size where the work
+  per bucket does not grow with its tensors.
 
     python benchmarks/op_census.py
     python benchmarks/op_census.py --models resnet50 --compressors none topk --out ops.md
@@ -38,9 +39,9 @@ LAYERS = (8, 32, 128)
 WARMUP = 2
 
 
-def census(model: nn.Module, loss_fn, compressor: str | None, steps: int) -> tuple[float, dict[str, int]]:
+def census(model: nn.Module, loss_fn, compressor: str | None, steps: int) -> tuple[float, dict[str, int], int]:
     """Mean kernel-launching ops per step of backward with ``compressor`` synchronising (None: plain
-    backward), and the waits seen."""
+    backward), the waits seen, and the synchroniser's bucket count."""
     synchronizer = None
     if compressor is not None:
         memory, options = USUAL.get(compressor, ("none", {}))
@@ -55,9 +56,11 @@ def census(model: nn.Module, loss_fn, compressor: str | None, steps: int) -> tup
         if step >= WARMUP:
             counts.append(sum(ops.launches.values()))
             waits.update(ops.waits)
+    buckets = 0
     if synchronizer is not None:
+        buckets = len(synchronizer.buckets)
         synchronizer.close()
-    return sum(counts) / len(counts), waits
+    return sum(counts) / len(counts), waits, buckets
 
 
 def mlp(layers: int) -> tuple[nn.Module, object]:
@@ -65,11 +68,6 @@ def mlp(layers: int) -> tuple[nn.Module, object]:
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)])
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     return model, lambda: model(x).square().mean()
-
-
-def slope(xs: list[int], ys: list[float]) -> float:
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.models:
             model, loss_fn = model_and_loss(name, batch=2, image_size=64, device=torch.device("cpu"))
             tensors = sum(p.requires_grad for p in model.parameters())
-            plain, _ = census(model, loss_fn, None, args.steps)
+            plain, _, _ = census(model, loss_fn, None, args.steps)
             lines += [
                 f"\n### {name}: {tensors} tensors; plain backward launches {plain:.0f} ops\n",
                 "| compressor | memory | ops added per step | over `none` | ops that make a GPU host wait |",
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             added = {}
             for compressor in ["none", *[c for c in args.compressors if c != "none"]]:
                 started = time.perf_counter()
-                ops, waits = census(model, loss_fn, compressor, args.steps)
+                ops, waits, _ = census(model, loss_fn, compressor, args.steps)
                 added[compressor] = ops - plain
                 memory = USUAL.get(compressor, ("none", {}))[0]
                 waiting = ", ".join(f"{op} ×{n}" for op, n in sorted(waits.items())) or "none"
@@ -104,19 +102,24 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 print(lines[-1], f"({time.perf_counter() - started:.1f} s)", flush=True)
         lines += [
-            f"\n### Growth with the tensor count: MLPs of {', '.join(map(str, LAYERS))} layers, one bucket\n",
-            "| compressor | ops added at " + " / ".join(f"{2 * n}" for n in LAYERS) + " tensors | per extra tensor |",
-            "|---|---|---|",
+            f"\n### Growth with the tensor count: MLPs of {', '.join(map(str, LAYERS))} layers\n",
+            "| compressor | ops added at " + " / ".join(f"{2 * n}" for n in LAYERS) + " tensors | buckets "
+            "| per bucket, beyond one copy per tensor |",
+            "|---|---|---|---|",
         ]
         for compressor in ["none", *[c for c in args.compressors if c != "none"]]:
-            counts = []
+            counts, buckets = [], []
             for layers in LAYERS:
                 model, loss_fn = mlp(layers)
-                plain, _ = census(model, loss_fn, None, 1)
-                ops, _ = census(model, loss_fn, compressor, 1)
+                plain, _, _ = census(model, loss_fn, None, 1)
+                ops, _, made = census(model, loss_fn, compressor, 1)
                 counts.append(ops - plain)
-            growth = slope([2 * n for n in LAYERS], counts)
-            lines.append(f"| `{compressor}` | {' / '.join(f'{c:.0f}' for c in counts)} | {growth:.2f} |")
+                buckets.append(made)
+            per_bucket = [(c - 2 * n) / b for c, n, b in zip(counts, LAYERS, buckets)]
+            lines.append(
+                f"| `{compressor}` | {' / '.join(f'{c:.0f}' for c in counts)} | {' / '.join(map(str, buckets))} "
+                f"| {' / '.join(f'{c:.1f}' for c in per_bucket)} |"
+            )
             print(lines[-1], flush=True)
     report = "\n".join(lines) + "\n"
     print(report)

@@ -159,10 +159,10 @@ def test_the_op_census_counts_one_copy_per_tensor_for_none_and_the_waits_of_a_ho
     with kernels.forced("torch"):
         for layers in (4, 8):
             model, loss = op_census.mlp(layers)
-            plain, _ = op_census.census(model, loss, None, 1)
-            ops, waits = op_census.census(model, loss, "none", 1)
+            plain, _, _ = op_census.census(model, loss, None, 1)
+            ops, waits, buckets = op_census.census(model, loss, "none", 1)
             added.append(ops - plain)
-            assert waits == {}
+            assert waits == {} and buckets == 1
         original = Compressor.begin_step
 
         def reading(self, step):
@@ -170,9 +170,31 @@ def test_the_op_census_counts_one_copy_per_tensor_for_none_and_the_waits_of_a_ho
             original(self, step)
 
         monkeypatch.setattr(Compressor, "begin_step", reading)
-        _, waits = op_census.census(*op_census.mlp(4), "fp16", 1)
+        _, waits, _ = op_census.census(*op_census.mlp(4), "fp16", 1)
     assert added[1] - added[0] == 8
     assert waits.get("_local_scalar_dense", 0) >= 1
+
+
+def test_a_buckets_work_on_the_accelerators_path_does_not_grow_with_its_tensors():
+    """Every compressor, its usual memory, along the accelerator's code path: an MLP of 12 layers
+    launches, per bucket, as many ops beyond the one copy per tensor as one of 4 layers (both
+    sizes leave a short last chunk for the chunked quantizers, whose tail costs a few ops)."""
+    import op_census
+
+    from gc_strategy import COMPRESSORS, kernels
+
+    grown = {}
+    with kernels.forced("torch"):
+        for name in COMPRESSORS.names():
+            per_bucket = []
+            for layers in (4, 12):
+                model, loss = op_census.mlp(layers)
+                plain, _, _ = op_census.census(model, loss, None, 1)
+                ops, _, buckets = op_census.census(model, loss, name, 2)
+                per_bucket.append((ops - plain - 2 * layers) / buckets)
+            if per_bucket[0] != per_bucket[1]:
+                grown[name] = per_bucket
+    assert not grown, grown
 
 
 def test_the_step_overhead_times_torch_s_hooks_and_bf16_autocast_beside_the_synchroniser():
