@@ -350,3 +350,26 @@ def test_chunked_topk_aggregates_and_keeps_its_residual_like_the_plain_math():
     assert not ops.waits, ops.sites
     assert torch.equal(average, compressor.decode(compressor.encode(grads[0].clone(), b), b))
     assert torch.equal(memory.buffer("residual", b), grads[0] - average)
+
+
+def test_dgc_threshold_rounds_on_the_accelerators_path_equal_the_hosts():
+    """The host stops adjusting at the first threshold whose count lies in [0.7k, 1.3k]; the
+    accelerator's path runs every round on the device, a threshold in the window kept by a factor
+    of 1: the same threshold, also where a poor sample makes the rounds move it."""
+    from gc_strategy import kernels
+
+    n, moved = 200_000, 0
+    b = bucket(n)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        g = torch.distributions.StudentT(2.0).sample((n,)) * (seed + 1)
+        magnitudes = g.abs()
+        options = dict(density=0.01, sample_ratio=0.0005, min_sample=40, seed=seed)
+        host, unadjusted = build("dgc", **options), build("dgc", adjust_rounds=0, **options)
+        with kernels.forced("torch"):
+            device = build("dgc", **options)
+            on_device = device.threshold(magnitudes.clone(), b)
+        on_host = host.threshold(magnitudes.clone(), b)
+        assert float(on_device) == float(on_host), seed
+        moved += float(on_host) != float(unadjusted.threshold(magnitudes.clone(), b))
+    assert moved >= 2, moved  # the rounds were exercised
