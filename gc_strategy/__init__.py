@@ -1,21 +1,36 @@
-"""gc_strategy: communication-efficient data-parallel training for PyTorch Lightning.
+"""gc_strategy: communication-efficient data-parallel training for PyTorch.
 
-``import gc_strategy`` registers the Lightning strategies ``gc_fused`` (popen launcher, like
-``ddp``), ``gc_fused_spawn`` and ``gc_fused_fork``.
+The core (the synchroniser, its roles, DiLoCo and the Accelerate adapter) needs torch alone. Where
+Lightning is installed, ``import gc_strategy`` also registers the Lightning strategies ``gc_fused``
+(popen launcher, like ``ddp``), ``gc_fused_spawn`` and ``gc_fused_fork``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from importlib.util import find_spec
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner, parse_fusion
-from .monitor import ThroughputMonitor
-from .strategy import GCFusedStrategy
 from .telemetry import StepTelemetry
 
-GCFusedStrategy.register_strategies(StrategyRegistry)
+#: public names that need Lightning
+_WITH_LIGHTNING = ("GCFusedStrategy", "ThroughputMonitor")
+
+if find_spec("lightning") is not None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .monitor import ThroughputMonitor
+    from .strategy import GCFusedStrategy
+
+    GCFusedStrategy.register_strategies(StrategyRegistry)
+
+
+def __getattr__(name: str):
+    if name in _WITH_LIGHTNING:
+        raise ImportError(f"gc_strategy.{name} needs Lightning, which is not installed: pip install lightning")
+    raise AttributeError(f"module 'gc_strategy' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

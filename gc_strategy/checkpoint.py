@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
+from fsspec.core import url_to_fs
 
 from .diloco import DiLoCo
 from .engine import GradientSynchronizer, load_rank_state, resharded
@@ -33,6 +33,11 @@ MANIFEST_FORMAT = "per_rank_files"
 SHARED_FORMAT = "shared"
 #: appended to a checkpoint folder's name to name the folder of its checkpoints' per-rank files
 FOLDER_SUFFIX = ".gc_state"
+
+
+def get_filesystem(path: str) -> Any:
+    """The fsspec file system of ``path`` (local, or a URL's: ``s3://``, ``gs://``, ...)."""
+    return url_to_fs(str(path))[0]
 
 
 def state_folder(checkpoint_path: Any, saved: bool = False) -> str:

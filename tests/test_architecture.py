@@ -72,3 +72,39 @@ def test_fusion_is_pure_planning():
         if module.startswith("gc_strategy.fusion"):
             outside = sorted(t for t in targets if not t.startswith("gc_strategy.fusion"))
             assert not outside, f"{module} imports {outside}"
+
+
+def test_the_core_imports_and_synchronises_without_lightning():
+    """With Lightning hidden (``None`` in ``sys.modules``: what an environment without it gives), the
+    synchroniser, its roles, DiLoCo, checkpoints and the Accelerate adapter import and a step
+    synchronises; the strategy's name says that it needs Lightning."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+    sys.modules[name] = None
+import torch
+import gc_strategy
+from gc_strategy import GradientSynchronizer, build_components
+import gc_strategy.accelerate, gc_strategy.checkpoint, gc_strategy.diloco
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+roles = build_components("topk", "residual", density=0.5)
+sync = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
+for _ in range(3):
+    model.zero_grad()
+    with sync.forward_pass():
+        loss = model(torch.randn(4, 8)).square().sum()
+    loss.backward()
+assert all(p.grad is not None for p in model.parameters())
+try:
+    gc_strategy.GCFusedStrategy
+except ImportError as error:
+    print(error)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning") and sys.modules[m]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "GCFusedStrategy needs Lightning" in done.stdout
+    assert done.stdout.strip().endswith("[]")  # no Lightning module was imported
