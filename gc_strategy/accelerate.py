@@ -14,7 +14,7 @@ DDP::
             optimizer.zero_grad()
 
 What it does: moves the model to ``accelerator.device`` and broadcasts its parameters and buffers
-from rank 0; attaches a :class:`~gc_strategy.engine.GradientSynchronizer` (never a DDP wrapper) and
+from rank 0; attaches a :class:`~gc_strategy.synchronizer.Synchronizer` (never a DDP wrapper) and
 gives the model a ``no_sync()`` so that ``accelerator.accumulate`` / ``accelerator.no_sync`` skip
 synchronisation on micro-batches that do not step; wraps ``forward`` in ``accelerator.autocast()``
 under mixed precision (as Accelerate does for the models it wraps); registers the compression state
@@ -38,10 +38,11 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states
 from .communicators import Communicator
 from .components import build_components
-from .diloco import DILOCO_DEFAULTS, DiLoCo, diloco_options
-from .engine import GradientSynchronizer
+from .diloco import DILOCO_DEFAULTS, diloco_options
 from .fusion import FusionPlanner
 from .hierarchy import check_hierarchy
+from .sync import build_synchronizer
+from .synchronizer import Synchronizer
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
 STATE_FOLDER = "gc_state"
@@ -56,7 +57,7 @@ class CompressionState:
     saves as a custom checkpoint; a load-state pre-hook names the folder that ``load_state_dict``
     reads this rank's state from (the old ranks' mean where the world size changed)."""
 
-    def __init__(self, synchronizer: GradientSynchronizer | DiLoCo) -> None:
+    def __init__(self, synchronizer: Synchronizer) -> None:
         self.synchronizer = synchronizer
         self.manifest: dict[str, Any] | None = None
         self.folder: str | None = None
@@ -123,23 +124,19 @@ def prepare(
     if broadcast_buffers is None:
         broadcast_buffers = getattr(handler, "broadcast_buffers", True)
     model = model.to(accelerator.device)
-    if diloco is not None:
-        synchronizer = DiLoCo(model, components, **diloco, broadcast_buffers=broadcast_buffers, **nodes)
-        synchronizer.inner_optimizers = optimizers
-        optimizers[0].register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_inner_step())
-    else:
-        synchronizer = GradientSynchronizer(
-            model,
-            components.compressor,
-            components.memory,
-            components.communicator,
-            components.fusion,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            **nodes,
-        )
-        model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
-        model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
+    synchronizer = build_synchronizer(
+        model,
+        components,
+        diloco,
+        find_unused_parameters=find_unused_parameters,
+        broadcast_buffers=broadcast_buffers,
+        **nodes,
+    )
+    synchronizer.use_optimizers(optimizers)
+    for optimizer in optimizers:
+        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_optimizer_step())
+    model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
+    model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
     if accelerator.mixed_precision in ("fp16", "bf16"):
         forward = model.forward
 

@@ -7,7 +7,7 @@ the checkpoint holds rank 0's, ``{"format": "shared", "state": ...}``, and nothi
 as with ``ddp``. Error-feedback state is per rank and as large as the gradients, so gathering it
 into the file rank 0 writes would make rank 0's memory and that file grow as ``W`` × the model (64
 ranks with residual memory for a 1B-parameter model: 256 GB). Instead each rank writes its own
-:meth:`~gc_strategy.engine.GradientSynchronizer.state_dict` to ``FOLDER/rank<r>.pt`` and the
+:meth:`~gc_strategy.synchronizer.Synchronizer.state_dict` to ``FOLDER/rank<r>.pt`` and the
 checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": W}``. For a
 Lightning checkpoint ``DIR/NAME.ckpt`` the folder is ``DIR.gc_state/NAME.ckpt/``, beside ``DIR``,
 so that listing or globbing ``DIR`` finds only checkpoints, as with ``ddp``. On resume each rank reads its
@@ -21,13 +21,13 @@ own checkpoints do.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import torch
 from fsspec.core import url_to_fs
 
-from .diloco import DiLoCo
-from .engine import GradientSynchronizer, load_rank_state, resharded
+from .synchronizer import Synchronizer
 
 MANIFEST_FORMAT = "per_rank_files"
 SHARED_FORMAT = "shared"
@@ -57,7 +57,7 @@ def state_folder(checkpoint_path: Any, saved: bool = False) -> str:
     return folder
 
 
-def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -> dict[str, Any]:
+def save_rank_states(synchronizer: Synchronizer, folder: str) -> dict[str, Any]:
     """Write this rank's state to ``folder`` where any rank keeps state of its own (call it on every
     rank); returns the manifest, which holds the state itself where no rank does."""
     state = synchronizer.state_dict()
@@ -72,24 +72,22 @@ def save_rank_states(synchronizer: GradientSynchronizer | DiLoCo, folder: str) -
     return {"format": MANIFEST_FORMAT, "world_size": synchronizer.world_size}
 
 
-def load_rank_states(synchronizer: GradientSynchronizer | DiLoCo, saved: dict[str, Any], folder: str) -> None:
-    """Restore this rank's state from a manifest and its ``folder``, or from gathered states."""
+def load_rank_states(synchronizer: Synchronizer, saved: dict[str, Any], folder: str) -> None:
+    """Restore this rank's state from a manifest and its ``folder``, or from gathered states
+    (``{"world_size": W, "ranks": [state of rank 0, ...]}``, the format of earlier checkpoints);
+    with another world size, from the old ranks' states read one at a time."""
     if saved.get("format") == SHARED_FORMAT:
         synchronizer.load_state_dict(saved["state"])
         return
-    if saved.get("format") != MANIFEST_FORMAT:
-        load_rank_state(synchronizer, saved)
-        return
     old_world_size = saved["world_size"]
-    if old_world_size == synchronizer.world_size:
-        synchronizer.load_state_dict(_read(folder, synchronizer.rank))
-    elif not isinstance(synchronizer, GradientSynchronizer):
-        raise ValueError(
-            f"the checkpoint was saved by {old_world_size} ranks and this run has {synchronizer.world_size}; "
-            "sync='diloco' resumes on the same number of ranks only"
-        )
+    if saved.get("format") == MANIFEST_FORMAT:
+        state_of = partial(_read, folder)
     else:
-        synchronizer.load_state_dict(resharded(_read(folder, rank) for rank in range(old_world_size)))
+        state_of = saved["ranks"].__getitem__
+    if old_world_size == synchronizer.world_size:
+        synchronizer.load_state_dict(state_of(synchronizer.rank))
+    else:
+        synchronizer.load_states_of((state_of(rank) for rank in range(old_world_size)), old_world_size)
 
 
 def remove_rank_states(folder: str) -> None:

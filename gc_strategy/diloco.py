@@ -43,7 +43,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -55,6 +54,7 @@ from .components import Components, build_components
 from .engine import GradientSynchronizer, average_buffers
 from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
+from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_into
 
 SYNC_MODES = ("every_step", "diloco")
@@ -189,10 +189,10 @@ class _Fragment:
         self.averaged: list[Tensor] | None = None
 
 
-class DiLoCo:
+class DiLoCo(Synchronizer):
     """Synchronise ``module`` every ``inner_steps`` optimizer steps (see the module's docstring).
 
-    Call :meth:`after_inner_step` after every inner optimizer step on every rank (the Lightning
+    Call :meth:`after_optimizer_step` after every inner optimizer step on every rank (the Lightning
     strategy and the Accelerate integration do). ``outer_optimizer`` builds the outer optimizer
     from the list of outer tensors (default :func:`nesterov_sgd`).
     """
@@ -310,7 +310,7 @@ class DiLoCo:
             yield others, build_components("bf16" if vectors == "bf16" else "none", "none", "auto", fusion)
 
     # ------------------------------------------------------------------ the schedule
-    def after_inner_step(self) -> None:
+    def after_optimizer_step(self) -> None:
         """After each inner optimizer step: start the exchanges due now, and apply those that have
         overlapped ``overlap_steps`` inner steps (at once where it is 0)."""
         self.inner_step += 1
@@ -425,17 +425,11 @@ class DiLoCo:
         return [s for f in self.fragments for s in f.synchronizers]
 
     # ------------------------------------------------------------------ what the strategies call
-    @contextmanager
-    def forward_pass(self) -> Iterator[None]:
-        """Inner forwards need nothing (buffers are averaged at each outer step)."""
-        yield
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inner steps never synchronise; gradient accumulation needs nothing more."""
-        yield
-
-    plan_report = None
+    # Inner forwards need nothing (buffers are averaged at each outer step), and inner steps never
+    # synchronise, so gradient accumulation needs nothing more: the interface's defaults.
+    def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The inner optimizers, whose states differ between ranks inside an inner phase."""
+        self.inner_optimizers = list(optimizers)
 
     def close(self) -> None:
         """Wait for exchanges still running, so that no collective is left in flight."""
@@ -500,9 +494,9 @@ class DiLoCo:
         self.step = int(state["step"])
         self.module.load_state_dict(state["local"])
         self.loaded_inner_optimizers = state["inner_optimizers"]
-        self.restore_inner_optimizers()
+        self.restore_optimizers()
 
-    def restore_inner_optimizers(self) -> None:
+    def restore_optimizers(self) -> None:
         """This rank's inner optimizer states from the loaded state, once the optimizers exist
         (Lightning restores rank 0's into every rank first)."""
         if self.loaded_inner_optimizers and self.inner_optimizers:

@@ -66,6 +66,7 @@ from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.plans import write_plan_file
 from .fusion.timeline import bucket_owners
 from .hierarchy import NodeGroups, check_hierarchy, gather_node_state, node_exchange, node_groups
+from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog
 
 STATE_FORMAT = 1
@@ -181,7 +182,7 @@ class _Usage:
         )
 
 
-class GradientSynchronizer:
+class GradientSynchronizer(Synchronizer):
     """Averages gradients of ``module`` across ``process_group`` through compressor, memory and
     communicator, over buckets cut by ``fusion`` (a planner or its string form, e.g. ``"groups:4"``).
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
@@ -533,18 +534,10 @@ class GradientSynchronizer:
             self._step_telemetry.nonfinite_buckets = torch.stack(nonfinite).sum()  # no host synchronisation
 
     # ------------------------------------------------------------------ public API
-    @contextmanager
-    def forward_pass(self) -> Iterator[None]:
-        """Run a forward of the module inside this context (or call :meth:`before_forward` and
-        :meth:`after_forward` around it): with ``broadcast_buffers``, rank 0's buffers are broadcast
-        first where DDP would (the previous forward was grad-enabled and synchronised, or there was none)."""
-        self.before_forward()
-        try:
-            yield
-        finally:
-            self.after_forward()
 
     def before_forward(self) -> None:
+        """With ``broadcast_buffers``, rank 0's buffers are broadcast before a forward where DDP
+        would: the previous forward was grad-enabled and synchronised, or there was none."""
         if self._buffers_due and self.broadcast_buffers:
             self._broadcast(list(self.module.buffers()))
 
@@ -659,6 +652,10 @@ class GradientSynchronizer:
         self._reset_step()
 
 
+    def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
+        """Start from the :func:`resharded` states of a run with another world size."""
+        self.load_state_dict(resharded(states))
+
 def broadcast_from_rank0(tensors: list[Tensor], group: Any = None) -> None:
     """Rank 0's (of ``group``) values of ``tensors`` to every rank, coalesced like DDP's broadcast."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -697,16 +694,6 @@ def _coalesced(tensors: list[Tensor], collective: Callable[[Tensor], None]) -> N
             for t in same:
                 t.copy_(flat[start : start + t.numel()].view_as(t))
                 start += t.numel()
-
-
-def load_rank_state(synchronizer: GradientSynchronizer, states: dict[str, Any]) -> None:
-    """Restore this rank's entry of every rank's states gathered, ``{"world_size": W, "ranks":
-    [state of rank 0, ...]}`` (the format of earlier checkpoints), or, where they were saved with
-    another world size, the :func:`resharded` state of all of them."""
-    if states["world_size"] == synchronizer.world_size:
-        synchronizer.load_state_dict(states["ranks"][synchronizer.rank])
-    else:
-        synchronizer.load_state_dict(resharded(states["ranks"]))
 
 
 def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """``GCFusedStrategy``: Lightning's DDP strategy with the gradient synchroniser instead of DDP.
 
 Lightning glue only: process-group set-up, launchers and everything else stay DDPStrategy's. The
-LightningModule runs unwrapped; :class:`~gc_strategy.engine.GradientSynchronizer` averages the
-gradients, and each step's forward runs inside its :meth:`~gc_strategy.engine.GradientSynchronizer.forward_pass`
+LightningModule runs unwrapped; a :class:`~gc_strategy.synchronizer.Synchronizer` averages the
+gradients, and each step's forward runs inside its :meth:`~gc_strategy.synchronizer.Synchronizer.forward_pass`
 (DDP's buffer broadcast). Each rank writes its own synchroniser state beside the checkpoint, which
 holds a manifest under the key ``"gc_strategy"`` (:mod:`gc_strategy.checkpoint`). DDP's
 keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists them.
@@ -28,10 +28,11 @@ from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, 
 from .communicators import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .diloco import DiLoCo, diloco_options
-from .engine import GradientSynchronizer
+from .diloco import diloco_options
 from .fusion import FusionPlanner
 from .hierarchy import check_hierarchy
+from .sync import build_synchronizer
+from .synchronizer import Synchronizer
 
 CHECKPOINT_KEY = "gc_strategy"
 
@@ -146,7 +147,7 @@ class GCFusedStrategy(DDPStrategy):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps = {log_every_n_steps!r} is invalid; allowed: an integer >= 1 or None")
         self.log_every_n_steps = log_every_n_steps
-        self.synchronizer: GradientSynchronizer | DiLoCo | None = None
+        self.synchronizer: Synchronizer | None = None
         self._pending_state: tuple[dict[str, Any], str] | None = None  # (saved state, its folder)
         self._announced_plan: dict[str, Any] | None = None
 
@@ -183,25 +184,11 @@ class GCFusedStrategy(DDPStrategy):
             self.synchronizer.close()
             self.synchronizer = self._synchronizer(components, broadcast_from_rank0)
 
-    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> GradientSynchronizer | DiLoCo:
-        if self.diloco_options is not None:
-            return DiLoCo(
-                self.model,
-                c,
-                **self.diloco_options,
-                broadcast_buffers=self.broadcast_buffers,
-                hierarchy=self.hierarchy,
-                node_precision=self.node_precision,
-                ranks_per_node=self.num_processes,
-                node_rank=self.node_rank,
-                local_rank=self.local_rank,
-            )
-        return GradientSynchronizer(
+    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> Synchronizer:
+        return build_synchronizer(
             self.model,
-            c.compressor,
-            c.memory,
-            c.communicator,
-            c.fusion,
+            c,
+            self.diloco_options,
             broadcast_from_rank0=broadcast_from_rank0,
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.broadcast_buffers,
@@ -284,8 +271,8 @@ class GCFusedStrategy(DDPStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if isinstance(self.synchronizer, DiLoCo):
-            self.synchronizer.after_inner_step()
+        if self.synchronizer is not None:
+            self.synchronizer.after_optimizer_step()
         self._log_telemetry()
         self._announce_plan()
         return output
@@ -340,8 +327,7 @@ class GCFusedStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its synchroniser state beside the checkpoint; rank 0's file holds the manifest."""
         if self.synchronizer is not None:
-            if isinstance(self.synchronizer, DiLoCo):
-                self.synchronizer.inner_optimizers = self.optimizers
+            self.synchronizer.use_optimizers(self.optimizers)
             manifest = save_rank_states(self.synchronizer, state_folder(filepath))
             checkpoint = {**checkpoint, CHECKPOINT_KEY: manifest}
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -351,9 +337,9 @@ class GCFusedStrategy(DDPStrategy):
         """Rank 0's optimizer states, as Lightning restores them; with DiLoCo then each rank's own
         (inner phases let them differ)."""
         super().load_optimizer_state_dict(checkpoint)
-        if isinstance(self.synchronizer, DiLoCo):
-            self.synchronizer.inner_optimizers = self.optimizers
-            self.synchronizer.restore_inner_optimizers()
+        if self.synchronizer is not None:
+            self.synchronizer.use_optimizers(self.optimizers)
+            self.synchronizer.restore_optimizers()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -39,7 +39,7 @@ def _imports() -> dict[str, set[str]]:
 
 def test_the_graph_is_read_from_the_sources():
     graph = _imports()
-    assert "gc_strategy.engine" in graph["gc_strategy.strategy"]
+    assert "gc_strategy.sync" in graph["gc_strategy.strategy"]
     assert "gc_strategy.communicators" in graph["gc_strategy.algos.base"]
     assert "gc_strategy.fusion.plans" in graph["gc_strategy.autotune"]
 
@@ -108,3 +108,28 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch
     assert done.returncode == 0, done.stderr[-2000:]
     assert "GCFusedStrategy needs Lightning" in done.stdout
     assert done.stdout.strip().endswith("[]")  # no Lightning module was imported
+
+
+def test_the_integrations_talk_to_the_synchronizer_interface_alone():
+    """The Lightning strategy, the Accelerate adapter and the checkpoint code name no concrete
+    synchroniser (as an import, a name or an attribute): ``gc_strategy.sync`` builds one, and
+    they call :class:`gc_strategy.synchronizer.Synchronizer`'s methods."""
+    concrete = {"GradientSynchronizer", "DiLoCo"}
+    for module in ("strategy", "accelerate", "checkpoint"):
+        named = set()
+        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+            if isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                named.add(node.attr)
+            elif isinstance(node, ast.alias):
+                named.add(node.asname or node.name)
+        assert not named & concrete, f"gc_strategy.{module} names {sorted(named & concrete)}"
+
+
+def test_every_way_of_synchronising_implements_the_interface():
+    from gc_strategy.diloco import DiLoCo
+    from gc_strategy.engine import GradientSynchronizer
+    from gc_strategy.synchronizer import Synchronizer
+
+    assert issubclass(GradientSynchronizer, Synchronizer) and issubclass(DiLoCo, Synchronizer)

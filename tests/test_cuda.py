@@ -184,7 +184,7 @@ def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_betwee
             optimizer.zero_grad()
             net(x).square().mean().backward()
             optimizer.step()
-            sync.after_inner_step()
+            sync.after_optimizer_step()
         residuals = [t for s in sync.synchronizers for t in s.memory.buffers.get("residual", {}).values()]
         results.append({t.device.type for t in [*sync.outer.values(), *residuals]})
     assert results == [{"cpu"}, {"cuda"}]

@@ -46,12 +46,12 @@ def _gathered(model):
 
 
 def _train(model, sync, optimizer, rank, steps, log=None):
-    """Inner steps ``steps``, each followed by ``sync.after_inner_step()``; ``log`` receives
+    """Inner steps ``steps``, each followed by ``sync.after_optimizer_step()``; ``log`` receives
     (inner step, parameter names) of each exchange as it starts."""
     for step in steps:
         _inner_step(model, optimizer, rank, step)
         running = {f.index for f in sync.fragments if f.started is not None}
-        sync.after_inner_step()
+        sync.after_optimizer_step()
         for f in sync.fragments:
             if log is not None and f.started == sync.inner_step and f.index not in running:
                 log.append((sync.inner_step, f.names))
@@ -83,9 +83,9 @@ def _outer_step_by_hand(rank, world_size):
         for step in range(3 * outer, 3 * outer + 3):
             _inner_step(model, optimizer, rank, step)
             if step % 3 != 2:
-                sync.after_inner_step()
+                sync.after_optimizer_step()
         delta = theta - torch.stack(_gathered(model)).mean(0)
-        sync.after_inner_step()  # the outer step
+        sync.after_optimizer_step()  # the outer step
         m = 0.9 * m + delta
         theta = theta - 0.7 * (delta + 0.9 * m)
         worst = max(worst, float((flat_params(model).detach() - theta).abs().max()))
@@ -107,7 +107,7 @@ def _against_ddp(rank, world_size):
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(4):
         _inner_step(model, optimizer, rank, step)
-        sync.after_inner_step()
+        sync.after_optimizer_step()
         _inner_step(ddp, ddp_optimizer, rank, step)
     return float((flat_params(model) - flat_params(reference)).abs().max())
 
@@ -135,7 +135,7 @@ def _buffers_at_an_outer_step(rank, world_size, broadcast_buffers):
         if rank == 1 and step == 1:
             model(torch.randn(8, 6, generator=g))
         before = {n: b.clone() for n, b in model.named_buffers()}
-        sync.after_inner_step()
+        sync.after_optimizer_step()
     every = {}
     for name, buffer in before.items():
         every[name] = [torch.empty_like(buffer) for _ in range(world_size)]
@@ -175,7 +175,7 @@ def _every_compressor(rank, world_size):
         for step in range(6):
             before = flat_params(model).detach().clone()
             _inner_step(model, optimizer, rank, step)
-            sync.after_inner_step()
+            sync.after_optimizer_step()
             if step % 2 == 1:
                 replicas = _gathered(model)
                 same.append(all(torch.equal(r, replicas[0]) for r in replicas))
@@ -359,7 +359,7 @@ def _hierarchical(rank, world_size):
     same = []
     for step in range(4):
         _inner_step(model, optimizer, rank, step)
-        sync.after_inner_step()
+        sync.after_optimizer_step()
         if step % 2 == 1:
             replicas = _gathered(model)
             same.append(all(torch.equal(r, replicas[0]) for r in replicas))

@@ -1,0 +1,101 @@
+"""The one interface of every way of synchronising a data-parallel model: what the Lightning
+strategy, the Accelerate adapter and checkpoints talk to, whatever synchronises underneath (every
+step: :class:`~gc_strategy.engine.GradientSynchronizer`; every ``H`` steps:
+:class:`~gc_strategy.diloco.DiLoCo`).
+
+A training loop does, on every rank in the same order::
+
+    with sync.forward_pass():          # or before_forward() / after_forward() as module hooks
+        loss = model(batch)
+    loss.backward()                    # inside sync.no_sync() for a micro-batch that only accumulates
+    optimizer.step()
+    sync.after_optimizer_step()
+
+Why one interface: the integrations then hold no branch per kind of synchroniser, and a new kind
+(FSDP2's hook, say) plugs in by implementing these methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .telemetry import TelemetryLog
+
+
+class Synchronizer(ABC):
+    """See the module's docstring. ``rank`` and ``world_size`` are this process's place in the
+    group it synchronises over; ``telemetry`` holds the last step's measurements and running totals."""
+
+    rank: int
+    world_size: int
+    telemetry: TelemetryLog
+
+    # ------------------------------------------------------------------ the training loop
+    @contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """Run a forward of the module inside this context (:meth:`before_forward` and
+        :meth:`after_forward` around it)."""
+        self.before_forward()
+        try:
+            yield
+        finally:
+            self.after_forward()
+
+    def before_forward(self) -> None:  # noqa: B027 (a hook: nothing by default)
+        """Before a forward pass (a module's forward pre-hook may call it)."""
+
+    def after_forward(self) -> None:  # noqa: B027 (a hook: nothing by default)
+        """After a forward pass (a module's forward hook may call it)."""
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this context accumulate gradients without synchronising."""
+        yield
+
+    def after_optimizer_step(self) -> None:  # noqa: B027 (a hook: nothing by default)
+        """After every optimizer step, on every rank."""
+
+    def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:  # noqa: B027 (a hook: nothing by default)
+        """The training's optimizers, whose states a checkpoint keeps per rank where they differ
+        between ranks (DiLoCo's inner optimizers); call it before saving or restoring."""
+
+    def restore_optimizers(self) -> None:  # noqa: B027 (a hook: nothing by default)
+        """After a checkpoint's optimizer states were loaded (rank 0's, on every rank): put back
+        each rank's own, where this synchroniser keeps them."""
+
+    @property
+    def plan_report(self) -> dict[str, Any] | None:
+        """``fusion="auto"``'s chosen plan and its predictions, once chosen; None otherwise."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop synchronising: no collective is left in flight and the module trains locally."""
+
+    # ------------------------------------------------------------------ checkpoints
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, on the CPU."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` saved by this rank (or, for a world size that changed, made
+        by :meth:`load_states_of`)."""
+
+    @abstractmethod
+    def holds_rank_state(self, state: dict[str, Any]) -> bool:
+        """Whether any rank keeps state of its own, given this rank's :meth:`state_dict`: a
+        collective, called on every rank. Without it rank 0's state is every rank's."""
+
+    def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
+        """Start from the states of the ``world_size`` ranks of a run with another world size,
+        read one at a time; by default refused."""
+        raise ValueError(
+            f"the checkpoint was saved by {world_size} ranks and this run has {self.world_size}; "
+            f"{type(self).__name__} resumes on the same number of ranks only"
+        )
