@@ -651,10 +651,10 @@ class GradientSynchronizer(Synchronizer):
         self._keep_owned_state()
         self._reset_step()
 
-
     def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
         """Start from the :func:`resharded` states of a run with another world size."""
         self.load_state_dict(resharded(states))
+
 
 def broadcast_from_rank0(tensors: list[Tensor], group: Any = None) -> None:
     """Rank 0's (of ``group``) values of ``tensors`` to every rank, coalesced like DDP's broadcast."""

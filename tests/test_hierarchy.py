@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gc_strategy import COMPRESSORS, GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.fusion.timeline import bucket_owners
+from gc_strategy.sync import build_synchronizer
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 
@@ -34,12 +35,10 @@ def _engine(
     keeps_own = COMPRESSORS.get(name).OPTIONS.get("use_error_feedback") is not None
     memory = memory or ("none" if keeps_own or name == "none" else "residual")
     c = build_components(name, memory, "auto", fusion, **{**OPTIONS.get(name, {}), **options})
-    return GradientSynchronizer(
+    return build_synchronizer(
         model,
-        c.compressor,
-        c.memory,
-        c.communicator,
-        c.fusion,
+        c,
+        None,
         hierarchy=hierarchy,
         ranks_per_node=ranks_per_node,
         node_precision=node_precision,
