@@ -22,12 +22,12 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from cli import integer_at_least
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
 from gc_strategy.checkpoint import save_rank_states
+from gc_strategy.ranks import run_ranks
 
 METHODS = ("per-rank files", "gathered")
 
@@ -55,49 +55,29 @@ def _gather(synchronizer: GradientSynchronizer, world_size: int) -> None:
     dist.all_gather_object(gathered, synchronizer.state_dict())
 
 
-def _rank(rank: int, world_size: int, init_file: str, state_mb: int, folder: str, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        width = 1024
-        layers = max(1, state_mb * 2**20 // (4 * width * width))
-        torch.manual_seed(0)
-        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
-        c = build_components("randk", "residual", density=0.01, fusion="single")
-        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-        model(torch.randn(4, width)).square().mean().backward()  # one step: the residuals are full
-        peaks = {}
-        for method in METHODS:
-            dist.barrier()
-            if method == "per-rank files":
-                peaks[method] = _peak_during(
-                    lambda: save_rank_states(synchronizer, os.path.join(folder, f"w{world_size}"))
-                )
-            else:
-                peaks[method] = _peak_during(lambda: _gather(synchronizer, world_size))
-        if rank == 0:
-            queue.put((layers * width * width * 4 / 2**20, peaks))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world_size: int, state_mb: int, folder: str) -> tuple[float, dict[str, float]]:
+    """(state MB per rank, {method: this rank's peak MB above its resident memory})."""
+    width = 1024
+    layers = max(1, state_mb * 2**20 // (4 * width * width))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    c = build_components("randk", "residual", density=0.01, fusion="single")
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    model(torch.randn(4, width)).square().mean().backward()  # one step: the residuals are full
+    peaks = {}
+    for method in METHODS:
+        dist.barrier()
+        if method == "per-rank files":
+            peaks[method] = _peak_during(lambda: save_rank_states(synchronizer, os.path.join(folder, f"w{world_size}")))
+        else:
+            peaks[method] = _peak_during(lambda: _gather(synchronizer, world_size))
+    return layers * width * width * 4 / 2**20, peaks
 
 
 def measure(world_size: int, state_mb: int) -> tuple[float, dict[str, float]]:
     """(state MB per rank, {method: rank 0's peak MB above its resident memory}) at ``world_size``."""
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_rank, args=(r, world_size, init_file, state_mb, tmp, queue)) for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=600)
-        for p in procs:
-            p.join(60)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    return result
+    with tempfile.TemporaryDirectory() as folder:
+        return run_ranks(_rank, world_size, state_mb, folder, timeout=600)[0]
 
 
 def main() -> None:

@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from cli import integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS, MEMORIES, GradientSynchronizer, build_components
 from gc_strategy.fusion import CostModel, best_plan, simulate
+from gc_strategy.ranks import run_ranks
 
 FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
 
@@ -43,9 +41,8 @@ def train_steps(model, engine, optimizer, batch, steps: int) -> list[float]:
     return times
 
 
-def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def rank_main(rank: int, world_size: int, args) -> dict | None:
+    """Every plan trained side by side on this rank; on rank 0 the rows and the auto plan's report."""
     from torchvision.models import resnet18
 
     plans = ["auto", *FIXED]
@@ -74,23 +71,21 @@ def rank_main(rank: int, world_size: int, init_file: str, args, results) -> None
             times[plan] += train_steps(*runs[plan], batch, args.steps)
         if rank == 0:
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-    if rank == 0:
-        report = auto_engine.plan_report
-        model = CostModel.from_dict(report["cost_model"])
-        results.put(
-            {
-                "report": report,
-                "rows": {
-                    plan: (
-                        len(runs[plan][1].tensors_per_bucket),
-                        statistics.median(times[plan]),
-                        simulate(model, runs[plan][1].tensors_per_bucket),
-                    )
-                    for plan in plans
-                },
-            }
-        )
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    report = auto_engine.plan_report
+    model = CostModel.from_dict(report["cost_model"])
+    return {
+        "report": report,
+        "rows": {
+            plan: (
+                len(runs[plan][1].tensors_per_bucket),
+                statistics.median(times[plan]),
+                simulate(model, runs[plan][1].tensors_per_bucket),
+            )
+            for plan in plans
+        },
+    }
 
 
 def resnet101_search_seconds(measured: CostModel) -> tuple[int, float]:
@@ -120,15 +115,7 @@ def main() -> None:
     parser.add_argument("--steps", type=integer_at_least(1), default=5, help="measured steps per plan per round")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, 2, os.path.join(tmp, "init"), args, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        out = results.get()
-        for p in procs:
-            p.join()
+    out = run_ranks(rank_main, 2, args, timeout=3600)[0]
     rows, report = out["rows"], out["report"]
     best_fixed = min(measured for plan, (_, measured, _) in rows.items() if plan != "auto")
     print(

@@ -50,8 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .collectives import average_buffers
 from .components import Components, build_components
-from .engine import GradientSynchronizer, average_buffers
+from .engine import GradientSynchronizer
 from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
 from .synchronizer import Synchronizer

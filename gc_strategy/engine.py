@@ -50,7 +50,7 @@ Semantics, those of ``DistributedDataParallel``:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -61,15 +61,16 @@ from torch import Tensor, nn
 from .algos.base import Compressor, Memory
 from .autotune import AutoTuner
 from .bucket import Bucket
+from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
+from .engine_state import load_state, resharded, state_of
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
 from .fusion.plans import write_plan_file
 from .fusion.timeline import bucket_owners
 from .hierarchy import NodeGroups, check_hierarchy, gather_node_state, node_exchange, node_groups
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog
-
-STATE_FORMAT = 1
+from .usage import Usage
 
 
 class _Job:
@@ -79,107 +80,6 @@ class _Job:
     def __init__(self, bucket: Bucket, running: RunningExchange) -> None:
         self.bucket = bucket
         self.running = running
-
-
-class _Usage:
-    """Which parameters took part in one synchronised step, on this rank and on any rank, and what
-    ``find_unused_parameters`` makes of it (see the module's docstring).
-
-    A parameter counts as used on a rank when its gradient arrived in this backward or in a
-    ``no_sync`` backward since the last synchronisation. One that did not contributes its ``.grad``
-    where it has one (as DDP does), else zeros. Where usage across ranks must be known, one
-    allreduce of the per-parameter flags follows the launch of every bucket, at the same point of
-    the collective order on every rank.
-    """
-
-    def __init__(self, engine: GradientSynchronizer) -> None:
-        self.engine = engine
-        self.used = [
-            filled or (accumulated and p.grad is not None)
-            for filled, accumulated, p in zip(engine._filled, engine._accumulated, engine.params)
-        ]
-        self.global_check = engine.find_unused_parameters or engine.ready_order is None
-        self._count: Tensor | None = None
-        self._work: Any = None
-        #: (parameter index, bucket, slot) of each parameter this rank did not use ->
-        #: {(role, state name): that state's slice before the step}
-        self._saved: dict[tuple[int, int, int], dict[tuple[int, str], Tensor]] = {}
-
-    def prepare_bucket(self, b: int) -> None:
-        """Before bucket ``b`` launches at the end of backward: fill the slots of parameters whose
-        gradient did not arrive in this backward, and keep their state for :meth:`restore_state`."""
-        engine = self.engine
-        buffer = engine.buffers[b]
-        for slot, name in enumerate(engine.buckets[b].names):
-            index = engine._index[name]
-            if engine._filled[index]:
-                continue
-            param, view = engine.params[index], engine.views[b][slot]
-            if param.grad is None:
-                view.zero_()
-            else:
-                if param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-                    param.grad = param.grad.clone()  # keep it out of the exchange, which writes the buffer
-                view.copy_(param.grad)
-            if not self.used[index] and engine.find_unused_parameters:
-                self._save(index, b, slot)
-
-    def _state_slices(self, b: int, slot: int) -> dict[tuple[int, str], Tensor]:
-        """The slot's slices of every per-element state of the memory (role 0) and compressor (1)."""
-        slices = {}
-        for role_index, role in enumerate((self.engine.memory, self.engine.compressor)):
-            for state_name, per_bucket in role.buffers.items():
-                if b in per_bucket:
-                    slices[(role_index, state_name)] = self.engine.buckets[b].views(per_bucket[b])[slot]
-        return slices
-
-    def _save(self, index: int, b: int, slot: int) -> None:
-        self._saved[(index, b, slot)] = {key: view.clone() for key, view in self._state_slices(b, slot).items()}
-
-    def start_exchange(self) -> None:
-        """Issue the allreduce of the usage flags (after every bucket's launch)."""
-        if not self.global_check or self.engine.world_size == 1:
-            return
-        self._count = torch.tensor(self.used, dtype=torch.int32, device=self.engine.device)
-        self._work = dist.all_reduce(self._count, group=self.engine.process_group, async_op=True)
-
-    def unused_by_all(self) -> set[int]:
-        """Parameters no rank used (where that is known: with the allreduce, or at world size 1),
-        else an empty set."""
-        if self._work is not None:
-            self._work.wait()
-            return {i for i, count in enumerate(self._count.tolist()) if count == 0}
-        if self.engine.world_size == 1:
-            return {i for i, used in enumerate(self.used) if not used}
-        return set()
-
-    def restore_state(self, unused: set[int]) -> None:
-        """Put back the error-feedback and compressor state of the parameters no rank used: for
-        them the step did not happen (state created during the step starts at zero)."""
-        for (index, b, slot), saved in self._saved.items():
-            if index in unused:
-                for key, view in self._state_slices(b, slot).items():
-                    if key in saved:
-                        view.copy_(saved[key])
-                    else:
-                        view.zero_()
-
-    def check(self, unused: set[int]) -> None:
-        """With ``find_unused_parameters=False``, refuse a step in which a parameter got no gradient."""
-        engine = self.engine
-        if engine.find_unused_parameters:
-            return
-        missing = sorted(unused | {i for i, used in enumerate(self.used) if not used})
-        if not missing:
-            return
-        names = ", ".join(repr(engine.names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        where = "on some rank" if unused else f"on rank {engine.rank}"
-        raise RuntimeError(
-            f"find_unused_parameters=False (the default, as for DDP), but {len(missing)} parameter(s) got no "
-            f"gradient {where} in synchronised step {engine.step - 1}: {names}. Pass "
-            "find_unused_parameters=True (in Lightning: GCFusedStrategy(find_unused_parameters=True) or "
-            "strategy='gc_fused_find_unused_parameters_true'), or freeze those parameters (requires_grad=False)."
-        )
 
 
 class GradientSynchronizer(Synchronizer):
@@ -386,7 +286,7 @@ class GradientSynchronizer(Synchronizer):
         self._next_launch = 0
         self._jobs: list[_Job] = []
         self._recorded: list[str] = []
-        self._usage: _Usage | None = None
+        self._usage: Usage | None = None
         self._step_telemetry = StepTelemetry()
         self.compressor.begin_step(self.step)
 
@@ -468,8 +368,8 @@ class GradientSynchronizer(Synchronizer):
             self._reset_step()
 
     def _launch_rest(self) -> None:
-        """Launch every bucket not launched yet (see :class:`_Usage` for the missing gradients)."""
-        self._usage = _Usage(self)
+        """Launch every bucket not launched yet (see :class:`~gc_strategy.usage.Usage` for the missing gradients)."""
+        self._usage = Usage(self)
         for b in range(self._next_launch, len(self.buckets)):
             self._usage.prepare_bucket(b)
             self._launch(b)
@@ -609,134 +509,18 @@ class GradientSynchronizer(Synchronizer):
         return bool(held.item())
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's synchronisation state, on the CPU, keyed by parameter name."""
-        return _to_cpu(
-            {
-                "format": STATE_FORMAT,
-                "world_size": self.world_size,
-                "step": self.step,
-                "ready_order": self.ready_order,
-                "groups": self.tensors_per_bucket,
-                "plan": self.planner.describe(),
-                "memory": self.memory.state_by_parameter(self.buckets),
-                "compressor": self.compressor.state_by_parameter(self.buckets),
-                "compressor_extra": self.compressor.extra_state(),
-                "auto_plan": self.plan_report,
-            }
-        )
+        """This rank's synchronisation state, on the CPU, keyed by parameter name
+        (:func:`~gc_strategy.engine_state.state_of`)."""
+        return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: one saved by this rank, or one that :func:`resharded` made
-        from the states of a run with another world size."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"gradient synchroniser state has format {state.get('format')!r}; expected {STATE_FORMAT}")
-        if state["world_size"] != self.world_size:
-            state = {**state, "auto_plan": None}  # its timings were measured with another world size: plan again
-        order = state["ready_order"]
-        if order is not None:
-            unknown = sorted(set(order) ^ set(self.names))
-            if unknown:
-                raise ValueError(
-                    f"the checkpoint's gradient order does not match this model's parameters: {unknown[:5]}"
-                )
-            same_plan = state.get("plan") == self.planner.describe()
-            self.ready_order = list(order)
-            self._build(self.ready_order, list(state["groups"]) if same_plan else None)
-            if same_plan and self.tuner is not None and state.get("auto_plan") is not None:
-                self.tuner.restore(state["auto_plan"])
-        self.step = int(state["step"])
-        self.memory.load_state_by_parameter(state["memory"], self.buckets)
-        self.compressor.load_state_by_parameter(state["compressor"], self.buckets)
-        self.compressor.load_extra_state(state["compressor_extra"])
+        """Restore a :meth:`state_dict`: one saved by this rank, or one that
+        :func:`~gc_strategy.engine_state.resharded` made from the states of a run with another
+        world size (:func:`~gc_strategy.engine_state.load_state`)."""
+        load_state(self, state)
         self._keep_owned_state()
         self._reset_step()
 
     def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
         """Start from the :func:`resharded` states of a run with another world size."""
         self.load_state_dict(resharded(states))
-
-
-def broadcast_from_rank0(tensors: list[Tensor], group: Any = None) -> None:
-    """Rank 0's (of ``group``) values of ``tensors`` to every rank, coalesced like DDP's broadcast."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    _coalesced(tensors, lambda flat: dist.broadcast(flat, src, group=group))
-
-
-def average_buffers(buffers: list[Tensor], group: Any = None) -> None:
-    """Floating-point ``buffers`` (BatchNorm's running mean and variance) to their mean over the
-    ranks of ``group``, the others (counters such as ``num_batches_tracked``) to rank 0's.
-
-    Why: DiLoCo's outer step moves every replica to the outer parameters, which come from the mean
-    of all replicas' progress. One replica's running statistics describe its own inner trajectory
-    only; their mean describes all of them, as the outer parameters do.
-    """
-    world_size = dist.get_world_size(group)
-
-    def mean(flat: Tensor) -> None:
-        dist.all_reduce(flat, group=group)
-        flat.div_(world_size)
-
-    _coalesced([b for b in buffers if b.is_floating_point()], mean)
-    broadcast_from_rank0([b for b in buffers if not b.is_floating_point()], group)
-
-
-def _coalesced(tensors: list[Tensor], collective: Callable[[Tensor], None]) -> None:
-    """Run ``collective`` in place on one flat buffer per dtype and device holding ``tensors``,
-    then copy the results back (one collective per kind instead of one per tensor)."""
-    same_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in tensors:
-        same_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor.detach())
-    with torch.no_grad():
-        for same in same_kind.values():
-            flat = torch.cat([t.reshape(-1) for t in same])
-            collective(flat)
-            start = 0
-            for t in same:
-                t.copy_(flat[start : start + t.numel()].view_as(t))
-                start += t.numel()
-
-
-def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The state every rank of a run with another world size starts from, given the ``W`` old
-    ranks' :meth:`~GradientSynchronizer.state_dict` s, taken one at a time (README.md, "Differences
-    from ddp"):
-
-    - per-element state of the memory and the compressor (residuals ``e_r``, momenta ``u_r``, DGC's
-      accumulation ``v_r``, PowerSGD's error): the mean ``(1/W) Σ_r e_r`` on every new rank. The
-      correction all ranks apply together, ``(1/W') Σ_r' e_r'``, is then the old one. With
-      ``hierarchy="node"`` only the owner of a bucket on each node holds its state: the mean is over
-      the ranks that hold it, ``(1/N) Σ_nodes e_n``, the correction of that run;
-    - state all ranks share (PowerSGD's and ACP-SGD's factors, the step, the gradient order, the
-      plan): rank 0's, which equals every rank's;
-    - per-rank random draws are not state: they are derived anew from (seed, step, rank);
-    - a plan measured by ``fusion="auto"`` is dropped (its timings were for ``W`` ranks), and is
-      planned again.
-    """
-    merged: dict[str, Any] = {}
-    counts: dict[tuple[str, str, str], int] = {}
-    for state in states:
-        if not merged:
-            merged = {**state, "memory": {}, "compressor": {}}
-        for role in ("memory", "compressor"):
-            for name, tensors in state[role].items():
-                totals = merged[role].setdefault(name, {})
-                for param, value in tensors.items():
-                    key = (role, name, param)
-                    if key in counts:
-                        totals[param].add_(value)
-                    else:
-                        totals[param] = value.float().clone()
-                    counts[key] = counts.get(key, 0) + 1
-    for (role, name, param), count in counts.items():
-        merged[role][name][param].div_(count)
-    return merged
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(item) for item in value)
-    return value

@@ -21,19 +21,18 @@ to be scheduled.
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from queue import Empty
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .hierarchy import node_groups
+from .ranks import run_ranks
 
 #: the collectives: the hierarchy's reduce onto a group's first rank and broadcast from it, and the
 #: exchanges' allreduce and allgather
@@ -100,65 +99,24 @@ def on_node_ranks(
     nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any], timeout_s: float = 900.0, span: str = "node"
 ) -> list[Any]:
     """``work(group, root)`` on each of ``nodes`` × ``ranks_per_node`` forked processes of this
-    machine, one thread each, in one gloo process group (ranks numbered node by node), ``group`` being
-    the rank's group of the ``span`` (:data:`SPANS`) and ``root`` that group's first rank; the results
-    in rank order. ``work`` may be a closure over objects built before the call (a model): the fork
-    copies them. The first rank that fails raises here, as does a wait of ``timeout_s`` with no rank
-    reporting (a collective that never completes); the other ranks are stopped instead of left
-    waiting in a collective."""
-    world_size = nodes * ranks_per_node
-    context = torch.multiprocessing.get_context("fork")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "init")
-        processes = [
-            context.Process(target=_rank, args=(r, world_size, ranks_per_node, span, init_file, work, queue))
-            for r in range(world_size)
-        ]
-        for process in processes:
-            process.start()
-        results, failed = {}, None
-        try:
-            for _ in processes:
-                try:
-                    rank, result, error = queue.get(timeout=timeout_s)
-                except Empty:
-                    waiting = sorted(set(range(world_size)) - set(results))
-                    failed = f"ranks {waiting} reported nothing within {timeout_s:g} s while measuring"
-                    break
-                if error is not None:
-                    failed = f"rank {rank} failed while measuring: {error}"
-                    break
-                results[rank] = result
-        finally:
-            for process in processes:
-                process.join(60 if failed is None else 0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-    if failed is not None:
-        raise RuntimeError(failed)
-    return [results[rank] for rank in range(world_size)]
-
-
-def _rank(rank: int, world_size: int, per_node: int, span: str, init_file: str, work: Callable, queue: Any) -> None:
-    torch.set_num_threads(1)
+    machine (:func:`~gc_strategy.ranks.run_ranks`: one thread each, ranks numbered node by node),
+    ``group`` being the rank's group of the ``span`` (:data:`SPANS`) and ``root`` that group's first
+    rank; the results in rank order. A rank that fails, or a wait of ``timeout_s`` with no rank
+    reporting (a collective that never completes), raises, naming the ranks."""
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        groups = node_groups(per_node)
-        group, root = {
-            "node": (groups.intra, groups.rank_of(0)),
-            "across": (groups.inter, groups.local_rank),
-            "world": (dist.group.WORLD, 0),
-        }[span]
-        result = work(group, root)
-    except Exception as error:  # noqa: BLE001 - handed to on_node_ranks(), which raises it with the rank
-        queue.put((rank, None, repr(error)))
-        return
-    queue.put((rank, result, None))
-    # a rank that tears its sockets down while a peer still connects a group fails that peer
-    dist.barrier()
-    dist.destroy_process_group()
+        return run_ranks(partial(_in_span, ranks_per_node, span, work), nodes * ranks_per_node, timeout=timeout_s)
+    except RuntimeError as error:
+        raise RuntimeError(f"while measuring, {error}") from None
+
+
+def _in_span(per_node: int, span: str, work: Callable[[Any, int], Any], rank: int, world_size: int) -> Any:
+    groups = node_groups(per_node)
+    group, root = {
+        "node": (groups.intra, groups.rank_of(0)),
+        "across": (groups.inter, groups.local_rank),
+        "world": (dist.group.WORLD, 0),
+    }[span]
+    return work(group, root)
 
 
 def measure(

@@ -133,3 +133,28 @@ def test_every_way_of_synchronising_implements_the_interface():
     from gc_strategy.synchronizer import Synchronizer
 
     assert issubclass(GradientSynchronizer, Synchronizer) and issubclass(DiLoCo, Synchronizer)
+
+
+#: the tools: the advisor, its plots, its measurements on forked CPU ranks, and the rank forker
+TOOLS = {"gc_strategy.advise", "gc_strategy.advise_plots", "gc_strategy.overlap", "gc_strategy.ranks"}
+
+
+def test_no_runtime_module_imports_the_tools():
+    graph = _imports()
+    graph.pop("gc_strategy")
+    for module, targets in graph.items():
+        if module not in TOOLS:
+            assert not targets & TOOLS, f"{module} imports {sorted(targets & TOOLS)}"
+
+
+def test_ranks_are_forked_in_one_place():
+    """``gc_strategy.ranks.run_ranks`` is the one helper that forks gloo ranks: the advisor's
+    measurements, the benchmarks and the tests use it."""
+    root = PACKAGE.parent
+    forking = sorted(
+        str(path.relative_to(root))
+        for folder in ("gc_strategy", "benchmarks", "tests")
+        for path in (root / folder).rglob("*.py")
+        if path != Path(__file__).resolve() and 'get_context("fork")' in path.read_text()
+    )
+    assert forking == ["gc_strategy/ranks.py"], forking

@@ -19,7 +19,7 @@ import netns  # noqa: E402
 from bench_worker import keep_local_gradients, parse_config  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
-from distributed import run_ranks  # noqa: E402
+from gc_strategy.ranks import run_ranks  # noqa: E402
 
 
 def _bench(tmp_path, *args, timeout=600):

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from compressor_helpers import SMALL_MODEL_OPTIONS
-from distributed import run_ranks
 from models import SmallCNN
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
 from gc_strategy.bucket import Bucket
+from gc_strategy.ranks import run_ranks
 
 MAJORITY = {"signsgd", "signum"}
 LOWRANK = {"powersgd", "acpsgd"}

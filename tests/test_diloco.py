@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from compressor_helpers import SMALL_MODEL_OPTIONS
-from distributed import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ParityModule, SmallCNN, fit, flat_params
 
 from gc_strategy import COMPRESSORS, GCFusedStrategy, build_components
 from gc_strategy.diloco import DILOCO_DEFAULTS, DiLoCo, nesterov_sgd
+from gc_strategy.ranks import run_ranks
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=0)}
 REFUSED = {"acpsgd": "alternates its payloads", "signum": "applies momentum"}

@@ -3,14 +3,14 @@
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
 from models import SmallCNN
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
 from gc_strategy.communicators import AllReduce
-from gc_strategy.engine import resharded
+from gc_strategy.engine_state import resharded
 from gc_strategy.fusion import FusionPlanner
+from gc_strategy.ranks import run_ranks
 
 
 def _engine(module, compressor="none", memory="none", fusion="layerwise", communicator="auto", **options):

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
 from models import SmallCNN
 
 from gc_strategy import GradientSynchronizer, build_components
+from gc_strategy.ranks import run_ranks
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 

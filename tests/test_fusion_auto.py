@@ -8,12 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
 from models import SmallCNN
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.fusion import AutoPlan, Cost, CostModel, FilePlan, best_plan, parse_fusion, simulate
 from gc_strategy.fusion.timeline import Node
+from gc_strategy.ranks import run_ranks
 
 FREE = Cost.linear(0.0, 0.0)
 

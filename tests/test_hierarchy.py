@@ -9,13 +9,13 @@ import re
 import pytest
 import torch
 from compressor_helpers import SMALL_MODEL_OPTIONS
-from distributed import run_ranks
 from models import SmallCNN
 from torch.nn.parallel import DistributedDataParallel
 
 from gc_strategy import COMPRESSORS, GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.fusion.timeline import bucket_owners
+from gc_strategy.ranks import run_ranks
 from gc_strategy.sync import build_synchronizer
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}

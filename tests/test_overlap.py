@@ -37,7 +37,7 @@ def test_bad_input_and_a_failing_rank_are_errors_not_hangs():
     with pytest.raises(ValueError, match=r"collectives = \['gather'\] are invalid; allowed: reduce, broadcast"):
         overlap.measure(1, 2, _fails, [4], ("gather",))
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match="failed while measuring: ArithmeticError\\('no step here'\\)"):
+    with pytest.raises(RuntimeError, match="(?s)while measuring, rank [01] failed: .*ArithmeticError: no step here"):
         overlap.measure(1, 2, _fails, [4])
     assert time.perf_counter() - start < 60
 
@@ -94,6 +94,6 @@ def _rank_one_hangs(group, root):
 
 def test_a_rank_that_never_reports_is_an_error_naming_it():
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] reported nothing within 5 s while measuring"):
+    with pytest.raises(RuntimeError, match=r"while measuring, ranks \[1\] reported nothing within 5 s"):
         overlap.on_node_ranks(1, 2, _rank_one_hangs, timeout_s=5)
     assert time.perf_counter() - start < 60

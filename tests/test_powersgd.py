@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from compressor_helpers import build, finish
-from distributed import run_ranks
 from torch import nn
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.algos.powersgd import orthogonalize
 from gc_strategy.bucket import Bucket
+from gc_strategy.ranks import run_ranks
 
 
 def _matrix_bucket(*shapes, index=0):

@@ -10,12 +10,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from models import ParityModule, fit, flat_params
 
 from gc_strategy import GCFusedStrategy
+from gc_strategy.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
