@@ -49,7 +49,6 @@ Semantics, those of ``DistributedDataParallel``:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -63,13 +62,12 @@ from .autotune import AutoTuner
 from .bucket import Bucket
 from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
-from .engine_state import load_state, resharded, state_of
+from .engine_state import any_rank_holds_state, load_state, resharded, state_of
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
-from .fusion.plans import write_plan_file
-from .fusion.timeline import bucket_owners
-from .hierarchy import NodeGroups, check_hierarchy, gather_node_state, node_exchange, node_groups
+from .hierarchy import check_hierarchy, node_exchange, node_groups_for
+from .layout import BucketLayout
 from .synchronizer import Synchronizer
-from .telemetry import StepTelemetry, TelemetryLog
+from .telemetry import StepTelemetry, TelemetryLog, add_exchange
 from .usage import Usage
 
 
@@ -82,7 +80,21 @@ class _Job:
         self.running = running
 
 
-class GradientSynchronizer(Synchronizer):
+def synchronised_parameters(module: nn.Module, parameters: Iterable[str] | None) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s trainable parameters by name, limited to ``parameters`` (names) where given."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if parameters is not None:
+        chosen = set(parameters)
+        unknown = sorted(chosen - {name for name, _ in named})
+        if unknown:
+            raise ValueError(f"parameters: {unknown[:5]} are not trainable parameters of the module")
+        named = [(name, p) for name, p in named if name in chosen]
+    if not named:
+        raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
+    return named
+
+
+class GradientSynchronizer(BucketLayout, Synchronizer):
     """Averages gradients of ``module`` across ``process_group`` through compressor, memory and
     communicator, over buckets cut by ``fusion`` (a planner or its string form, e.g. ``"groups:4"``).
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
@@ -131,25 +143,17 @@ class GradientSynchronizer(Synchronizer):
         #: the process group's size and this process's rank in it
         self.world_size = dist.get_world_size(process_group) if initialized else 1
         self.rank = dist.get_rank(process_group) if initialized else 0
-        self.nodes = self._node_groups(hierarchy, ranks_per_node, node_rank, local_rank)
+        self.nodes = node_groups_for(hierarchy, self.world_size, process_group, ranks_per_node, node_rank, local_rank)
         communicator.bind(process_group if self.nodes is None else self.nodes.inter)
         compressor.bind(communicator.world_size, communicator.rank)
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if parameters is not None:
-            chosen = set(parameters)
-            unknown = sorted(chosen - {name for name, _ in named})
-            if unknown:
-                raise ValueError(f"parameters: {unknown[:5]} are not trainable parameters of the module")
-            named = [(name, p) for name, p in named if name in chosen]
-        if not named:
-            raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
+        named = synchronised_parameters(module, parameters)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self._index = {name: i for i, name in enumerate(self.names)}
         self.device = self.params[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and side_stream else None
         if broadcast_from_rank0:
-            self._broadcast_module_states()
+            self._broadcast([*module.parameters(), *module.buffers()])
         self.step = 0
         self.telemetry = TelemetryLog()
         self.ready_order: list[str] | None = None  # recorded in the first synchronised backward
@@ -172,111 +176,9 @@ class GradientSynchronizer(Synchronizer):
             else []
         )
 
-    # ------------------------------------------------------------------ set-up
-    def _node_groups(
-        self, hierarchy: str, ranks_per_node: int | None, node_rank: int | None, local_rank: int | None
-    ) -> NodeGroups | None:
-        """``hierarchy="node"`` (docs/design.md, "Hierarchical synchronisation"): the node groups, or
-        None for a flat exchange (also on one rank)."""
-        if hierarchy == "flat" or self.world_size == 1:
-            return None
-        if self.process_group is not None:
-            raise ValueError(
-                "hierarchy='node' forms its groups over the default process group; pass process_group=None"
-            )
-        if ranks_per_node is None:
-            if "LOCAL_WORLD_SIZE" not in os.environ:
-                raise ValueError("hierarchy='node' needs ranks_per_node (or LOCAL_WORLD_SIZE, set by torchrun)")
-            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-        return node_groups(ranks_per_node, node_rank, local_rank)
-
-    def _broadcast_module_states(self) -> None:
-        self._broadcast([*self.module.parameters(), *self.module.buffers()])
-
     def _broadcast(self, tensors: list[Tensor]) -> None:
         if self.world_size > 1:
             broadcast_from_rank0(tensors, self.process_group)
-
-    def _build(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
-        """Cut ``order`` (parameter names in gradient-ready order) into buckets of
-        ``tensors_per_bucket`` tensors each (by default as the planner cuts them)."""
-        if tensors_per_bucket is None:
-            tensors_per_bucket = self.planner.plan(self.tensor_nbytes(order))
-        if sum(tensors_per_bucket) != len(order) or any(count < 1 for count in tensors_per_bucket):
-            raise ValueError(
-                f"fusion plan {self.planner.describe()} returned buckets of {tensors_per_bucket} tensors "
-                f"for {len(order)} tensors"
-            )
-        #: the parameters' names in bucket order (after the first step, the gradient-ready order)
-        self.order = order
-        #: how many consecutive tensors of ``order`` each bucket holds
-        self.tensors_per_bucket = tensors_per_bucket
-        self.buckets: list[Bucket] = []
-        self._slot: dict[int, tuple[int, int]] = {}
-        start = 0
-        for b, count in enumerate(tensors_per_bucket):
-            names = order[start : start + count]
-            params = [self.parameter(n) for n in names]
-            dtype = params[0].dtype
-            for p in params[1:]:
-                dtype = torch.promote_types(dtype, p.dtype)
-            self.buckets.append(Bucket(b, names, [p.shape for p in params], dtype, self.device))
-            for slot, name in enumerate(names):
-                self._slot[self._index[name]] = (b, slot)
-            start += count
-        self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
-        #: hierarchy="node": the local rank that compresses each bucket
-        self.owners = bucket_owners([b.nbytes for b in self.buckets], self.nodes.ranks_per_node) if self.nodes else []
-        self.views = [b.views(buf) for b, buf in zip(self.buckets, self.buffers)]
-
-    def parameter(self, name: str) -> nn.Parameter:
-        """The synchronised parameter called ``name``."""
-        return self.params[self._index[name]]
-
-    def tensor_nbytes(self, names: list[str]) -> list[int]:
-        """The gradient sizes in bytes of the parameters ``names``."""
-        return [self.parameter(n).numel() * self.parameter(n).element_size() for n in names]
-
-    def rebucket(self, tensors_per_bucket: list[int]) -> None:
-        """Cut the current order into new buckets (every rank must do the same at the same step);
-        per-element compression state carries over by parameter name."""
-        self._rebuild(self.order, tensors_per_bucket)
-
-    def _rebuild(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
-        """New buckets, carrying per-element compression state across by parameter name (with
-        ``hierarchy="node"``, to the parameter's new owner in the node)."""
-        memory_state = self.memory.state_by_parameter(self.buckets)
-        compressor_state = self.compressor.state_by_parameter(self.buckets)
-        if self.nodes is not None and self.nodes.ranks_per_node > 1:  # owners can move within a node
-            shapes = {name: self.parameter(name).shape for name in self.names}
-            memory_state, compressor_state = (
-                gather_node_state(self.nodes, state, shapes, self.device) for state in (memory_state, compressor_state)
-            )
-        self._build(order, tensors_per_bucket)
-        self.memory.load_state_by_parameter(memory_state, self.buckets)
-        self.compressor.load_state_by_parameter(compressor_state, self.buckets)
-        self._keep_owned_state()
-
-    def _keep_owned_state(self) -> None:
-        """hierarchy="node": per-element state only for the buckets this rank compresses."""
-        if self.nodes is None:
-            return
-        for role in (self.memory, self.compressor):
-            for per_bucket in role.buffers.values():
-                for b in [b for b in per_bucket if self.owners[b] != self.nodes.local_rank]:
-                    del per_bucket[b]
-
-    def _adopt_recorded_order(self) -> None:
-        """After the first synchronised backward: rank 0's ready order becomes every rank's."""
-        seen = set(self._recorded)
-        order = self._recorded + [n for n in reversed(self.names) if n not in seen]
-        if self.world_size > 1:
-            indices = torch.tensor([self._index[n] for n in order], dtype=torch.int64, device=self.device)
-            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-            dist.broadcast(indices, src, group=self.process_group)
-            order = [self.names[i] for i in indices.tolist()]
-        self.ready_order = order
-        self._rebuild(order)
 
     # ------------------------------------------------------------------ one backward
     def _reset_step(self) -> None:
@@ -389,28 +291,15 @@ class GradientSynchronizer(Synchronizer):
         self._usage.restore_state(unused)
         self._accumulated = [False] * len(self.params)
         self.step += 1
-        self._record_telemetry()
+        for job in self._jobs:
+            add_exchange(self._step_telemetry, job.bucket.nbytes, job.running)
+        self._step_telemetry.extra = self.compressor.pop_metrics()
         self.telemetry.record(self._step_telemetry)
         if self.ready_order is None:
             self._adopt_recorded_order()
         if self.tuner is not None and self.tuner.recording:
             self.tuner.on_step_end()
         self._usage.check(unused)
-
-    def _record_telemetry(self) -> None:
-        tel = self._step_telemetry
-        for job in self._jobs:
-            running = job.running
-            tel.buckets += 1
-            tel.raw_bytes += job.bucket.nbytes
-            tel.encode_s += running.encode_s + running.between_s
-            tel.exposed_wait_s += running.wait_s
-            tel.decode_s += running.decode_s
-            tel.collective_s += running.collective_s
-            tel.sent_bytes += running.sent_bytes
-            tel.node_bytes += running.node_bytes
-            tel.collectives += running.collectives
-        tel.extra = self.compressor.pop_metrics()
 
     def _apply_results(self, unused: set[int]) -> None:
         nonfinite = []
@@ -484,29 +373,9 @@ class GradientSynchronizer(Synchronizer):
             handle.remove()
         self._hooks = []
 
-    @property
-    def plan_report(self) -> dict[str, Any] | None:
-        """``fusion="auto"``: the chosen plan, its predicted and measured step time, the predictions
-        for fixed plans and for an fp32 allreduce, the cost model (None until planned)."""
-        return self.tuner.report if self.tuner is not None else None
-
-    def export_plan(self, path: str) -> None:
-        """Write the current plan (gradient-ready order and tensors per bucket) as JSON, for
-        ``fusion="file:PATH"``."""
-        if self.ready_order is None:
-            raise RuntimeError("the gradient-ready order is recorded in the first synchronised step; export after it")
-        numels = [self.parameter(name).numel() for name in self.order]
-        write_plan_file(path, self.order, numels, self.tensors_per_bucket, self.planner.describe(), self.plan_report)
-
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
-        """Whether any rank keeps state of its own for a checkpoint (the memory's, the
-        compressor's), given this rank's :meth:`state_dict`: a collective, called on every rank.
-        Without it rank 0's state is every rank's."""
-        own = state["memory"] or state["compressor"] or state["compressor_extra"]
-        held = torch.tensor([float(bool(own))], device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(held.item())
+        """Whether any rank keeps state of its own (the memory's, the compressor's): a collective."""
+        return any_rank_holds_state(self, state)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronisation state, on the CPU, keyed by parameter name

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 STATE_FORMAT = 1
@@ -28,6 +30,17 @@ def state_of(engine: Any) -> dict[str, Any]:
             "auto_plan": engine.plan_report,
         }
     )
+
+
+def any_rank_holds_state(engine: Any, state: dict[str, Any]) -> bool:
+    """Whether any rank keeps state of its own for a checkpoint (the memory's, the compressor's),
+    given this rank's :func:`state_of`: an allreduce, called on every rank. Without it rank 0's
+    state is every rank's."""
+    own = state["memory"] or state["compressor"] or state["compressor_extra"]
+    held = torch.tensor([float(bool(own))], device=engine.device)
+    if engine.world_size > 1:
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=engine.process_group)
+    return bool(held.item())
 
 
 def load_state(engine: Any, state: dict[str, Any]) -> None:

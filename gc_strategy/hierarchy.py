@@ -37,6 +37,7 @@ launchers number them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,28 @@ def node_groups(ranks_per_node: Any, node_rank: int | None = None, local_rank: i
         [[n * ranks_per_node + local for n in range(nodes)] for local in range(ranks_per_node)]
     )
     return NodeGroups(nodes, ranks_per_node, rank // ranks_per_node, rank % ranks_per_node, intra, inter)
+
+
+def node_groups_for(
+    hierarchy: str,
+    world_size: int,
+    process_group: Any,
+    ranks_per_node: int | None,
+    node_rank: int | None,
+    local_rank: int | None,
+) -> NodeGroups | None:
+    """``hierarchy="node"`` (docs/design.md, "Hierarchical synchronisation"): the node groups of
+    ``ranks_per_node`` ranks (by default torchrun's ``LOCAL_WORLD_SIZE``), or None for a flat
+    exchange (also on one rank)."""
+    if hierarchy == "flat" or world_size == 1:
+        return None
+    if process_group is not None:
+        raise ValueError("hierarchy='node' forms its groups over the default process group; pass process_group=None")
+    if ranks_per_node is None:
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise ValueError("hierarchy='node' needs ranks_per_node (or LOCAL_WORLD_SIZE, set by torchrun)")
+        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    return node_groups(ranks_per_node, node_rank, local_rank)
 
 
 def gather_node_state(

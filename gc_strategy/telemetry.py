@@ -7,6 +7,7 @@ count the host time to issue the work (the side stream runs it asynchronously).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from torch import Tensor
 
@@ -66,3 +67,17 @@ def add_into(total: StepTelemetry, step: StepTelemetry) -> None:
     for item in fields(step):
         if item.name != "extra":
             setattr(total, item.name, getattr(total, item.name) + getattr(step, item.name))
+
+
+def add_exchange(step: StepTelemetry, raw_bytes: int, running: Any) -> None:
+    """Add one bucket's completed exchange (a :class:`~gc_strategy.communicators.RunningExchange`
+    of ``raw_bytes`` of gradients) to the step's telemetry."""
+    step.buckets += 1
+    step.raw_bytes += raw_bytes
+    step.encode_s += running.encode_s + running.between_s
+    step.exposed_wait_s += running.wait_s
+    step.decode_s += running.decode_s
+    step.collective_s += running.collective_s
+    step.sent_bytes += running.sent_bytes
+    step.node_bytes += running.node_bytes
+    step.collectives += running.collectives
