@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from . import overlap
 from .advise_plots import check_can_plot, plot_predictions, plot_projection
-from .autotune import TRIAL_PLANS, sample_ranges
+from .autotune import TRIAL_PLANS
 from .bucket import Bucket
 from .communicators import EAGER_AFTER_BYTES, Communicator, Exchange, Payload, Round, RunningExchange
 from .components import build_components, parse_options
@@ -57,6 +57,7 @@ from .fusion.plans import AutoPlan, FusionPlanner
 from .fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
 from .hierarchy import check_hierarchy
+from .profiler import sample_ranges
 
 #: timed runs of each sample bucket after one warm-up run; the median is kept
 RUNS = 3

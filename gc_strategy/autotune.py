@@ -1,8 +1,8 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
-The :class:`AutoTuner` serves a :class:`~gc_strategy.engine.GradientSynchronizer` whose planner is
+The :class:`AutoTuner` serves a :class:`~gc_strategy.engine.GradientTunedEngine` whose planner is
 an :class:`~gc_strategy.fusion.plans.AutoPlan` (``auto:S``), through the synchroniser's public API
-only (:class:`Synchronizer`: its roles, process group, bucket order and sizes, and ``rebucket``);
+only (:class:`~gc_strategy.profiler.TunedEngine`: its roles, process group, bucket order and sizes, and ``rebucket``);
 the planning itself (plans, timeline model, search) is :mod:`gc_strategy.fusion`, which knows no
 synchroniser. Once the gradient-ready order is known:
 
@@ -17,7 +17,7 @@ synchroniser. Once the gradient-ready order is known:
    of the last settling step: what the compressor sees in training, not the averages that ``.grad``
    holds after a synchronised step) at sizes spread geometrically from one tensor to the whole model:
    the *shape* of the cost curves. With ``hierarchy="node"`` each sample runs the whole node
-   exchange (:func:`measure_costs`).
+   exchange (:func:`~gc_strategy.profiler.measure_costs`).
 3. **Trials**, ``S`` steps each with a few fixed plans of different granularity (:data:`TRIAL_PLANS`):
    real step times of real plans in this training run.
 4. **Fit and search**: the compression and communication curves are scaled by the two factors under
@@ -38,24 +38,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
-from .bucket import Bucket
-from .communicators import COMMUNICATORS, EAGER_AFTER_BYTES, Communicator, RunningExchange
+from .communicators import EAGER_AFTER_BYTES
 from .fusion.plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
 from .fusion.timeline import Cost, CostModel, best_plan, simulate
-from .hierarchy import NodeGroups, node_exchange
-from .registry import fresh_copy
+from .profiler import TunedEngine, measure_costs
 
-#: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
-RUNS = 5
 #: fixed plans whose predicted times the report lists next to the chosen one
 REFERENCE_PLANS = [LayerwisePlan(), SinglePlan(), GroupsPlan(4), GroupsPlan(16), SizeCapPlan(25)]
 #: plans run for S steps each after the profile: measured step times over a spread of bucket counts
@@ -64,37 +58,10 @@ TRIAL_PLANS = [LayerwisePlan(), GroupsPlan(2), GroupsPlan(4), GroupsPlan(8), Gro
 SCALE_RANGE = 8.0
 
 
-class Synchronizer(Protocol):
-    """What the tuner uses of a :class:`~gc_strategy.engine.GradientSynchronizer`: its public API."""
-
-    compressor: Compressor
-    memory: Memory
-    communicator: Communicator
-    planner: AutoPlan
-    process_group: Any
-    #: hierarchy="node": this rank's node groups (None for a flat exchange), and the precision inside
-    nodes: NodeGroups | None
-    node_precision: str
-    device: torch.device
-    world_size: int
-    rank: int
-    #: the gradient-ready order (None before the first synchronised step)
-    ready_order: list[str] | None
-    #: the parameters' names in bucket order, and how many of them each bucket holds
-    order: list[str]
-    tensors_per_bucket: list[int]
-
-    def parameter(self, name: str) -> nn.Parameter: ...
-
-    def tensor_nbytes(self, names: list[str]) -> list[int]: ...
-
-    def rebucket(self, tensors_per_bucket: list[int]) -> None: ...
-
-
 class AutoTuner:
     """Profiles, tries, plans and verifies for one synchroniser (see the module docstring)."""
 
-    def __init__(self, engine: Synchronizer, planner: AutoPlan) -> None:
+    def __init__(self, engine: TunedEngine, planner: AutoPlan) -> None:
         self.engine = engine
         self.steps = planner.profile_steps
         self.phase = "settle"  # -> "profile" -> "trial" -> "verify" -> "done"
@@ -325,14 +292,14 @@ def fit_scales(model: CostModel, measured: dict[tuple[int, ...], float]) -> tupl
     return (float(a), float(b)), model.scaled(a, b)
 
 
-def _max_across_ranks(engine: Synchronizer, values: list[float]) -> list[float]:
+def _max_across_ranks(engine: TunedEngine, values: list[float]) -> list[float]:
     measured = torch.tensor(values, dtype=torch.float64)
     if engine.world_size > 1:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.process_group)
     return measured.tolist()
 
 
-def _broadcast_plan(engine: Synchronizer, groups: list[int]) -> list[int]:
+def _broadcast_plan(engine: TunedEngine, groups: list[int]) -> list[int]:
     """Identical inputs give identical plans; rank 0's is authoritative."""
     if engine.world_size == 1:
         return groups
@@ -342,7 +309,7 @@ def _broadcast_plan(engine: Synchronizer, groups: list[int]) -> list[int]:
     return [g for g in padded.tolist() if g > 0]
 
 
-def _rank0(engine: Synchronizer) -> int:
+def _rank0(engine: TunedEngine) -> int:
     return dist.get_global_rank(engine.process_group, 0) if engine.process_group is not None else 0
 
 
@@ -352,137 +319,3 @@ def _ranges(groups: list[int]) -> list[tuple[int, int]]:
         out.append((start, start + count))
         start += count
     return out
-
-
-def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
-    """Tensor ranges to time: the smallest tensor, and prefixes of the gradient-ready order whose
-    sizes grow by about 2x from there up to the whole model."""
-    smallest = min(range(len(numels)), key=lambda i: numels[i])
-    picks = {(smallest, smallest + 1), (0, len(numels))}
-    total, target, prefix, end = sum(numels), max(numels[smallest], 1) * 2, 0, 0
-    while target < total:
-        while prefix < target:
-            prefix += numels[end]
-            end += 1
-        picks.add((0, end))
-        target = max(target * 2, prefix + 1)
-    return sorted(picks, key=lambda r: (sum(numels[r[0] : r[1]]), r))
-
-
-def measure_costs(
-    engine: Synchronizer, numels: list[int], gradients: dict[str, Tensor]
-) -> tuple[list[int], torch.Tensor, bool]:
-    """Bucket sizes (elements) and, on this rank, ``[6, sizes]`` median seconds of: encode (with the
-    memory's compensation), communication, decode (with the memory's update) and the work between
-    rounds (PowerSGD's orthogonalisation) of this synchroniser's roles, and an fp32 and a bf16
-    allreduce of the same bucket over all ranks (the uncompressed baselines), on samples cut from
-    ``gradients`` (flat local gradients by parameter name; zeros where one is missing); and whether
-    the exchange has an eager round (then it waits for the engine to advance it).
-
-    With ``hierarchy="node"`` each sample runs the whole :func:`~gc_strategy.hierarchy.node_exchange`,
-    owned by local rank 0 of every node. Its communication is the owner's time from the reduce inside
-    the node to the broadcast's end, the owner's coding between them included (the exchange across
-    nodes waits for it); its encode and decode are the owner's coding divided by the ranks per node,
-    since each rank codes its share of the buckets (the work between rounds is in both, as coding).
-    The other ranks report zeros (their wait holds the owner's coding), so the maximum across ranks
-    is the owners'."""
-    compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
-    compressor.bind(engine.world_size, engine.rank)
-    compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
-    plain = {precision: COMPRESSORS.build(name) for precision, name in (("fp32", "none"), ("bf16", "bf16"))}
-    for baseline in plain.values():
-        baseline.bind(engine.world_size, engine.rank)
-    allreduce = COMMUNICATORS.build("allreduce")
-    allreduce.bind(engine.process_group)
-    gradient = torch.cat(
-        [
-            gradients[name] if name in gradients else torch.zeros(engine.parameter(name).numel(), device=engine.device)
-            for name in engine.order
-        ]
-    )
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
-    samples = []
-    for index, (a, b) in enumerate(sample_ranges(numels)):
-        names = engine.order[a:b]
-        bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
-        samples.append((bucket, gradient[offsets[a] : offsets[b]]))
-    times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
-    eager = False
-    for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
-        for (bucket, flat), timed in zip(samples, times):
-            if engine.nodes is None:
-                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)
-            else:
-                ours = time_node_exchange(engine, compressor, memory, flat, bucket)
-            eager = eager or ours.eager
-            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")]
-            if run:
-                timed.append([ours.encode_s, ours.comm_s, ours.decode_s, ours.between_s, *baselines])
-    rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
-    return [bucket.numel for bucket, _ in samples], torch.tensor(rows, dtype=torch.float64).T, eager
-
-
-class ExchangeTimes(NamedTuple):
-    """One bucket's exchange, timed: seconds of encode, communication, decode and the work between
-    rounds, the bytes this rank sent, and whether a round was eager."""
-
-    encode_s: float
-    comm_s: float
-    decode_s: float
-    between_s: float
-    sent_bytes: int
-    eager: bool
-
-
-def time_node_exchange(
-    engine: Synchronizer, compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket
-) -> ExchangeTimes:
-    """hierarchy="node": one sample bucket's node exchange, timed as :func:`measure_costs` counts it:
-    the owner's work between rounds is in its encode and communication, so ``between_s`` is 0; zero
-    seconds on a rank that does not own it. Its eager round (the node's reduce) is on every rank."""
-    nodes = engine.nodes
-    flat = flat.clone()
-    dist.barrier()
-    exchange = node_exchange(nodes, 0, memory, compressor, engine.communicator, flat, bucket, engine.node_precision)
-    running = RunningExchange(exchange, clock=_clock(flat))
-    running.finish()
-    if nodes.local_rank != 0:
-        return ExchangeTimes(0.0, 0.0, 0.0, 0.0, running.sent_bytes, running.eager)
-    coding = running.encode_s + running.between_s
-    share = 1 / nodes.ranks_per_node
-    return ExchangeTimes(
-        share * coding, coding + running.wait_s, share * running.decode_s, 0.0, running.sent_bytes, running.eager
-    )
-
-
-def _clock(flat: Tensor) -> Callable[[], float]:
-    """A host clock that first waits for ``flat``'s device (so it measures the device's work too)."""
-
-    def now() -> float:
-        if flat.is_cuda:
-            torch.cuda.synchronize(flat.device)
-        return time.perf_counter()
-
-    return now
-
-
-def time_exchange(
-    compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
-) -> ExchangeTimes:
-    """One bucket's exchange timed, all ranks of the communicator's group starting together
-    (``memory`` may be None); the exchange runs as the engine runs it (the memory's
-    :meth:`~gc_strategy.algos.base.Memory.exchange` driven by a
-    :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
-    compensation, communication every round, decode the last combine and the memory's update,
-    between the work between rounds. ``flat`` is left as it was."""
-    memory = memory if memory is not None else MEMORIES.build("none")
-    flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
-    if communicator.world_size > 1:
-        dist.barrier(group=communicator.group)
-    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
-    running.finish()
-    return ExchangeTimes(
-        running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes, running.eager
-    )
