@@ -38,7 +38,7 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states
 from .communicators import Communicator
 from .components import build_components
-from .diloco import DILOCO_DEFAULTS, diloco_options
+from .diloco_options import DILOCO_DEFAULTS, diloco_options
 from .fusion import FusionPlanner
 from .hierarchy import check_hierarchy
 from .sync import build_synchronizer

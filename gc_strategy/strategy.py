@@ -28,7 +28,7 @@ from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, 
 from .communicators import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .diloco import diloco_options
+from .diloco_options import diloco_options
 from .fusion import FusionPlanner
 from .hierarchy import check_hierarchy
 from .sync import build_synchronizer

@@ -23,7 +23,7 @@ def build_synchronizer(
     **shared: Any,
 ) -> Synchronizer:
     """Every step (``diloco`` None) or DiLoCo with the options ``diloco`` (from
-    :func:`~gc_strategy.diloco.diloco_options`). ``shared``: the options both take
+    :func:`~gc_strategy.diloco_options.diloco_options`). ``shared``: the options both take
     (``broadcast_buffers``, the hierarchy's); ``broadcast_from_rank0`` and
     ``find_unused_parameters`` apply to every-step synchronisation (DiLoCo starts every replica
     from rank 0's values, and its inner steps use whichever parameters they use)."""

@@ -158,3 +158,14 @@ def test_ranks_are_forked_in_one_place():
         if path != Path(__file__).resolve() and 'get_context("fork")' in path.read_text()
     )
     assert forking == ["gc_strategy/ranks.py"], forking
+
+
+def test_the_engines_main_class_and_the_runtimes_modules_stay_small():
+    """The engine's main class within 300 lines, every runtime module (the tools apart) within 450."""
+    engine = ast.parse((PACKAGE / "engine.py").read_text())
+    (main,) = [node for node in engine.body if isinstance(node, ast.ClassDef) and node.name == "GradientSynchronizer"]
+    assert main.end_lineno - main.lineno + 1 <= 300
+    tools = {module.rpartition(".")[2] for module in TOOLS}
+    for path in PACKAGE.rglob("*.py"):
+        if path.stem not in tools:
+            assert len(path.read_text().splitlines()) <= 450, path.relative_to(PACKAGE)

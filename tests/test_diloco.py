@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ParityModule, SmallCNN, fit, flat_params
 
 from gc_strategy import COMPRESSORS, GCFusedStrategy, build_components
-from gc_strategy.diloco import DILOCO_DEFAULTS, DiLoCo, nesterov_sgd
+from gc_strategy.diloco import DiLoCo
+from gc_strategy.diloco_options import DILOCO_DEFAULTS, nesterov_sgd
 from gc_strategy.ranks import run_ranks
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=0)}

@@ -8,7 +8,7 @@ from compressor_helpers import build, finish
 from torch import nn
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
-from gc_strategy.algos.powersgd import orthogonalize
+from gc_strategy.algos.factors import orthogonalize
 from gc_strategy.bucket import Bucket
 from gc_strategy.ranks import run_ranks
 
@@ -320,15 +320,15 @@ def test_without_warm_start_the_ranks_draw_the_same_fresh_q():
 
 @pytest.mark.parametrize("kind", ["p", "q"])
 def test_both_forms_of_the_factor_products_agree_and_the_cpu_keeps_its_faster_one(kind):
-    from gc_strategy.algos import powersgd
+    from gc_strategy.algos import factors
 
     g = torch.Generator().manual_seed(0)
     m = torch.randn(3, 40, 70, generator=g, dtype=torch.float64)
     factor = torch.randn(3, 70 if kind == "p" else 40, 4, generator=g, dtype=torch.float64)
     expected = m @ factor if kind == "p" else m.transpose(1, 2) @ factor
     for factor_first in (False, True):
-        torch.testing.assert_close(powersgd.product(kind, m, factor, factor_first), expected)
+        torch.testing.assert_close(factors.product(kind, m, factor, factor_first), expected)
     key = (kind, (3, 40, 70), 4)
-    powersgd._FACTOR_FIRST.pop(key, None)
-    torch.testing.assert_close(powersgd.product(kind, m, factor), expected)
-    assert key in powersgd._FACTOR_FIRST  # timed once, then kept
+    factors._FACTOR_FIRST.pop(key, None)
+    torch.testing.assert_close(factors.product(kind, m, factor), expected)
+    assert key in factors._FACTOR_FIRST  # timed once, then kept

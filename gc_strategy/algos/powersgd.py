@@ -11,7 +11,6 @@ gradient dtype. State (error, factors) is per parameter and checkpointed.
 
 from __future__ import annotations
 
-import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from ..bucket import Bucket, all_finite, assign_if_finite, to_device
 from ..communicators import Communicator, Exchange
 from ..registry import Option
 from .base import COMPRESSORS, Compressor, LocalForm, local_in_form
+from .factors import orthogonalize, product
 from .memory import compensated_from, keep_difference
 
 LOWRANK_OPTIONS = {
@@ -34,67 +34,6 @@ LOWRANK_OPTIONS = {
     "orthogonalization_epsilon": Option(0.0, float, low=0.0),
     "seed": Option(0, int, low=0, help="seed of the initial factors, shared by all ranks"),
 }
-
-
-def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
-    """Orthonormalise the columns of a batch ``[b, n, r]`` in place, by classical Gram–Schmidt with
-    each column projected off the previous ones twice (CGS2: "twice is enough", Giraud, Langou &
-    Rozložník 2005): orthogonal to working precision like Householder QR, also for (nearly)
-    dependent columns, e.g. a rank-r factor of a matrix of lower rank, where a single pass is not.
-    A column is divided by ``‖col‖ + ε`` (torch's ``powerSGD_hook``'s ε, which keeps vanishing
-    columns finite); with ``ε = 0`` an exactly zero column stays zero (zero-padded batches too).
-
-    All of it is batched: ``4(r − 1)`` small ``bmm`` and ``r`` norms for the whole batch, however
-    many matrices, where a QR per batch runs one solver call per matrix.
-    """
-    tiny = torch.finfo(matrices.dtype).tiny
-    for i in range(matrices.shape[2]):
-        col = matrices[:, :, i : i + 1]
-        if i:
-            done = matrices[:, :, :i]
-            for _ in range(2):  # col ← col − D (Dᵀ col): two launches
-                col.baddbmm_(done, torch.bmm(done.transpose(1, 2), col), alpha=-1)
-        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        col /= norm + epsilon if epsilon > 0 else norm.clamp_min(tiny)
-    return matrices
-
-
-#: CPU only: per (factor, batch shape, rank), whether the product is faster with the factor on the left
-_FACTOR_FIRST: dict[tuple[str, tuple[int, ...], int], bool] = {}
-
-
-def product(kind: str, m: Tensor, factor: Tensor, factor_first: bool | None = None) -> Tensor:
-    """``P = M Q`` (``kind`` "p", ``factor`` = Q) or ``Q = Mᵀ P`` ("q") for batches ``[b, rows,
-    cols]``, directly or as ``(Qᵀ Mᵀ)ᵀ`` / ``(Pᵀ M)ᵀ`` (``factor_first``; the same product, other
-    rounding). Which BLAS call is faster for a skinny product depends on the CPU, by several times
-    either way; so on the CPU each shape's form is timed once (best of 3 each) and kept for the
-    process; on a GPU the direct form."""
-    if factor_first is None:
-        key = (kind, tuple(m.shape), factor.shape[-1])
-        if not kernels.in_host_memory(m):
-            factor_first = False
-        elif key in _FACTOR_FIRST:
-            factor_first = _FACTOR_FIRST[key]
-        else:
-            factor_first = _FACTOR_FIRST[key] = _faster(lambda first: product(kind, m, factor, first))
-    if factor_first:
-        return torch.bmm(factor.transpose(1, 2), m.transpose(1, 2) if kind == "p" else m).transpose(1, 2)
-    return torch.bmm(m if kind == "p" else m.transpose(1, 2), factor)
-
-
-def _faster(run) -> bool:
-    """Whether ``run(True)`` beats ``run(False)``: best of 3 timings each, after one call each."""
-    best = {}
-    for option in (False, True):
-        run(option)
-        best[option] = min(_seconds(run, option) for _ in range(3))
-    return best[True] < best[False]
-
-
-def _seconds(run, option: bool) -> float:
-    start = time.perf_counter()
-    run(option)
-    return time.perf_counter() - start
 
 
 @dataclass
