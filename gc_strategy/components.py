@@ -10,6 +10,7 @@ error-feedback memory on a compressor that keeps its own (PowerSGD, ACP-SGD).
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,12 @@ class Components:
 
     def fresh(self) -> Components:
         """The same roles with the same options and fresh state (e.g. for a model whose parameters
-        changed); the fusion planner is parsed again from its string form."""
+        changed); the fusion planner copied, so that a custom one (docs/extending.md) carries over."""
         return Components(
             fresh_copy(self.compressor),
             fresh_copy(self.memory),
             fresh_copy(self.communicator),
-            parse_fusion(self.fusion.describe()),
+            copy.deepcopy(self.fusion),
         )
 
     def describe(self) -> str:

@@ -192,11 +192,11 @@ class DiLoCo(Synchronizer):
             return
         matrices = [n for n, p in chunk if p.dim() > 1]
         others = [n for n, p in chunk if p.dim() <= 1]
-        fusion = components.fusion.describe()
         if matrices:
             yield matrices, components.fresh()
         if others:
-            yield others, build_components("bf16" if vectors == "bf16" else "none", "none", "auto", fusion)
+            dense = "bf16" if vectors == "bf16" else "none"
+            yield others, build_components(dense, "none", "auto", components.fresh().fusion)
 
     # ------------------------------------------------------------------ the schedule
     def after_optimizer_step(self) -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .components import Components
+from .fusion.plans import AutoPlan, FilePlan
 
 SYNC_MODES = ("every_step", "diloco")
 VECTOR_POLICIES = ("bf16", "fp32", "compressed")
@@ -71,11 +72,10 @@ def check_diloco_options(
             f"sync='diloco' with compressor '{compressor.name}': it alternates its payloads step by step and "
             "needs consecutive steps' gradients; use e.g. 'powersgd', 'topk' or 'qsgd' for the outer exchange"
         )
-    fusion = components.fusion.describe()
-    if fusion.startswith(("auto", "file")):
+    if isinstance(components.fusion, (AutoPlan, FilePlan)):
         raise ValueError(
-            f"sync='diloco' with fusion={fusion!r}: automatic and file plans are made for the backward's "
-            "gradients of the whole model; use a fixed plan (e.g. fusion='bucket_mb:25')"
+            f"sync='diloco' with fusion={components.fusion.describe()!r}: automatic and file plans are made for "
+            "the backward's gradients of the whole model; use a fixed plan (e.g. fusion='bucket_mb:25')"
         )
 
 

@@ -74,3 +74,83 @@ def test_the_examples_train_on_two_ranks_with_the_plain_math():
     for result in run_ranks(_train_with_examples, 2):
         assert result["int8"] <= 1e-6 and result["flat"] <= 1e-6
         assert 0 < result["int8 residual norm"] <= 1.0 + 1e-6  # the residual exists and is clipped
+
+
+def _page_roles():
+    ex = _examples()
+    return build_components(
+        ex["Int8Linear"](levels=127), ex["ClippedResidual"](max_norm=1.0), fusion=ex["HalvesPlan"]()
+    )
+
+
+def _every_mode_with_the_pages_roles(rank, world_size):
+    """DiLoCo (its vectors exchanged in bf16 by the same custom plan) and the hierarchy, each
+    built by gc_strategy.sync from the page's compressor, memory and planner: what each rank holds
+    after a few steps (replicas must agree)."""
+    from gc_strategy.sync import build_synchronizer
+
+    held = {}
+    for label, diloco, shared in (
+        ("diloco", {"inner_steps": 2}, {}),
+        ("hierarchy", None, {"hierarchy": "node", "ranks_per_node": 1}),
+    ):
+        torch.manual_seed(0)
+        model = SmallCNN()
+        sync = build_synchronizer(model, _page_roles(), diloco, **shared)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(4):
+            x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            optimizer.zero_grad()
+            with sync.forward_pass():
+                loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            sync.after_optimizer_step()
+        sync.close()
+        held[label] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return held
+
+
+@pytest.mark.slow
+def test_the_pages_roles_run_under_diloco_and_the_hierarchy():
+    """A custom compressor, memory and planner written as the page shows them work in every way of
+    synchronising: the replicas stay identical, and the parameters moved."""
+    ranks = run_ranks(_every_mode_with_the_pages_roles, 2)
+    for label in ("diloco", "hierarchy"):
+        assert torch.equal(ranks[0][label], ranks[1][label]), label
+    torch.manual_seed(0)
+    start = torch.cat([p.detach().reshape(-1) for p in SmallCNN().parameters()])
+    assert not torch.equal(ranks[0]["diloco"], start) and not torch.equal(ranks[0]["hierarchy"], start)
+
+
+@pytest.mark.slow
+def test_the_pages_roles_run_through_pufferfishs_warm_up(tmp_path):
+    """The Lightning strategy with the page's roles and Pufferfish's warm-up: after the conversion
+    the synchroniser is rebuilt with fresh copies of the same custom roles, on both ranks."""
+    import lightning.pytorch as pl
+    from models import ParityModule, fit
+
+    from gc_strategy import GCFusedStrategy
+    from gc_strategy.pufferfish import LowRankConv2d, PufferfishWarmup, enable_factorized_loading
+
+    ex = _examples()
+
+    class Seen(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            sync = trainer.strategy.synchronizer
+            roles = f"{type(sync.compressor).__name__} {type(sync.memory).__name__} {type(sync.planner).__name__}"
+            (tmp_path / f"rank{trainer.global_rank}.txt").write_text(roles)
+
+    pl.seed_everything(0, verbose=False)
+    module = ParityModule()
+    enable_factorized_loading(module)
+    strategy = GCFusedStrategy(
+        compressor=ex["Int8Linear"](levels=127),
+        memory=ex["ClippedResidual"](max_norm=1.0),
+        fusion=ex["HalvesPlan"](),
+        start_method="fork",
+    )
+    fit(module, strategy, max_epochs=2, callbacks=[PufferfishWarmup(ratio=0.5, warmup_steps=3), Seen()])
+    assert isinstance(module.net.conv2, LowRankConv2d)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "Int8Linear ClippedResidual HalvesPlan"

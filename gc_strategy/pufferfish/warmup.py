@@ -173,7 +173,7 @@ class PufferfishWarmup(pl.Callback):
     def _low_rank_components(self, strategy: GCFusedStrategy) -> Components:
         if self.after_warmup is None:
             return strategy.components.fresh()
-        return build_components(**{"fusion": strategy.components.fusion.describe(), **self.after_warmup})
+        return build_components(**{"fusion": strategy.components.fresh().fusion, **self.after_warmup})
 
     @staticmethod
     def _rebuild_optimizers(trainer: pl.Trainer) -> None:
