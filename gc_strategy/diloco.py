@@ -40,6 +40,7 @@ memory between its fragment's exchanges.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -196,7 +197,7 @@ class DiLoCo(Synchronizer):
             yield matrices, components.fresh()
         if others:
             dense = "bf16" if vectors == "bf16" else "none"
-            yield others, build_components(dense, "none", "auto", components.fresh().fusion)
+            yield others, build_components(dense, "none", "auto", copy.deepcopy(components.fusion))
 
     # ------------------------------------------------------------------ the schedule
     def after_optimizer_step(self) -> None:

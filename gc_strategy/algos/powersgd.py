@@ -61,6 +61,7 @@ class _Layout:
     slots: list[slice]
     sizes: dict[str, int]  # kind -> padded size
     index: dict[str, Tensor]
+    runs: list[list[tuple[int, int]]]  # per group, its spans of evenly spaced matrices (:meth:`_LowRank._runs`)
     padded: dict[str, Tensor] = field(default_factory=dict)  # kind -> the batch :meth:`_LowRank._padded` fills
 
     @property
@@ -117,7 +118,8 @@ class _LowRank(Compressor):
                 "p": max((m.rows for ms in groups.values() for m in ms), default=0),
                 "q": max((m.cols for ms in groups.values() for m in ms), default=0),
             }
-            layout = _Layout(groups, dense, slots, sizes, {})
+            runs = [self._runs(ms) for ms in groups.values()]
+            layout = _Layout(groups, dense, slots, sizes, {}, runs)
             for kind, size in sizes.items():
                 positions = torch.arange(start * size * self.options["rank"]).view(start, size, self.options["rank"])
                 pieces = [view.reshape(-1) for view in layout.views(kind, positions)] or [positions.view(-1)]
@@ -198,7 +200,8 @@ class _LowRank(Compressor):
             return None
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket, finite)
-        return layout, finite, m_flat, [self._matrices(m_flat, ms) for ms in layout.groups.values()]
+        mats = [self._matrices(m_flat, ms, runs) for ms, runs in zip(layout.groups.values(), layout.runs)]
+        return layout, finite, m_flat, mats
 
     def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
         """``M = g + e``, formed in ``e`` itself where that is safe (see
@@ -232,10 +235,9 @@ class _LowRank(Compressor):
         return flat.as_strided(shape, strides, flat.storage_offset() + first.offset)
 
     @classmethod
-    def _matrices(cls, m_flat: Tensor, matrices: list[_Matrix]) -> Tensor:
+    def _matrices(cls, m_flat: Tensor, matrices: list[_Matrix], runs: list[tuple[int, int]]) -> Tensor:
         """The batch ``[b, rows, cols]`` of same-shape matrices: a view of ``m_flat`` where they are
-        evenly spaced, a stacked copy of the spans otherwise."""
-        runs = cls._runs(matrices)
+        evenly spaced (one of ``runs``), a stacked copy of the spans otherwise."""
         views = [cls._batch_view(m_flat, matrices[i:j]) for i, j in runs]
         return views[0] if len(views) == 1 else torch.cat(views)
 
@@ -243,8 +245,9 @@ class _LowRank(Compressor):
     def _write_products(cls, out: Tensor, layout: _Layout, p: Tensor, q: Tensor) -> None:
         """``P Qᵀ`` of every matrix (padded factor batches ``p``, ``q``) into its place in the flat
         ``out``: one ``bmm`` into a view of ``out`` per span of evenly spaced matrices."""
-        for matrices, p_group, q_group in zip(layout.groups.values(), layout.views("p", p), layout.views("q", q)):
-            for i, j in cls._runs(matrices):
+        groups = zip(layout.groups.values(), layout.runs, layout.views("p", p), layout.views("q", q))
+        for matrices, runs, p_group, q_group in groups:
+            for i, j in runs:
                 torch.bmm(p_group[i:j], q_group[i:j].transpose(1, 2), out=cls._batch_view(out, matrices[i:j]))
 
     @staticmethod

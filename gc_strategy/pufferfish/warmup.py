@@ -21,6 +21,7 @@ resuming from them converts the freshly built model before loading.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -173,7 +174,7 @@ class PufferfishWarmup(pl.Callback):
     def _low_rank_components(self, strategy: GCFusedStrategy) -> Components:
         if self.after_warmup is None:
             return strategy.components.fresh()
-        return build_components(**{"fusion": strategy.components.fresh().fusion, **self.after_warmup})
+        return build_components(**{"fusion": copy.deepcopy(strategy.components.fusion), **self.after_warmup})
 
     @staticmethod
     def _rebuild_optimizers(trainer: pl.Trainer) -> None:
