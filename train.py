@@ -21,8 +21,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFusedStrategy
+from gc_strategy.hierarchy import hierarchy_of
 from gc_strategy.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
+from gc_strategy.sync_modes import sync_of
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.console import StepProgressBar, quiet_harmless_messages
 from recipes.images import ImageDataModule, MissingDataset
@@ -75,11 +77,9 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
         start_method=cfg.trainer.start_method,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         find_unused_parameters=cfg.trainer.find_unused_parameters,
-        hierarchy=cfg.trainer.hierarchy,
-        node_precision=cfg.trainer.node_precision,
+        hierarchy=hierarchy_of(cfg.trainer.hierarchy, cfg.trainer.node_precision) or "flat",
         broadcast_buffers=cfg.trainer.broadcast_buffers,
-        sync=cfg.sync.name,
-        **_options(cfg.sync),
+        sync=sync_of(cfg.sync.name, _options(cfg.sync)),
         **options,
     )
 

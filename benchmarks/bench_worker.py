@@ -37,6 +37,7 @@ from netns import sent_bytes
 
 from gc_strategy.components import parse_options
 from gc_strategy.strategy import end_process_group
+from gc_strategy.sync_modes import from_command_line
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
@@ -71,14 +72,16 @@ def keep_local_gradients(state, bucket):  # unannotated: DDP rejects annotations
 
 
 def parse_config(name: str) -> dict[str, Any]:
-    """``gc_fused:compressor=topk,density=0.01`` -> ``{"compressor": "topk", "density": 0.01}``; a
-    baseline name -> ``{}``. Raises ValueError naming what is wrong."""
+    """``gc_fused:compressor=topk,density=0.01`` -> the strategy's keyword arguments
+    (``{"compressor": "topk", "density": 0.01, "sync": EveryStep(), "hierarchy": "flat"}``; DiLoCo's
+    and the hierarchy's options gathered into their objects); a baseline name -> ``{}``. Raises
+    ValueError naming what is wrong."""
     if name in BASELINES:
         return {}
     kind, _, spec = name.partition(":")
     if kind != "gc_fused":
         raise ValueError(f"configs: {name!r} is invalid; allowed: {', '.join(BASELINES)}, or gc_fused[:key=value,...]")
-    return parse_options(spec)
+    return from_command_line(parse_options(spec))
 
 
 def make_strategy(name: str, warmup: int):

@@ -12,6 +12,8 @@ from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .engine import GradientSynchronizer
 from .fusion import FusionPlanner, parse_fusion
+from .hierarchy import NodeHierarchy
+from .sync_modes import DiLoCo, EveryStep
 from .telemetry import StepTelemetry
 
 #: public names that need Lightning
@@ -41,10 +43,13 @@ __all__ = [
     "Communicator",
     "Components",
     "Compressor",
+    "DiLoCo",
+    "EveryStep",
     "FusionPlanner",
     "GCFusedStrategy",
     "GradientSynchronizer",
     "Memory",
+    "NodeHierarchy",
     "StepTelemetry",
     "ThroughputMonitor",
     "build_components",

@@ -38,10 +38,10 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states
 from .communicators import Communicator
 from .components import build_components
-from .diloco_options import DILOCO_DEFAULTS, diloco_options
 from .fusion import FusionPlanner
-from .hierarchy import check_hierarchy
+from .hierarchy import NodeHierarchy, parse_hierarchy
 from .sync import build_synchronizer
+from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
@@ -85,20 +85,18 @@ def prepare(
     fusion: str | FusionPlanner = "bucket_mb:25",
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
-    hierarchy: str = "flat",
-    node_precision: str = "full",
-    sync: str = "every_step",
+    sync: str | EveryStep | DiLoCo = "every_step",
+    hierarchy: str | NodeHierarchy = "flat",
     **options: Any,
 ) -> Any:
     """Like ``accelerator.prepare(model, *objects)``, with compressed fused gradient synchronisation
     in place of DDP. Returns what ``accelerator.prepare`` returns (the model first).
     ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
-    else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"``: a dense
-    reduction inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`), the
-    nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks, reduced inside at ``node_precision``
-    (``"full"`` or ``"bf16"``). ``sync="diloco"`` with DiLoCo's options (``inner_steps=...``, see
-    :class:`~gc_strategy.strategy.GCFusedStrategy`): the one optimizer among ``objects`` takes the
-    inner steps, and each of its steps counts towards the next outer step."""
+    else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"`` (or a
+    :class:`~gc_strategy.hierarchy.NodeHierarchy`): a dense reduction inside each node and
+    compression only across nodes, the nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks.
+    ``sync=DiLoCo(inner_steps=...)``: the one optimizer among ``objects`` takes the inner steps,
+    and each of its steps counts towards the next outer step."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     if kind not in SUPPORTED:
         raise ValueError(
@@ -108,15 +106,14 @@ def prepare(
         )
     if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
         raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
-    check_hierarchy(hierarchy, node_precision)
-    nodes = dict(hierarchy=hierarchy, node_precision=node_precision)
-    given = {key: options.pop(key) for key in list(options) if key in DILOCO_DEFAULTS}
+    refuse_misplaced_options(options)
+    parse_hierarchy(hierarchy)
     components = build_components(compressor, memory, communicator, fusion, **options)
-    diloco = diloco_options(components, sync, {**DILOCO_DEFAULTS, **given})
+    sync = parse_sync(sync, components)
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    if diloco is not None and len(optimizers) != 1:
+    if isinstance(sync, DiLoCo) and len(optimizers) != 1:
         raise ValueError(
-            f"sync='diloco' counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
+            f"sync=DiLoCo counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
         )
     handler = getattr(accelerator, "ddp_handler", None)
     if find_unused_parameters is None:
@@ -127,10 +124,10 @@ def prepare(
     synchronizer = build_synchronizer(
         model,
         components,
-        diloco,
-        find_unused_parameters=find_unused_parameters,
+        sync,
+        hierarchy=hierarchy,
         broadcast_buffers=broadcast_buffers,
-        **nodes,
+        find_unused_parameters=find_unused_parameters,
     )
     synchronizer.use_optimizers(optimizers)
     for optimizer in optimizers:

@@ -56,7 +56,7 @@ from .components import build_components, parse_options
 from .fusion.plans import AutoPlan, FusionPlanner
 from .fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
-from .hierarchy import check_hierarchy
+from .hierarchy import hierarchy_of
 from .profiler import sample_ranges
 
 #: timed runs of each sample bucket after one warm-up run; the median is kept
@@ -494,7 +494,7 @@ def check_config(spec: str) -> dict[str, Any]:
     """The options of one ``--configs`` item, checked (raises ``ValueError`` naming what is wrong)."""
     options = parse_options(spec)
     try:
-        check_hierarchy(options.get("hierarchy", "flat"), options.get("node_precision", "full"))
+        hierarchy_of(options.get("hierarchy", "flat"), options.get("node_precision", "full"))
     except ValueError as error:
         raise ValueError(f"configs: {spec!r}: {error}") from None
     build_components(**_roles(options))

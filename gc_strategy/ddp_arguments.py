@@ -59,9 +59,7 @@ def fusion_for(fusion: Any, bucket_cap_mb: float | None) -> Any:
         return "bucket_mb:25" if fusion is None else fusion
     if fusion is not None:
         raise ValueError(
-            f"bucket_cap_mb={bucket_cap_mb!r} and fusion={fusion!r} both set the buckets; give one "
+            f"bucket_cap_mb={bucket_cap_mb:g} and fusion={fusion!r} both set the buckets; give one "
             "(bucket_cap_mb=X is fusion='bucket_mb:X')"
         )
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb = {bucket_cap_mb!r} is invalid; allowed: a number of megabytes > 0")
     return f"bucket_mb:{bucket_cap_mb:g}"

@@ -43,7 +43,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,10 +52,11 @@ from torch import Tensor, nn
 
 from .collectives import average_buffers
 from .components import Components, build_components
-from .diloco_options import check_diloco_options, nesterov_sgd
 from .engine import GradientSynchronizer
 from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
+from .hierarchy import NodeHierarchy
+from .sync_modes import DiLoCo
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_into
 
@@ -79,43 +80,39 @@ class _Fragment:
         self.averaged: list[Tensor] | None = None
 
 
-class DiLoCo(Synchronizer):
-    """Synchronise ``module`` every ``inner_steps`` optimizer steps (see the module's docstring).
+class DiLoCoSynchronizer(Synchronizer):
+    """Synchronise ``module`` as ``config`` (:class:`~gc_strategy.sync_modes.DiLoCo`) says: every
+    ``inner_steps`` optimizer steps (see the module's docstring), over ``hierarchy`` (as for
+    :class:`~gc_strategy.engine.GradientSynchronizer`).
 
     Call :meth:`after_optimizer_step` after every inner optimizer step on every rank (the Lightning
-    strategy and the Accelerate integration do). ``outer_optimizer`` builds the outer optimizer
-    from the list of outer tensors (default :func:`nesterov_sgd`).
+    strategy and the Accelerate integration do).
     """
 
     def __init__(
         self,
         module: nn.Module,
         components: Components,
-        inner_steps: int,
-        outer_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None,
-        fragments: int | str = 1,
-        overlap_steps: int = 0,
-        mixing: float = 0.5,
-        vectors: str = "bf16",
-        offload: bool = False,
+        config: DiLoCo,
         broadcast_buffers: bool = True,
         process_group: Any = None,
-        **engine_options: Any,
+        hierarchy: str | NodeHierarchy = "flat",
     ) -> None:
-        check_diloco_options(components, inner_steps, fragments, overlap_steps, mixing, vectors)
+        config.check(components)
         self.module = module
         self.components = components
-        self.vectors = vectors
-        self.engine_options = engine_options
-        self.inner_steps = inner_steps
-        self.overlap_steps = overlap_steps
-        self.mixing = float(mixing)
+        self.vectors = config.vectors
+        self.hierarchy = hierarchy
+        self.inner_steps = config.inner_steps
+        self.overlap_steps = config.overlap_steps
+        self.mixing = float(config.mixing)
         self.broadcast_buffers = broadcast_buffers
         self.process_group = process_group
         self.named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not self.named:
             raise ValueError("the module has no parameter with requires_grad=True: nothing to synchronise")
-        self.offload = offload
+        self.offload = offload = config.offload
+        fragments = config.fragments
         outer_device = torch.device("cpu") if offload else self.named[0][1].device
         #: θ, by parameter name: fp32, where the outer state lives (filled after rank 0's broadcast)
         self.outer = {n: torch.empty(p.shape, dtype=torch.float32, device=outer_device) for n, p in self.named}
@@ -132,7 +129,7 @@ class DiLoCo(Synchronizer):
             outer.copy_(p.detach())
         first = self.fragments[0].synchronizers[0]
         self.world_size, self.rank = first.world_size, first.rank
-        self.outer_optimizer = (outer_optimizer or nesterov_sgd())(list(self.outer.values()))
+        self.outer_optimizer = config.outer()(list(self.outer.values()))
         #: inner optimizer steps taken
         self.inner_step = 0
         #: outer exchanges completed (one per fragment exchange)
@@ -173,7 +170,7 @@ class DiLoCo(Synchronizer):
                     broadcast_buffers=False,
                     parameters=group,
                     on_backward=False,
-                    **self.engine_options,
+                    hierarchy=self.hierarchy,
                 )
                 if previous:
                     synchronizer.memory.load_state_by_parameter(states[0], synchronizer.buckets)

@@ -64,7 +64,7 @@ from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
 from .engine_state import any_rank_holds_state, load_state, resharded, state_of
 from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
-from .hierarchy import check_hierarchy, node_exchange, node_groups_for
+from .hierarchy import NodeHierarchy, parse_hierarchy, route_for
 from .layout import BucketLayout
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
@@ -100,9 +100,9 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
     stream, after backward's kernels: for measuring what the overlap gains).
     ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
-    ``DistributedDataParallel`` (see the module's docstring). ``hierarchy="node"`` reduces inside each
-    node of ``ranks_per_node`` ranks, at ``node_precision`` (``"full"`` or ``"bf16"``), and compresses
-    only across nodes (:mod:`gc_strategy.hierarchy`). ``parameters`` (names) limits it to
+    ``DistributedDataParallel`` (see the module's docstring). ``hierarchy``: ``"flat"``, or
+    ``"node"`` / a :class:`~gc_strategy.hierarchy.NodeHierarchy`: a reduction inside each node and
+    compression only across nodes (:mod:`gc_strategy.hierarchy`). ``parameters`` (names) limits it to
     some of the trainable parameters. With ``on_backward=False`` backward does nothing: the
     caller averages the current ``.grad`` with :meth:`start_synchronize` and
     :meth:`finish_synchronize`, as DiLoCo's outer step does (:mod:`gc_strategy.diloco`).
@@ -120,16 +120,11 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         side_stream: bool = True,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
-        hierarchy: str = "flat",
-        ranks_per_node: int | None = None,
-        node_rank: int | None = None,
-        local_rank: int | None = None,
-        node_precision: str = "full",
+        hierarchy: str | NodeHierarchy = "flat",
         parameters: Iterable[str] | None = None,
         on_backward: bool = True,
     ) -> None:
-        check_hierarchy(hierarchy, node_precision)
-        self.node_precision = node_precision
+        parse_hierarchy(hierarchy)  # refused before any collective
         self.module = module
         self.compressor = compressor
         self.memory = memory
@@ -143,8 +138,9 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         #: the process group's size and this process's rank in it
         self.world_size = dist.get_world_size(process_group) if initialized else 1
         self.rank = dist.get_rank(process_group) if initialized else 0
-        self.nodes = node_groups_for(hierarchy, self.world_size, process_group, ranks_per_node, node_rank, local_rank)
-        communicator.bind(process_group if self.nodes is None else self.nodes.inter)
+        #: how each bucket travels across ranks (flat, or per node)
+        self.route = route_for(hierarchy, process_group, self.world_size)
+        communicator.bind(self.route.group)
         compressor.bind(communicator.world_size, communicator.rank)
         named = synchronised_parameters(module, parameters)
         self.names = [name for name, _ in named]
@@ -229,11 +225,7 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
     def _launch(self, b: int) -> None:
         bucket, flat = self.buckets[b], self.buffers[b]
         with self._side_stream():
-            if self.nodes is None:
-                exchange = self.memory.exchange(self.compressor, flat, bucket, self.communicator)
-            else:
-                roles = (self.memory, self.compressor, self.communicator)
-                exchange = node_exchange(self.nodes, self.owners[b], *roles, flat, bucket, self.node_precision)
+            exchange = self.route.exchange(b, self.memory, self.compressor, self.communicator, flat, bucket)
             running = RunningExchange(exchange)
             if bucket.nbytes >= EAGER_AFTER_BYTES:
                 self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in

@@ -47,26 +47,69 @@ from torch import Tensor
 
 from .algos.base import Compressor, Memory
 from .bucket import Bucket
-from .communicators import Communicator, Exchange, Round
+from .communicators import Communicator, Exchange, Round, RunningExchange
+from .fusion.timeline import bucket_owners
+from .profiler import ExchangeTimes, device_clock
+from .registry import Configuration, Option
+from .routes import FlatRoute, Route
 
-HIERARCHIES = ("flat", "node")
-#: the precision of the reduce and the broadcast inside a node (``hierarchy="node"``)
+#: the precision of the reduce and the broadcast inside a node
 NODE_PRECISIONS = ("full", "bf16")
 
 
-def check_hierarchy(hierarchy: str, node_precision: str = "full") -> None:
-    """Refuse an unknown ``hierarchy`` or ``node_precision``, or a precision inside nodes without them."""
-    if hierarchy not in HIERARCHIES:
-        raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {', '.join(map(repr, HIERARCHIES))}")
-    if node_precision not in NODE_PRECISIONS:
+class NodeHierarchy(Configuration):
+    """``hierarchy="node"`` and its options. ``precision``: of the reduction inside each node,
+    ``"full"`` (the gradients' dtype) or ``"bf16"``. ``ranks_per_node``: by default the Trainer's
+    ``devices``, or torchrun's ``LOCAL_WORLD_SIZE``. ``node_rank`` and ``local_rank``: this rank's
+    place as its launcher numbers it, where known (the Lightning strategy fills them in), checked
+    against the numbering node by node."""
+
+    OPTIONS = {
+        "precision": Option("full", str, choices=NODE_PRECISIONS),
+        "ranks_per_node": Option(None, int, low=1, optional=True),
+        "node_rank": Option(None, int, low=0, optional=True),
+        "local_rank": Option(None, int, low=0, optional=True),
+    }
+
+    def launched(self, ranks_per_node: int, node_rank: int, local_rank: int) -> NodeHierarchy:
+        """This hierarchy on a launcher's nodes of ``ranks_per_node`` ranks; a different
+        ``ranks_per_node`` given by the user is refused."""
+        if self.ranks_per_node not in (None, ranks_per_node):
+            raise ValueError(
+                f"NodeHierarchy: option 'ranks_per_node' = {self.ranks_per_node} is invalid; allowed: the launcher's "
+                f"{ranks_per_node} ranks per node, or None"
+            )
+        options = dict(self.options, ranks_per_node=ranks_per_node, node_rank=node_rank, local_rank=local_rank)
+        return NodeHierarchy(**options)
+
+
+#: the forms ``hierarchy=`` takes
+HIERARCHY_FORMS = "'flat', 'node', or a NodeHierarchy(...)"
+
+
+def parse_hierarchy(hierarchy: Any) -> NodeHierarchy | None:
+    """``hierarchy=``: ``"flat"`` (None), ``"node"`` (:class:`NodeHierarchy` with its defaults) or
+    a :class:`NodeHierarchy`."""
+    if isinstance(hierarchy, NodeHierarchy):
+        return hierarchy
+    if hierarchy == "flat":
+        return None
+    if hierarchy == "node":
+        return NodeHierarchy()
+    raise ValueError(f"hierarchy = {hierarchy!r} is invalid; allowed: {HIERARCHY_FORMS}")
+
+
+def hierarchy_of(hierarchy: str = "flat", node_precision: str = "full") -> NodeHierarchy | None:
+    """The hierarchy of a flat command-line configuration (``hierarchy=node,node_precision=bf16``:
+    the app's and the advisor's): None for flat."""
+    precision = Option("full", str, choices=NODE_PRECISIONS).validate("hierarchy", "node_precision", node_precision)
+    parsed = parse_hierarchy(hierarchy)
+    if parsed is None and precision != "full":
         raise ValueError(
-            f"node_precision = {node_precision!r} is invalid; allowed: {', '.join(map(repr, NODE_PRECISIONS))}"
-        )
-    if node_precision != "full" and hierarchy != "node":
-        raise ValueError(
-            f"node_precision = {node_precision!r} applies to the reduction inside nodes; it needs hierarchy='node' "
+            f"node_precision = {precision!r} applies to the reduction inside nodes; it needs hierarchy='node' "
             f"(got hierarchy = {hierarchy!r})"
         )
+    return None if parsed is None else NodeHierarchy(precision=precision)
 
 
 @dataclass
@@ -124,26 +167,74 @@ def node_groups(ranks_per_node: Any, node_rank: int | None = None, local_rank: i
     return NodeGroups(nodes, ranks_per_node, rank // ranks_per_node, rank % ranks_per_node, intra, inter)
 
 
-def node_groups_for(
-    hierarchy: str,
-    world_size: int,
-    process_group: Any,
-    ranks_per_node: int | None,
-    node_rank: int | None,
-    local_rank: int | None,
-) -> NodeGroups | None:
-    """``hierarchy="node"`` (docs/design.md, "Hierarchical synchronisation"): the node groups of
-    ``ranks_per_node`` ranks (by default torchrun's ``LOCAL_WORLD_SIZE``), or None for a flat
-    exchange (also on one rank)."""
-    if hierarchy == "flat" or world_size == 1:
-        return None
+def route_for(hierarchy: Any, process_group: Any, world_size: int) -> Route:
+    """The :class:`~gc_strategy.routes.Route` of ``hierarchy`` (any form :func:`parse_hierarchy`
+    takes; docs/design.md, "Hierarchical synchronisation"): a flat one also on one rank."""
+    hierarchy = parse_hierarchy(hierarchy)
+    if hierarchy is None or world_size == 1:
+        return FlatRoute(process_group)
     if process_group is not None:
         raise ValueError("hierarchy='node' forms its groups over the default process group; pass process_group=None")
+    ranks_per_node = hierarchy.ranks_per_node
     if ranks_per_node is None:
         if "LOCAL_WORLD_SIZE" not in os.environ:
             raise ValueError("hierarchy='node' needs ranks_per_node (or LOCAL_WORLD_SIZE, set by torchrun)")
         ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    return node_groups(ranks_per_node, node_rank, local_rank)
+    return NodeRoute(node_groups(ranks_per_node, hierarchy.node_rank, hierarchy.local_rank), hierarchy.precision)
+
+
+class NodeRoute(Route):
+    """The exchange of the module's docstring: each bucket reduced onto its owner inside the node,
+    compressed across nodes by the owners (over ``groups.inter``), broadcast back inside the node."""
+
+    def __init__(self, groups: NodeGroups, precision: str = "full") -> None:
+        self.groups = groups
+        self.precision = precision
+        self.group = groups.inter
+        #: the local rank that compresses each bucket of the current cut
+        self.owners: list[int] = []
+
+    def place(self, nbytes: list[int]) -> None:
+        self.owners = bucket_owners(nbytes, self.groups.ranks_per_node)
+
+    def keeps_state(self, b: int) -> bool:
+        return self.owners[b] == self.groups.local_rank
+
+    def carry_state(
+        self, state: dict[str, dict[str, Tensor]], shapes: dict[str, torch.Size], device: torch.device
+    ) -> dict[str, dict[str, Tensor]]:
+        if self.groups.ranks_per_node == 1:  # no owner moves
+            return state
+        return gather_node_state(self.groups, state, shapes, device)
+
+    def exchange(
+        self, b: int, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> Exchange:
+        return node_exchange(
+            self.groups, self.owners[b], memory, compressor, communicator, flat, bucket, self.precision
+        )
+
+    def timed_exchange(
+        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> ExchangeTimes:
+        """The whole node exchange of a sample bucket owned by local rank 0. The owner's work
+        between rounds is in its encode and communication (``between_s`` is 0); encode and decode
+        are the owner's coding divided by the ranks per node, since each rank codes its share of
+        the buckets; zero seconds on the other ranks (their wait holds the owner's coding). Its
+        eager round (the node's reduce) is on every rank."""
+        groups = self.groups
+        flat = flat.clone()
+        dist.barrier()
+        exchange = node_exchange(groups, 0, memory, compressor, communicator, flat, bucket, self.precision)
+        running = RunningExchange(exchange, clock=device_clock(flat))
+        running.finish()
+        if groups.local_rank != 0:
+            return ExchangeTimes(0.0, 0.0, 0.0, 0.0, running.sent_bytes, running.eager)
+        coding = running.encode_s + running.between_s
+        share = 1 / groups.ranks_per_node
+        return ExchangeTimes(
+            share * coding, coding + running.wait_s, share * running.decode_s, 0.0, running.sent_bytes, running.eager
+        )
 
 
 def gather_node_state(

@@ -1,6 +1,6 @@
 """The gradient synchroniser's bucket layout: the order of its parameters, the buckets cut from it,
-their flat buffers, and the roles' per-element state carried across a new cut (by parameter name;
-with ``hierarchy="node"``, to the parameter's new owner in the node). A part of
+their flat buffers, and the roles' per-element state carried across a new cut (by parameter name,
+to the ranks its route places the new buckets on). A part of
 :class:`~gc_strategy.engine.GradientSynchronizer`, apart from its pipeline.
 """
 
@@ -14,13 +14,11 @@ from torch import nn
 
 from .bucket import Bucket
 from .fusion.plans import write_plan_file
-from .fusion.timeline import bucket_owners
-from .hierarchy import gather_node_state
 
 
 class BucketLayout:
     """The layout methods of :class:`~gc_strategy.engine.GradientSynchronizer`, which holds the
-    parameters (``names``, ``params``, ``_index``), the roles, the planner and the node groups."""
+    parameters (``names``, ``params``, ``_index``), the roles, the planner and the route."""
 
     def _build(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
         """Cut ``order`` (parameter names in gradient-ready order) into buckets of
@@ -50,8 +48,7 @@ class BucketLayout:
                 self._slot[self._index[name]] = (b, slot)
             start += count
         self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
-        #: hierarchy="node": the local rank that compresses each bucket
-        self.owners = bucket_owners([b.nbytes for b in self.buckets], self.nodes.ranks_per_node) if self.nodes else []
+        self.route.place([b.nbytes for b in self.buckets])
         self.views = [b.views(buf) for b, buf in zip(self.buckets, self.buffers)]
 
     def parameter(self, name: str) -> nn.Parameter:
@@ -72,23 +69,21 @@ class BucketLayout:
         ``hierarchy="node"``, to the parameter's new owner in the node)."""
         memory_state = self.memory.state_by_parameter(self.buckets)
         compressor_state = self.compressor.state_by_parameter(self.buckets)
-        if self.nodes is not None and self.nodes.ranks_per_node > 1:  # owners can move within a node
-            shapes = {name: self.parameter(name).shape for name in self.names}
-            memory_state, compressor_state = (
-                gather_node_state(self.nodes, state, shapes, self.device) for state in (memory_state, compressor_state)
-            )
+        shapes = {name: self.parameter(name).shape for name in self.names}
+        memory_state, compressor_state = (
+            self.route.carry_state(state, shapes, self.device) for state in (memory_state, compressor_state)
+        )
         self._build(order, tensors_per_bucket)
         self.memory.load_state_by_parameter(memory_state, self.buckets)
         self.compressor.load_state_by_parameter(compressor_state, self.buckets)
         self._keep_owned_state()
 
     def _keep_owned_state(self) -> None:
-        """hierarchy="node": per-element state only for the buckets this rank compresses."""
-        if self.nodes is None:
-            return
+        """Per-element state only for the buckets this rank compresses (all of them, but with
+        ``hierarchy="node"``)."""
         for role in (self.memory, self.compressor):
             for per_bucket in role.buffers.values():
-                for b in [b for b in per_bucket if self.owners[b] != self.nodes.local_rank]:
+                for b in [b for b in per_bucket if not self.route.keeps_state(b)]:
                     del per_bucket[b]
 
     def _adopt_recorded_order(self) -> None:

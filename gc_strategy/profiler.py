@@ -21,11 +21,18 @@ from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .bucket import Bucket
 from .communicators import COMMUNICATORS, Communicator, RunningExchange
 from .fusion.plans import AutoPlan
-from .hierarchy import NodeGroups, node_exchange
 from .registry import fresh_copy
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
 RUNS = 5
+
+
+class TimedRoute(Protocol):
+    """What the profiler uses of a :class:`~gc_strategy.routes.Route`."""
+
+    def timed_exchange(
+        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> ExchangeTimes: ...
 
 
 class TunedEngine(Protocol):
@@ -37,9 +44,8 @@ class TunedEngine(Protocol):
     communicator: Communicator
     planner: AutoPlan
     process_group: Any
-    #: hierarchy="node": this rank's node groups (None for a flat exchange), and the precision inside
-    nodes: NodeGroups | None
-    node_precision: str
+    #: how its buckets travel across ranks
+    route: TimedRoute
     device: torch.device
     world_size: int
     rank: int
@@ -81,13 +87,8 @@ def measure_costs(
     ``gradients`` (flat local gradients by parameter name; zeros where one is missing); and whether
     the exchange has an eager round (then it waits for the engine to advance it).
 
-    With ``hierarchy="node"`` each sample runs the whole :func:`~gc_strategy.hierarchy.node_exchange`,
-    owned by local rank 0 of every node. Its communication is the owner's time from the reduce inside
-    the node to the broadcast's end, the owner's coding between them included (the exchange across
-    nodes waits for it); its encode and decode are the owner's coding divided by the ranks per node,
-    since each rank codes its share of the buckets (the work between rounds is in both, as coding).
-    The other ranks report zeros (their wait holds the owner's coding), so the maximum across ranks
-    is the owners'."""
+    Each sample runs as the engine's route runs it (:meth:`~gc_strategy.routes.Route.timed_exchange`);
+    with ``hierarchy="node"`` only the owners report times, so the maximum across ranks is theirs."""
     compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
     compressor.bind(engine.world_size, engine.rank)
     compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
@@ -114,10 +115,7 @@ def measure_costs(
     eager = False
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
-            if engine.nodes is None:
-                ours = time_exchange(compressor, memory, engine.communicator, flat, bucket)
-            else:
-                ours = time_node_exchange(engine, compressor, memory, flat, bucket)
+            ours = engine.route.timed_exchange(memory, compressor, engine.communicator, flat, bucket)
             eager = eager or ours.eager
             baselines = [time_exchange(plain[p], None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")]
             if run:
@@ -138,28 +136,7 @@ class ExchangeTimes(NamedTuple):
     eager: bool
 
 
-def time_node_exchange(
-    engine: TunedEngine, compressor: Compressor, memory: Memory, flat: Tensor, bucket: Bucket
-) -> ExchangeTimes:
-    """hierarchy="node": one sample bucket's node exchange, timed as :func:`measure_costs` counts it:
-    the owner's work between rounds is in its encode and communication, so ``between_s`` is 0; zero
-    seconds on a rank that does not own it. Its eager round (the node's reduce) is on every rank."""
-    nodes = engine.nodes
-    flat = flat.clone()
-    dist.barrier()
-    exchange = node_exchange(nodes, 0, memory, compressor, engine.communicator, flat, bucket, engine.node_precision)
-    running = RunningExchange(exchange, clock=_clock(flat))
-    running.finish()
-    if nodes.local_rank != 0:
-        return ExchangeTimes(0.0, 0.0, 0.0, 0.0, running.sent_bytes, running.eager)
-    coding = running.encode_s + running.between_s
-    share = 1 / nodes.ranks_per_node
-    return ExchangeTimes(
-        share * coding, coding + running.wait_s, share * running.decode_s, 0.0, running.sent_bytes, running.eager
-    )
-
-
-def _clock(flat: Tensor) -> Callable[[], float]:
+def device_clock(flat: Tensor) -> Callable[[], float]:
     """A host clock that first waits for ``flat``'s device (so it measures the device's work too)."""
 
     def now() -> float:
@@ -183,7 +160,7 @@ def time_exchange(
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
     if communicator.world_size > 1:
         dist.barrier(group=communicator.group)
-    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=_clock(flat))
+    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=device_clock(flat))
     running.finish()
     return ExchangeTimes(
         running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes, running.eager

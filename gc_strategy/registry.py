@@ -34,10 +34,12 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 @dataclass(frozen=True)
 class Option:
-    """One keyword option of a registered class.
+    """One keyword option of a registered class or a :class:`Configuration`.
 
-    ``kind`` is ``float``, ``int``, ``bool`` or ``str``; numeric options may have a lower and an
-    upper bound (``low_open``/``high_open`` make them exclusive); string options may have ``choices``.
+    ``kind`` is ``float``, ``int``, ``bool``, ``str`` or ``callable``; numeric options may have a
+    lower and an upper bound (``low_open``/``high_open`` make them exclusive); string options may
+    have ``choices``, which a numeric option also accepts beside its numbers (``fragments``: an
+    integer or ``"auto"``); ``optional`` accepts None as well.
     """
 
     default: Any
@@ -47,15 +49,24 @@ class Option:
     low_open: bool = False
     high_open: bool = False
     choices: tuple[str, ...] | None = None
+    optional: bool = False
     help: str = ""
 
     def allowed(self) -> str:
         """A human-readable description of the valid values."""
+        described = self._kind_allowed()
+        if self.kind in (int, float) and self.choices is not None:
+            described += " or " + " or ".join(repr(c) for c in self.choices)
+        return described + (" or None" if self.optional else "")
+
+    def _kind_allowed(self) -> str:
         if self.kind is bool:
             return "true or false"
-        if self.choices is not None:
+        if self.kind is callable:
+            return "a callable"
+        if self.kind is str and self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        name = {float: "a number", int: "an integer", str: "a string"}.get(self.kind, self.kind.__name__)
+        name = {float: "a number", int: "an integer", str: "a string"}[self.kind]
         if self.low is None and self.high is None:
             return name
         left = "(" if self.low_open or self.low is None else "["
@@ -72,9 +83,17 @@ class Option:
         def refuse() -> ValueError:
             return ValueError(f"{owner}: option '{name}' = {given!r} is invalid; allowed: {self.allowed()}")
 
+        if value is None and self.optional:
+            return None
         if self.kind is bool:
             if not isinstance(value, bool):
                 raise refuse()
+            return value
+        if self.kind is callable:
+            if not callable(value):
+                raise refuse()
+            return value
+        if self.kind is not str and self.choices is not None and isinstance(value, str) and value in self.choices:
             return value
         if self.kind is str:
             if not isinstance(value, str) or (self.choices is not None and value not in self.choices):
@@ -92,6 +111,46 @@ class Option:
         if self.high is not None and (value > self.high or (self.high_open and value == self.high)):
             raise refuse()
         return value
+
+
+def validate_options(owner: str, declared: Mapping[str, Option], options: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option of ``declared``, from ``options`` or its default, each checked and converted;
+    an unknown key is refused with the accepted ones (and the one it most likely meant), and so is
+    a missing one that has no default (None, where None is not allowed)."""
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        match = closest(unknown[0], declared)
+        hint = f" (did you mean {match!r}?)" if match else ""
+        accepted = ", ".join(sorted(declared)) or "none"
+        raise ValueError(f"{owner} does not take option(s) {', '.join(unknown)}{hint}; it accepts: {accepted}")
+    for key, option in declared.items():
+        if key not in options and option.default is None and not option.optional:
+            what = f" ({option.help})" if option.help else ""
+            raise ValueError(f"{owner} needs option '{key}'{what}; allowed: {option.allowed()}")
+    return {key: option.validate(owner, key, options.get(key, option.default)) for key, option in declared.items()}
+
+
+class Configuration:
+    """A small validated configuration object (a sync mode, the hierarchy): its class declares its
+    options in ``OPTIONS`` (defaults written there alone), and construction checks every value as
+    a registered role's options are checked."""
+
+    OPTIONS: dict[str, Option] = {}
+
+    def __init__(self, **options: Any) -> None:
+        self.options = validate_options(type(self).__name__, self.OPTIONS, options)
+        for key, value in self.options.items():
+            setattr(self, key, value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.options == self.options
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted((k, repr(v)) for k, v in self.options.items()))))
+
+    def __repr__(self) -> str:
+        changed = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if v != self.OPTIONS[k].default)
+        return f"{type(self).__name__}({changed})"
 
 
 def fresh_copy(role: T) -> T:
@@ -131,14 +190,4 @@ class Registry(Generic[T]):
 
     def build(self, name: str, **options: Any) -> T:
         """Instantiate ``name`` with validated ``options`` (declared defaults fill the rest)."""
-        cls = self.get(name)
-        declared = self.options(name)
-        unknown = sorted(set(options) - set(declared))
-        if unknown:
-            accepted = ", ".join(sorted(declared)) or "none"
-            raise ValueError(
-                f"{self.role} '{name}' does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
-            )
-        owner = f"{self.role} '{name}'"
-        values = {key: opt.validate(owner, key, options.get(key, opt.default)) for key, opt in declared.items()}
-        return cls(**values)
+        return self.get(name)(**validate_options(f"{self.role} '{name}'", self.options(name), options))

@@ -28,10 +28,11 @@ from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, 
 from .communicators import Communicator
 from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .diloco_options import diloco_options
 from .fusion import FusionPlanner
-from .hierarchy import check_hierarchy
+from .hierarchy import NodeHierarchy, parse_hierarchy
+from .registry import Option, validate_options
 from .sync import build_synchronizer
+from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 CHECKPOINT_KEY = "gc_strategy"
@@ -45,29 +46,30 @@ class GCFusedStrategy(DDPStrategy):
             ``communicator="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
             is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"`` (``"auto:S"``),
             ``"file:PATH"`` or a planner (default ``"bucket_mb:25"``).
-        find_unused_parameters, broadcast_buffers, bucket_cap_mb: as for ``DDPStrategy``
+        sync: ``"every_step"`` (every optimizer step's gradients) or
+            :class:`~gc_strategy.sync_modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
+            then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.
+        hierarchy: ``"flat"`` (every rank exchanges with every rank), or ``"node"`` /
+            :class:`~gc_strategy.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
+            dense reduction inside each node and compression only across nodes; the nodes are the
+            Trainer's ``num_nodes`` of ``devices`` ranks each.
+        log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
+            (``None``: the Trainer's own ``log_every_n_steps``).
+        find_unused_parameters, broadcast_buffers, bucket_cap_mb, and the rest: as for ``DDPStrategy``
             (``bucket_cap_mb=X`` is ``fusion="bucket_mb:X"``); ``gradient_as_bucket_view`` is taken
             and has no effect (gradients are always bucket views); DDP's other arguments are refused
             with what to use instead.
-        log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
-            (``None``: the Trainer's own ``log_every_n_steps``).
-        hierarchy: ``"flat"`` (every rank exchanges with every rank) or ``"node"``: a dense reduction
-            inside each node and compression only across nodes (:mod:`gc_strategy.hierarchy`); the
-            nodes are the Trainer's ``num_nodes`` of ``devices`` ranks each.
-        node_precision: with ``hierarchy="node"``, the precision of the reduction inside each node:
-            ``"full"`` (the gradients' dtype) or ``"bf16"`` (half the bytes of fp32 gradients).
-        sync: ``"every_step"`` (every optimizer step's gradients) or ``"diloco"``: ``inner_steps``
-            local steps, then the compressed, error-corrected exchange of the pseudo-gradient and an
-            outer optimizer step (:mod:`gc_strategy.diloco`). DiLoCo's options: ``inner_steps``,
-            ``outer_lr`` and ``outer_momentum`` (of the default outer SGD with Nesterov momentum) or
-            ``outer_optimizer`` (a callable from a list of tensors to an optimizer), ``fragments`` (a
-            count, or ``"auto"``), ``overlap_steps`` and ``mixing`` (Streaming DiLoCo), ``vectors``
-            (how 1-D tensors are sent: ``"bf16"``, ``"fp32"`` or ``"compressed"``) and ``offload``
-            (outer state in CPU memory).
         **options: options of the chosen compressor / memory / communicator (e.g. ``beta=0.9``).
     """
 
     strategy_name = "gc_fused"
+    #: the strategy's own options, beside the roles' and DDP's set-up arguments
+    OPTIONS = {
+        "find_unused_parameters": Option(False, bool),
+        "broadcast_buffers": Option(True, bool),
+        "log_every_n_steps": Option(None, int, low=1, optional=True),
+        "bucket_cap_mb": Option(None, float, low=0, low_open=True, optional=True),
+    }
 
     def __init__(
         self,
@@ -75,6 +77,9 @@ class GCFusedStrategy(DDPStrategy):
         memory: str | Memory = "none",
         communicator: str | Communicator = "auto",
         fusion: str | FusionPlanner | None = None,
+        sync: str | EveryStep | DiLoCo = "every_step",
+        hierarchy: str | NodeHierarchy = "flat",
+        log_every_n_steps: int | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         bucket_cap_mb: float | None = None,
@@ -86,54 +91,30 @@ class GCFusedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
-        log_every_n_steps: int | None = None,
-        hierarchy: str = "flat",
-        node_precision: str = "full",
-        sync: str = "every_step",
-        inner_steps: int | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_optimizer: Callable[[list[Any]], Any] | None = None,
-        fragments: int | str = 1,
-        overlap_steps: int = 0,
-        mixing: float = 0.5,
-        vectors: str = "bf16",
-        offload: bool = False,
         **options: Any,
     ) -> None:
         refuse_ddp_arguments(options)
-        check_hierarchy(hierarchy, node_precision)
-        self.hierarchy = hierarchy
-        self.node_precision = node_precision
+        refuse_misplaced_options(options)
         for key in NO_OPS:
             options.pop(key, None)
-        for key, value in (
-            ("find_unused_parameters", find_unused_parameters),
-            ("broadcast_buffers", broadcast_buffers),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{key} = {value!r} is invalid; allowed: True or False")
-        self.components = build_components(
-            compressor, memory, communicator, fusion_for(fusion, bucket_cap_mb), **options
-        )
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
-        self.sync = sync
-        self.diloco_options = diloco_options(
-            self.components,
-            sync,
+        own = validate_options(
+            "GCFusedStrategy",
+            self.OPTIONS,
             dict(
-                inner_steps=inner_steps,
-                outer_lr=outer_lr,
-                outer_momentum=outer_momentum,
-                outer_optimizer=outer_optimizer,
-                fragments=fragments,
-                overlap_steps=overlap_steps,
-                mixing=mixing,
-                vectors=vectors,
-                offload=offload,
+                find_unused_parameters=find_unused_parameters,
+                broadcast_buffers=broadcast_buffers,
+                log_every_n_steps=log_every_n_steps,
+                bucket_cap_mb=bucket_cap_mb,
             ),
         )
+        self.find_unused_parameters = own["find_unused_parameters"]
+        self.broadcast_buffers = own["broadcast_buffers"]
+        self.log_every_n_steps = own["log_every_n_steps"]
+        self.hierarchy = parse_hierarchy(hierarchy)
+        self.components = build_components(
+            compressor, memory, communicator, fusion_for(fusion, own["bucket_cap_mb"]), **options
+        )
+        self.sync = parse_sync(sync, self.components)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -144,9 +125,6 @@ class GCFusedStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps = {log_every_n_steps!r} is invalid; allowed: an integer >= 1 or None")
-        self.log_every_n_steps = log_every_n_steps
         self.synchronizer: Synchronizer | None = None
         self._pending_state: tuple[dict[str, Any], str] | None = None  # (saved state, its folder)
         self._announced_plan: dict[str, Any] | None = None
@@ -174,9 +152,9 @@ class GCFusedStrategy(DDPStrategy):
         parameters of a converted model). Call it on every rank between the same two steps; the new
         roles start with fresh state, cover the module's current parameters and record the gradient
         order again; ``broadcast_from_rank0`` first copies rank 0's parameters and buffers to all."""
-        if self.diloco_options is not None:
+        if isinstance(self.sync, DiLoCo):
             raise ValueError(
-                "switch_components (a baseline phase, a Pufferfish conversion) is not supported with sync='diloco': "
+                "switch_components (a baseline phase, a Pufferfish conversion) is not supported with sync=DiLoCo: "
                 "the outer parameters and momentum are those of the model and roles DiLoCo started with"
             )
         self.components = components
@@ -185,18 +163,17 @@ class GCFusedStrategy(DDPStrategy):
             self.synchronizer = self._synchronizer(components, broadcast_from_rank0)
 
     def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> Synchronizer:
+        hierarchy = self.hierarchy
+        if hierarchy is not None:  # the Trainer's nodes
+            hierarchy = hierarchy.launched(self.num_processes, self.node_rank, self.local_rank)
         return build_synchronizer(
             self.model,
             c,
-            self.diloco_options,
+            self.sync,
+            hierarchy=hierarchy or "flat",
+            broadcast_buffers=self.broadcast_buffers,
             broadcast_from_rank0=broadcast_from_rank0,
             find_unused_parameters=self.find_unused_parameters,
-            broadcast_buffers=self.broadcast_buffers,
-            hierarchy=self.hierarchy,
-            node_precision=self.node_precision,
-            ranks_per_node=self.num_processes,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
         )
 
     # ---------------------------------------------------------------- forward passes

@@ -3,32 +3,32 @@ that the integrations name none of them."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from .components import Components
-from .diloco import DiLoCo
+from .diloco import DiLoCoSynchronizer
 from .engine import GradientSynchronizer
+from .hierarchy import NodeHierarchy
+from .sync_modes import DiLoCo, EveryStep
 from .synchronizer import Synchronizer
 
 
 def build_synchronizer(
     module: nn.Module,
     components: Components,
-    diloco: dict[str, Any] | None,
+    sync: EveryStep | DiLoCo,
     *,
+    hierarchy: str | NodeHierarchy = "flat",
+    broadcast_buffers: bool = True,
     broadcast_from_rank0: bool = True,
     find_unused_parameters: bool = False,
-    **shared: Any,
 ) -> Synchronizer:
-    """Every step (``diloco`` None) or DiLoCo with the options ``diloco`` (from
-    :func:`~gc_strategy.diloco_options.diloco_options`). ``shared``: the options both take
-    (``broadcast_buffers``, the hierarchy's); ``broadcast_from_rank0`` and
-    ``find_unused_parameters`` apply to every-step synchronisation (DiLoCo starts every replica
-    from rank 0's values, and its inner steps use whichever parameters they use)."""
-    if diloco is not None:
-        return DiLoCo(module, components, **diloco, **shared)
+    """The synchroniser of ``sync`` (a checked configuration, :func:`~gc_strategy.sync_modes.parse_sync`)
+    over ``hierarchy``. ``broadcast_from_rank0`` and ``find_unused_parameters`` apply to every-step
+    synchronisation (DiLoCo starts every replica from rank 0's values, and its inner steps use
+    whichever parameters they use)."""
+    if isinstance(sync, DiLoCo):
+        return DiLoCoSynchronizer(module, components, sync, broadcast_buffers=broadcast_buffers, hierarchy=hierarchy)
     c = components
     return GradientSynchronizer(
         module,
@@ -38,5 +38,6 @@ def build_synchronizer(
         c.fusion,
         broadcast_from_rank0=broadcast_from_rank0,
         find_unused_parameters=find_unused_parameters,
-        **shared,
+        broadcast_buffers=broadcast_buffers,
+        hierarchy=hierarchy,
     )

@@ -16,6 +16,7 @@ accelerate = pytest.importorskip("accelerate")
 from models import SmallCNN  # noqa: E402
 
 import gc_strategy.accelerate as gc_accelerate  # noqa: E402
+from gc_strategy import DiLoCo  # noqa: E402
 
 
 def _batch(rank: int, step: int):
@@ -130,7 +131,7 @@ def _diloco(out: str) -> None:
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = gc_accelerate.prepare(
-        accelerator, model, optimizer, compressor="topk", memory="residual", density=0.1, sync="diloco", inner_steps=2
+        accelerator, model, optimizer, compressor="topk", memory="residual", density=0.1, sync=DiLoCo(inner_steps=2)
     )
     identical = []
 
@@ -165,8 +166,12 @@ def test_bad_options_are_refused_before_anything_is_moved():
     accelerator = SimpleNamespace(distributed_type="NO")
     with pytest.raises(ValueError, match="option 'density' = 2 is invalid"):
         gc_accelerate.prepare(accelerator, SmallCNN(), compressor="topk", density=2)
-    with pytest.raises(ValueError, match="node_precision = 'bf16' applies to the reduction inside nodes"):
+    with pytest.raises(ValueError, match=r"pass hierarchy=NodeHierarchy\(precision='bf16'\)"):
         gc_accelerate.prepare(accelerator, SmallCNN(), node_precision="bf16")
+    with pytest.raises(ValueError, match=r"pass sync=DiLoCo\(inner_steps=4, ...\)"):
+        gc_accelerate.prepare(accelerator, SmallCNN(), inner_steps=4)
+    with pytest.raises(ValueError, match="hierarchy = 'rack' is invalid"):
+        gc_accelerate.prepare(accelerator, SmallCNN(), hierarchy="rack")
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from gc_strategy import COMPRESSORS, MEMORIES
+from gc_strategy import COMPRESSORS, MEMORIES, EveryStep, NodeHierarchy
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -86,17 +86,18 @@ def test_fusion_spec_and_strategy_from_config():
     strategy = build_strategy(cfg)
     assert strategy.components.describe() == "compressor=topk memory=residual communicator=allgather fusion=groups:8"
     assert strategy.components.compressor.options["density"] == 0.05
-    assert strategy.hierarchy == "flat"
-    assert build_strategy(_compose("trainer.hierarchy=node")).hierarchy == "node"
-    assert build_strategy(_compose("trainer.hierarchy=node", "trainer.node_precision=bf16")).node_precision == "bf16"
+    assert strategy.hierarchy is None
+    assert build_strategy(_compose("trainer.hierarchy=node")).hierarchy == NodeHierarchy()
+    node_bf16 = build_strategy(_compose("trainer.hierarchy=node", "trainer.node_precision=bf16"))
+    assert node_bf16.hierarchy == NodeHierarchy(precision="bf16")
 
 
 def test_sync_diloco_from_config():
-    assert build_strategy(_compose()).diloco_options is None
+    assert build_strategy(_compose()).sync == EveryStep()
     cfg = _compose("compressor=topk", "memory=residual", "sync=diloco", "sync.inner_steps=20", "sync.fragments=4")
-    options = build_strategy(cfg).diloco_options
-    assert (options["inner_steps"], options["fragments"], options["vectors"]) == (20, 4, "bf16")
-    with pytest.raises(ValueError, match="overlap_steps = 20 is invalid with inner_steps = 20"):
+    sync = build_strategy(cfg).sync
+    assert (sync.inner_steps, sync.fragments, sync.vectors, sync.outer_lr) == (20, 4, "bf16", 1.0)
+    with pytest.raises(ValueError, match="'overlap_steps' = 20 is invalid with inner_steps = 20"):
         build_strategy(_compose("sync=diloco", "sync.inner_steps=20", "sync.overlap_steps=20"))
 
 
@@ -372,7 +373,7 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
         (["model=lstm"], "model 'lstm' needs text data"),
         (["fusion=file"], "fusion.path"),
-        (["sync=diloco", "sync.inner_steps=0"], "inner_steps = 0 is invalid; allowed: an integer >= 1"),
+        (["sync=diloco", "sync.inner_steps=0"], "option 'inner_steps' = 0 is invalid; allowed: an integer in [1, inf)"),
         (["sync=diloco", "speedup.baseline_steps=2"], "set speedup.baseline_steps=0 (is 2)"),
         (["checkpoints=some"], "checkpoints = 'some' is invalid; allowed: last, all, none"),
         (["speedup.baseline_steps=2"], "speedup.baseline_steps = 2 is invalid with speedup.warmup_steps = 5"),

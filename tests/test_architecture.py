@@ -114,7 +114,7 @@ def test_the_integrations_talk_to_the_synchronizer_interface_alone():
     """The Lightning strategy, the Accelerate adapter and the checkpoint code name no concrete
     synchroniser (as an import, a name or an attribute): ``gc_strategy.sync`` builds one, and
     they call :class:`gc_strategy.synchronizer.Synchronizer`'s methods."""
-    concrete = {"GradientSynchronizer", "DiLoCo"}
+    concrete = {"GradientSynchronizer", "DiLoCoSynchronizer"}
     for module in ("strategy", "accelerate", "checkpoint"):
         named = set()
         for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
@@ -128,11 +128,11 @@ def test_the_integrations_talk_to_the_synchronizer_interface_alone():
 
 
 def test_every_way_of_synchronising_implements_the_interface():
-    from gc_strategy.diloco import DiLoCo
+    from gc_strategy.diloco import DiLoCoSynchronizer
     from gc_strategy.engine import GradientSynchronizer
     from gc_strategy.synchronizer import Synchronizer
 
-    assert issubclass(GradientSynchronizer, Synchronizer) and issubclass(DiLoCo, Synchronizer)
+    assert issubclass(GradientSynchronizer, Synchronizer) and issubclass(DiLoCoSynchronizer, Synchronizer)
 
 
 #: the tools: the advisor, its plots, its measurements on forked CPU ranks, and the rank forker

@@ -19,6 +19,7 @@ import netns  # noqa: E402
 from bench_worker import keep_local_gradients, parse_config  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
+from gc_strategy import DiLoCo, EveryStep, NodeHierarchy  # noqa: E402
 from gc_strategy.ranks import run_ranks  # noqa: E402
 
 
@@ -234,7 +235,16 @@ def test_a_second_emulated_network_is_refused_while_one_is_in_use():
 def test_bad_configs_are_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="configs: 'dpp' is invalid; allowed: compute, compute-parallel, ddp"):
         parse_config("dpp")
-    assert parse_config("gc_fused:compressor=topk,density=0.01") == {"compressor": "topk", "density": 0.01}
+    assert parse_config("gc_fused:compressor=topk,density=0.01") == {
+        "compressor": "topk",
+        "density": 0.01,
+        "sync": EveryStep(),
+        "hierarchy": "flat",
+    }
+    assert parse_config("gc_fused:sync=diloco,inner_steps=5,hierarchy=node,node_precision=bf16") == {
+        "sync": DiLoCo(inner_steps=5),
+        "hierarchy": NodeHierarchy(precision="bf16"),
+    }
     done = _bench(tmp_path, 'configs=[ddp,"gc_fused:compressor=topk,density=2"]', timeout=120)
     assert done.returncode == 2 and "option 'density' = 2 is invalid" in done.stderr
     assert not (tmp_path / "run" / "runs").exists()

@@ -73,7 +73,7 @@ def test_a_bad_or_missing_device_is_an_argparse_error(script, monkeypatch, capsy
         (["--configs", "ddp", "--target", "1.5"], "--target 1.5 is invalid; allowed: a number in (0, 1]"),
         (["--configs", "ddp", "ddp"], "repeats a configuration"),
         (["--configs", "ddp+fp16"], "'ddp+fp16' is invalid; allowed: ddp, or gc_fused"),
-        (["--configs", "gc_fused:sync=diloco"], "sync='diloco' needs inner_steps"),
+        (["--configs", "gc_fused:sync=diloco"], "DiLoCo needs option 'inner_steps'"),
         (["--configs", "ddp", "--eval-every", "0"], "0 is invalid; allowed: an integer >= 1"),
     ],
 )

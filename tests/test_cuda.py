@@ -168,7 +168,8 @@ def test_randk_on_cuda_draws_alike_on_every_rank_and_is_unbiased():
 
 
 def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_between_exchanges():
-    from gc_strategy.diloco import DiLoCo
+    from gc_strategy import DiLoCo
+    from gc_strategy.diloco import DiLoCoSynchronizer
 
     torch.manual_seed(0)
     model = SmallCNN().cuda()
@@ -177,7 +178,7 @@ def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_betwee
     results = []
     for net, offload in ((model, True), (reference, False)):
         c = build_components("topk", "residual", density=0.1, fusion="groups:2")
-        sync = DiLoCo(net, c, inner_steps=2, offload=offload)
+        sync = DiLoCoSynchronizer(net, c, DiLoCo(inner_steps=2, offload=offload))
         optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
         for step in range(4):
             x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step)).cuda()

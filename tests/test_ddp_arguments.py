@@ -40,9 +40,9 @@ def test_hooks_point_at_compressors():
     "kwargs, message",
     [
         (dict(bucket_cap_mb=5, fusion="single"), "bucket_cap_mb=5 and fusion='single' both set the buckets"),
-        (dict(bucket_cap_mb=0), "bucket_cap_mb = 0 is invalid; allowed: a number of megabytes > 0"),
-        (dict(find_unused_parameters="yes"), "find_unused_parameters = 'yes' is invalid; allowed: True or False"),
-        (dict(broadcast_buffers=1), "broadcast_buffers = 1 is invalid; allowed: True or False"),
+        (dict(bucket_cap_mb=0), "option 'bucket_cap_mb' = 0 is invalid; allowed: a number in (0, inf) or None"),
+        (dict(find_unused_parameters="yes"), "'find_unused_parameters' = 'yes' is invalid; allowed: true or false"),
+        (dict(broadcast_buffers=1), "option 'broadcast_buffers' = 1 is invalid; allowed: true or false"),
     ],
 )
 def test_bad_values_are_refused(kwargs, message):

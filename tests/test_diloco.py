@@ -3,7 +3,6 @@ DDP as the limit H=1, identical replicas for every compressor, streaming fragmen
 refused options."""
 
 import copy
-import inspect
 
 import lightning.pytorch as pl
 import pytest
@@ -13,10 +12,10 @@ from compressor_helpers import SMALL_MODEL_OPTIONS
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import ParityModule, SmallCNN, fit, flat_params
 
-from gc_strategy import COMPRESSORS, GCFusedStrategy, build_components
-from gc_strategy.diloco import DiLoCo
-from gc_strategy.diloco_options import DILOCO_DEFAULTS, nesterov_sgd
+from gc_strategy import COMPRESSORS, DiLoCo, GCFusedStrategy, NodeHierarchy, build_components
+from gc_strategy.diloco import DiLoCoSynchronizer
 from gc_strategy.ranks import run_ranks
+from gc_strategy.sync_modes import nesterov_sgd
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=0)}
 REFUSED = {"acpsgd": "alternates its payloads", "signum": "applies momentum"}
@@ -34,9 +33,9 @@ def _inner_step(model, optimizer, rank, step):
     optimizer.step()
 
 
-def _diloco(model, compressor="none", memory="none", **options):
+def _diloco(model, compressor="none", memory="none", hierarchy="flat", **options):
     c = build_components(compressor, memory, "auto", "groups:2", **OPTIONS.get(compressor, {}))
-    return DiLoCo(model, c, **options)
+    return DiLoCoSynchronizer(model, c, DiLoCo(**options), hierarchy=hierarchy)
 
 
 def _gathered(model):
@@ -126,7 +125,9 @@ def _buffers_at_an_outer_step(rank, world_size, broadcast_buffers):
     forward (so its counter differs): before and after the outer step, and every replica's before."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
-    sync = DiLoCo(model, build_components("none"), inner_steps=2, broadcast_buffers=broadcast_buffers)
+    sync = DiLoCoSynchronizer(
+        model, build_components("none"), DiLoCo(inner_steps=2), broadcast_buffers=broadcast_buffers
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for step in range(2):
@@ -246,7 +247,7 @@ def test_lightning_diloco_keeps_replicas_identical_and_moves_the_weights():
     module = ParityModule()
     before = flat_params(module).detach().clone()
     strategy = GCFusedStrategy(
-        compressor="topk", memory="residual", density=0.1, sync="diloco", inner_steps=2, start_method="fork"
+        compressor="topk", memory="residual", density=0.1, sync=DiLoCo(inner_steps=2), start_method="fork"
     )
     fit(module, strategy)
     assert not torch.equal(flat_params(module), before)
@@ -264,7 +265,7 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
 
     def strategy():
         return GCFusedStrategy(
-            compressor="topk", memory="residual", density=0.1, sync="diloco", inner_steps=3, start_method="fork"
+            compressor="topk", memory="residual", density=0.1, sync=DiLoCo(inner_steps=3), start_method="fork"
         )
 
     pl.seed_everything(0, verbose=False)
@@ -310,52 +311,66 @@ def test_offloading_the_outer_state_changes_no_result():
 
 
 def test_switching_roles_is_refused_under_diloco():
-    strategy = GCFusedStrategy(sync="diloco", inner_steps=4)
-    with pytest.raises(ValueError, match="switch_components .* is not supported with sync='diloco'"):
+    strategy = GCFusedStrategy(sync=DiLoCo(inner_steps=4))
+    with pytest.raises(ValueError, match="switch_components .* is not supported with sync=DiLoCo"):
         strategy.switch_components(build_components("fp16"))
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(inner_steps=5), r"inner_steps: option\(s\) of sync='diloco', but sync = 'every_step'"),
-        (dict(sync="local"), "sync = 'local' is invalid; allowed: 'every_step', 'diloco'"),
-        (dict(sync="diloco"), "sync='diloco' needs inner_steps"),
-        (dict(sync="diloco", inner_steps=0), "inner_steps = 0 is invalid; allowed: an integer >= 1"),
-        (dict(sync="diloco", inner_steps=4, overlap_steps=4), "overlap_steps = 4 is invalid with inner_steps = 4"),
-        (dict(sync="diloco", inner_steps=4, fragments=5), "fragments = 5 is invalid with inner_steps = 4"),
-        (dict(sync="diloco", inner_steps=4, fragments="many"), "fragments = 'many' is invalid; allowed: an integer"),
-        (dict(sync="diloco", inner_steps=4, fragments="auto"), "overlap_steps = 0 is invalid with it"),
-        (dict(sync="diloco", inner_steps=4, mixing=1.5), r"mixing = 1.5 is invalid; allowed: a number in \[0, 1\]"),
-        (dict(sync="diloco", inner_steps=4, vectors="int8"), "vectors = 'int8' is invalid"),
-        (dict(sync="diloco", inner_steps=4, outer_lr=0), "outer_lr = 0 is invalid; allowed: a number > 0"),
-        (dict(sync="diloco", inner_steps=4, outer_momentum=1.0), "outer_momentum = 1.0 is invalid"),
-        (dict(sync="diloco", inner_steps=4, compressor="acpsgd"), "compressor 'acpsgd': it alternates"),
-        (dict(sync="diloco", inner_steps=4, compressor="topk", memory="dgc"), "memory 'dgc': it applies momentum"),
-        (dict(sync="diloco", inner_steps=4, fusion="auto"), "sync='diloco' with fusion='auto'"),
+        (dict(inner_steps=5), r"inner_steps is an option of DiLoCo; pass sync=DiLoCo\(inner_steps=5, ...\)"),
+        (dict(sync="local"), r"sync = 'local' is invalid; allowed: 'every_step', EveryStep\(\), or DiLoCo"),
+        (dict(sync="diloco"), r"sync = 'diloco' needs its options; allowed: sync=DiLoCo\(inner_steps=..., ...\)"),
+        (dict(sync=DiLoCo(inner_steps=4), compressor="acpsgd"), "compressor 'acpsgd': it alternates"),
+        (dict(sync=DiLoCo(inner_steps=4), compressor="topk", memory="dgc"), "memory 'dgc': it applies momentum"),
+        (dict(sync=DiLoCo(inner_steps=4), fusion="auto"), "sync=DiLoCo with fusion='auto'"),
     ],
 )
-def test_bad_diloco_options_are_refused_at_construction(options, message):
+def test_bad_sync_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         GCFusedStrategy(**options)
 
 
-def test_diloco_defaults_are_the_same_wherever_an_option_is_spelled_out():
-    """The strategy and :class:`DiLoCo` spell DiLoCo's options out in their signatures (for users'
-    help and editors); their defaults must be :data:`DILOCO_DEFAULTS`, which the Accelerate
-    integration applies."""
-    strategy = inspect.signature(GCFusedStrategy.__init__).parameters
-    assert {key: strategy[key].default for key in DILOCO_DEFAULTS} == DILOCO_DEFAULTS
-    diloco = inspect.signature(DiLoCo.__init__).parameters
-    kept = [key for key in DILOCO_DEFAULTS if key in diloco and key != "inner_steps"]  # DiLoCo needs it
-    assert kept == ["outer_optimizer", "fragments", "overlap_steps", "mixing", "vectors", "offload"]
-    assert {key: diloco[key].default for key in kept} == {key: DILOCO_DEFAULTS[key] for key in kept}
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(), r"DiLoCo needs option 'inner_steps' \(the local optimizer steps between outer steps, e.g. 100\)"),
+        (dict(inner_steps=0), r"DiLoCo: option 'inner_steps' = 0 is invalid; allowed: an integer in \[1, inf\)$"),
+        (dict(inner_steps=4, overlap_steps=4), "option 'overlap_steps' = 4 is invalid with inner_steps = 4"),
+        (dict(inner_steps=4, fragments=5), "option 'fragments' = 5 is invalid with inner_steps = 4"),
+        (dict(inner_steps=4, fragments="many"), r"'many' is invalid; allowed: an integer in \[1, inf\) or 'auto'"),
+        (dict(inner_steps=4, fragments="auto"), "option 'overlap_steps' = 0 is invalid with it"),
+        (dict(inner_steps=4, mixing=1.5), r"option 'mixing' = 1.5 is invalid; allowed: a number in \[0, 1\]"),
+        (dict(inner_steps=4, vectors="int8"), "option 'vectors' = 'int8' is invalid; allowed: one of 'bf16'"),
+        (dict(inner_steps=4, outer_lr=0), r"option 'outer_lr' = 0 is invalid; allowed: a number in \(0, inf\)"),
+        (dict(inner_steps=4, outer_momentum=1.0), r"'outer_momentum' = 1.0 is invalid; allowed: a number in \[0, 1\)"),
+        (dict(inner_steps=4, outer_optimizer="adam"), "'outer_optimizer' = 'adam' is invalid; allowed: a callable"),
+        (dict(inner_steps=4, offload=1), "option 'offload' = 1 is invalid; allowed: true or false"),
+        (dict(inner_steps=4, inner_step=2), r"does not take option\(s\) inner_step \(did you mean 'inner_steps'\?\)"),
+    ],
+)
+def test_bad_diloco_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCo(**options)
+
+
+def test_diloco_defaults_are_written_once():
+    """DiLoCo's defaults live in its ``OPTIONS`` alone: a configuration built with none of them
+    holds them, and the outer optimizer it builds is the paper's Nesterov SGD at those values."""
+    config = DiLoCo(inner_steps=4)
+    assert {key: getattr(config, key) for key in DiLoCo.OPTIONS} == {
+        key: option.default for key, option in DiLoCo.OPTIONS.items() if key != "inner_steps"
+    } | {"inner_steps": 4}
+    outer = config.outer()([torch.zeros(1)])
+    assert (outer.defaults["lr"], outer.defaults["momentum"], outer.defaults["nesterov"]) == (0.7, 0.9, True)
+    assert DiLoCo(inner_steps=4) == config and DiLoCo(inner_steps=5) != config
 
 
 def _hierarchical(rank, world_size):
     torch.manual_seed(0)
     model = SmallCNN()
-    sync = _diloco(model, "topk", "residual", inner_steps=2, hierarchy="node", ranks_per_node=2)
+    sync = _diloco(model, "topk", "residual", NodeHierarchy(ranks_per_node=2), inner_steps=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     same = []
     for step in range(4):
@@ -364,7 +379,7 @@ def _hierarchical(rank, world_size):
         if step % 2 == 1:
             replicas = _gathered(model)
             same.append(all(torch.equal(r, replicas[0]) for r in replicas))
-    hierarchical = all(s.nodes is not None and s.nodes.ranks_per_node == 2 for s in sync.synchronizers)
+    hierarchical = all(s.route.groups.ranks_per_node == 2 for s in sync.synchronizers)
     return same, sync.step, hierarchical
 
 

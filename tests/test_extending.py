@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from models import SmallCNN
 
-from gc_strategy import GradientSynchronizer, build_components
+from gc_strategy import DiLoCo, EveryStep, GradientSynchronizer, NodeHierarchy, build_components
 from gc_strategy.ranks import run_ranks
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -90,13 +90,13 @@ def _every_mode_with_the_pages_roles(rank, world_size):
     from gc_strategy.sync import build_synchronizer
 
     held = {}
-    for label, diloco, shared in (
-        ("diloco", {"inner_steps": 2}, {}),
-        ("hierarchy", None, {"hierarchy": "node", "ranks_per_node": 1}),
+    for label, mode, hierarchy in (
+        ("diloco", DiLoCo(inner_steps=2), "flat"),
+        ("hierarchy", EveryStep(), NodeHierarchy(ranks_per_node=1)),
     ):
         torch.manual_seed(0)
         model = SmallCNN()
-        sync = build_synchronizer(model, _page_roles(), diloco, **shared)
+        sync = build_synchronizer(model, _page_roles(), mode, hierarchy=hierarchy)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(4):
             x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))

@@ -12,9 +12,10 @@ from compressor_helpers import SMALL_MODEL_OPTIONS
 from models import SmallCNN
 from torch.nn.parallel import DistributedDataParallel
 
-from gc_strategy import COMPRESSORS, GCFusedStrategy, GradientSynchronizer, build_components
+from gc_strategy import COMPRESSORS, EveryStep, GCFusedStrategy, GradientSynchronizer, NodeHierarchy, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.fusion.timeline import bucket_owners
+from gc_strategy.hierarchy import hierarchy_of
 from gc_strategy.ranks import run_ranks
 from gc_strategy.sync import build_synchronizer
 
@@ -35,15 +36,9 @@ def _engine(
     keeps_own = COMPRESSORS.get(name).OPTIONS.get("use_error_feedback") is not None
     memory = memory or ("none" if keeps_own or name == "none" else "residual")
     c = build_components(name, memory, "auto", fusion, **{**OPTIONS.get(name, {}), **options})
-    return build_synchronizer(
-        model,
-        c,
-        None,
-        hierarchy=hierarchy,
-        ranks_per_node=ranks_per_node,
-        node_precision=node_precision,
-        find_unused_parameters=find_unused_parameters,
-    )
+    if hierarchy == "node":
+        hierarchy = NodeHierarchy(precision=node_precision, ranks_per_node=ranks_per_node)
+    return build_synchronizer(model, c, EveryStep(), hierarchy=hierarchy, find_unused_parameters=find_unused_parameters)
 
 
 def _batch(rank, step):
@@ -271,15 +266,14 @@ def _exchanges_across_during_backward(rank, world_size, ranks_per_node):
         return (yield from exchange(payload, variable_size, eager))
 
     c.communicator.exchange = logged
-    engine = GradientSynchronizer(
-        model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy="node", ranks_per_node=ranks_per_node
-    )
+    hierarchy = NodeHierarchy(ranks_per_node=ranks_per_node)
+    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy=hierarchy)
     for step in range(2):
         events.clear()
         x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank), requires_grad=True)
         x.register_hook(lambda grad: events.append("backward done"))
         model(x).square().mean().backward()
-    return events, engine.owners
+    return events, engine.route.owners
 
 
 @pytest.mark.slow
@@ -332,10 +326,10 @@ def _state_across_a_rebucket(rank, world_size, ranks_per_node):
         model.zero_grad(set_to_none=True)
         model(_batch(rank, step)).square().mean().backward()
     before = engine.memory.state_by_parameter(engine.buckets)["residual"]
-    old_owners = {n: engine.owners[b.index] for b in engine.buckets for n in b.names}
+    old_owners = {n: engine.route.owners[b.index] for b in engine.buckets for n in b.names}
     engine.rebucket([1] * len(engine.order))
     after = engine.memory.state_by_parameter(engine.buckets)["residual"]
-    new_owners = {n: engine.owners[b.index] for b in engine.buckets for n in b.names}
+    new_owners = {n: engine.route.owners[b.index] for b in engine.buckets for n in b.names}
     return before, after, old_owners, new_owners
 
 
@@ -394,10 +388,7 @@ def _bad_layout(rank, world_size, case):
             c.compressor,
             c.memory,
             c.communicator,
-            hierarchy="node",
-            ranks_per_node=ranks_per_node,
-            node_rank=node_rank,
-            local_rank=local_rank,
+            hierarchy=NodeHierarchy(ranks_per_node=ranks_per_node, node_rank=node_rank, local_rank=local_rank),
         )
     except ValueError as error:
         return str(error)
@@ -418,19 +409,62 @@ def test_a_bad_layout_is_an_error_on_every_rank(case, message):
 
 
 @pytest.mark.parametrize(
-    "options, message",
+    "hierarchy, message",
     [
-        (dict(hierarchy="rack"), "hierarchy = 'rack' is invalid; allowed: 'flat', 'node'"),
-        (dict(hierarchy="node", node_precision="fp8"), "node_precision = 'fp8' is invalid; allowed: 'full', 'bf16'"),
-        (dict(node_precision="bf16"), "node_precision = 'bf16' applies to the reduction inside nodes; it needs"),
+        ("rack", "hierarchy = 'rack' is invalid; allowed: 'flat', 'node', or a NodeHierarchy(...)"),
+        ({"precision": "bf16"}, "hierarchy = {'precision': 'bf16'} is invalid; allowed: 'flat', 'node', or a"),
     ],
 )
-def test_an_unknown_hierarchy_or_node_precision_is_refused_before_any_work(options, message):
+def test_an_unknown_hierarchy_is_refused_before_any_work(hierarchy, message):
     c = build_components("none")
     with pytest.raises(ValueError, match=re.escape(message)):
-        GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, **options)
+        GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, hierarchy=hierarchy)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GCFusedStrategy(hierarchy=hierarchy)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(precision="fp8"), "NodeHierarchy: option 'precision' = 'fp8' is invalid; allowed: one of 'full', 'bf16'"),
+        (dict(ranks_per_node=0), "NodeHierarchy: option 'ranks_per_node' = 0 is invalid; allowed: an integer in [1"),
+        (
+            dict(node_precision="bf16"),
+            "NodeHierarchy does not take option(s) node_precision (did you mean 'precision'?)",
+        ),
+    ],
+)
+def test_bad_hierarchy_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        NodeHierarchy(**options)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            dict(node_precision="bf16"),
+            "node_precision is an option of the hierarchy; pass hierarchy=NodeHierarchy(precision='bf16')",
+        ),
+        (
+            dict(ranks_per_node=4),
+            "ranks_per_node is an option of the hierarchy; pass hierarchy=NodeHierarchy(ranks_per_node=4)",
+        ),
+    ],
+)
+def test_a_hierarchy_option_beside_the_roles_says_where_it_goes(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         GCFusedStrategy(**options)
+
+
+def test_the_command_line_form_of_the_hierarchy():
+    """``hierarchy=node,node_precision=bf16`` (the app's and the advisor's flat form)."""
+    assert hierarchy_of("node", "bf16") == NodeHierarchy(precision="bf16")
+    assert hierarchy_of("flat") is None
+    with pytest.raises(ValueError, match=re.escape("node_precision' = 'fp8' is invalid; allowed: one of 'full'")):
+        hierarchy_of("node", "fp8")
+    with pytest.raises(ValueError, match=re.escape("node_precision = 'bf16' applies to the reduction inside nodes")):
+        hierarchy_of("flat", "bf16")
 
 
 def _resume(rank, world_size, ranks_per_node, folder):
@@ -451,7 +485,7 @@ def _resume(rank, world_size, ranks_per_node, folder):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train(model, engine, optimizer, range(3))
     local = rank % ranks_per_node
-    owned = {b for b, owner in enumerate(engine.owners) if owner == local}
+    owned = {b for b, owner in enumerate(engine.route.owners) if owner == local}
     holds_only_its_share = set(engine.memory.buffers["residual"]) == owned
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     manifest = save_rank_states(engine, folder)  # what a Lightning or Accelerate checkpoint writes

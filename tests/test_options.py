@@ -1,5 +1,7 @@
 """Bad input is refused at construction, naming the option, the value and what is allowed."""
 
+import re
+
 import pytest
 
 import gc_strategy
@@ -87,7 +89,8 @@ def test_auto_communicator_and_option_routing():
 
 
 def test_log_every_n_steps_is_checked():
-    with pytest.raises(ValueError, match="log_every_n_steps = 0 is invalid"):
+    message = "option 'log_every_n_steps' = 0 is invalid; allowed: an integer in [1, inf) or None"
+    with pytest.raises(ValueError, match=re.escape(message)):
         GCFusedStrategy(log_every_n_steps=0)
 
 

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from models import ParityModule, fit, flat_params
 
-from gc_strategy import GCFusedStrategy
+from gc_strategy import GCFusedStrategy, NodeHierarchy
 from gc_strategy.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -362,4 +362,5 @@ def test_popen_launcher_from_a_script(tmp_path):
 def test_hierarchy_is_validated_at_construction():
     with pytest.raises(ValueError, match="hierarchy = 'rack' is invalid; allowed: 'flat', 'node'"):
         GCFusedStrategy(hierarchy="rack")
-    assert GCFusedStrategy(hierarchy="node").hierarchy == "node"
+    assert GCFusedStrategy(hierarchy="node").hierarchy == NodeHierarchy()
+    assert GCFusedStrategy(hierarchy="flat").hierarchy is None

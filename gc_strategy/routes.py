@@ -1,0 +1,73 @@
+"""How a bucket travels across ranks: the exchange across ranks as one object, chosen once.
+
+A :class:`Route` runs a bucket's exchange through the roles over its process groups, places the
+buckets on the ranks that compress them, and says which rank keeps a bucket's per-element state.
+:class:`FlatRoute` exchanges among all ranks of one process group; the hierarchy's
+:class:`~gc_strategy.hierarchy.NodeRoute` reduces inside each node and compresses across nodes.
+The engine, its bucket layout and the profiler ask their route; none of them branches on the
+topology.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .algos.base import Compressor, Memory
+from .bucket import Bucket
+from .communicators import Communicator, Exchange
+from .profiler import ExchangeTimes, time_exchange
+
+
+class Route(ABC):
+    """The path of every bucket's exchange across ranks."""
+
+    #: the process group the communicator's collectives run over
+    group: Any = None
+
+    def place(self, nbytes: list[int]) -> None:  # noqa: B027 (a flat route compresses every bucket here)
+        """A new cut of ``len(nbytes)`` buckets of ``nbytes`` bytes: choose which ranks compress each."""
+
+    def keeps_state(self, b: int) -> bool:
+        """Whether this rank keeps bucket ``b``'s per-element compression state."""
+        return True
+
+    def carry_state(
+        self, state: dict[str, dict[str, Tensor]], shapes: dict[str, torch.Size], device: torch.device
+    ) -> dict[str, dict[str, Tensor]]:
+        """Per-element state by parameter (``{state name: {parameter: tensor}}``) as the ranks that
+        compress the new cut need it (a collective where buckets change owners)."""
+        return state
+
+    @abstractmethod
+    def exchange(
+        self, b: int, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> Exchange:
+        """Bucket ``b``'s exchange: returns ``(average, finite)`` as
+        :meth:`~gc_strategy.algos.base.Memory.exchange` does."""
+
+    @abstractmethod
+    def timed_exchange(
+        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> ExchangeTimes:
+        """One sample bucket's exchange timed as :func:`~gc_strategy.profiler.measure_costs` counts it."""
+
+
+class FlatRoute(Route):
+    """Every rank exchanges with every rank of ``group`` (None: the default process group)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def exchange(
+        self, b: int, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> Exchange:
+        return memory.exchange(compressor, flat, bucket, communicator)
+
+    def timed_exchange(
+        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
+    ) -> ExchangeTimes:
+        return time_exchange(compressor, memory, communicator, flat, bucket)
