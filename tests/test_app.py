@@ -384,11 +384,11 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["fusion=file", "fusion.path=/nonexistent/plan.json"], "not a readable plan file"),
         (
             ["lowrank_model=pufferfish", "lowrank_model.ratio=1.5"],
-            "ratio = 1.5 is invalid; allowed: a number in (0, 1]",
+            "option 'ratio' = 1.5 is invalid; allowed: a number in (0, 1]",
         ),
         (
             ["lowrank_model=pufferfish", "lowrank_model.warmup_steps=-3"],
-            "lowrank_model options (lowrank_model.<name>=...): warmup_steps = -3 is invalid",
+            "lowrank_model options (lowrank_model.<name>=...): PufferfishWarmup: option 'warmup_steps' = -3 is invalid",
         ),
         (
             ["lowrank_model=pufferfish", "lowrank_model.keep_full_rank=[net.layer9.*]"],

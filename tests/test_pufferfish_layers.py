@@ -142,13 +142,13 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="keep_full_rank pattern 'lstn' matches no factorisable layer"):
         factorize(model, keep_full_rank=["lstn"])
     assert isinstance(model.lstm, nn.LSTM)  # nothing was converted
-    with pytest.raises(ValueError, match="warmup_epochs = -1 is invalid"):
+    with pytest.raises(ValueError, match=r"'warmup_epochs' = -1 is invalid; allowed: an integer in \[0, inf\) or None"):
         PufferfishWarmup(warmup_epochs=-1)
     with pytest.raises(ValueError, match="exactly one of warmup_epochs and warmup_steps"):
         PufferfishWarmup()
     with pytest.raises(ValueError, match="exactly one of warmup_epochs and warmup_steps"):
         PufferfishWarmup(warmup_epochs=1, warmup_steps=10)
-    with pytest.raises(ValueError, match="ratio = 2 is invalid"):
+    with pytest.raises(ValueError, match="Pufferfish: option 'ratio' = 2 is invalid"):
         PufferfishWarmup(ratio=2, warmup_steps=1)
     with pytest.raises(ValueError, match="unknown compressor 'powersdg'"):
         PufferfishWarmup(warmup_steps=1, after_warmup={"compressor": "powersdg"})

@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..registry import Option
 from .layers import LOW_RANK_LAYERS, LowRankConv2d, LowRankLinear, LowRankLSTM
 
 
@@ -177,10 +178,12 @@ def _convert(module: nn.Module, ranks: list[int], copy_weights: bool = True) -> 
     return kind.low_rank.from_full(module, kind.rank_argument(ranks), copy_weights).train(module.training)
 
 
+#: the rank of each factorised layer, as a fraction of ``min(dims)``
+RATIO = Option(0.25, float, low=0, high=1, low_open=True, help="rank = ratio x min(dims)")
+
+
 def check_ratio(ratio: Any) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-        raise ValueError(f"ratio = {ratio!r} is invalid; allowed: a number in (0, 1] (rank = ratio x min(dims))")
-    return float(ratio)
+    return RATIO.validate("Pufferfish", "ratio", ratio)
 
 
 def factorize(model: nn.Module, ratio: float = 0.25, keep_full_rank: Iterable[str] = ()) -> Factorization:

@@ -32,16 +32,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..components import Components, build_components
 from ..fusion import FilePlan
+from ..registry import Option
 from ..strategy import GCFusedStrategy
 from .transform import check_ratio, enable_factorized_loading, factorize, select_layers
 
+#: the warm-up's counts (epochs or steps), each optional
+COUNT = Option(None, int, low=0, optional=True)
+
 
 def _check_count(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 0")
-    return value
+    return COUNT.validate("PufferfishWarmup", name, value)
 
 
 class PufferfishWarmup(pl.Callback):
