@@ -24,7 +24,7 @@ import re
 from cli import integer_at_least
 
 from gc_strategy import overlap
-from gc_strategy.advise import model_and_batch
+from gc_strategy.advise_measure import model_and_batch
 
 
 def _layout(text: str) -> tuple[int, int]:

@@ -17,7 +17,8 @@ synchroniser buckets them (``fusion``, default 25 MB buckets; with ``fusion=auto
 synchroniser's planner keeps it, the fastest of the model's searched plan and the plans it tries):
 
 - **payload bytes and rounds** of each compressor's exchange, and its **encode and decode time** at
-  the world size it will run at: the exchange runs through a :class:`Replicas` communicator, which
+  the world size it will run at: the exchange runs through a
+  :class:`~gc_strategy.advise_measure.Replicas` communicator, which
   hands back the payloads of ``W`` ranks (this rank's, ``W`` times) without a network, so that a
   gathered payload is decoded ``W`` times as in training;
 - **the backward's gradient-ready times** (one short run of the model).
@@ -38,235 +39,35 @@ its owner, one rank of each node, for the ``N`` nodes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from . import overlap
+from .advise_measure import (
+    EXCHANGE_BYTES,
+    EXCHANGE_SPANS,
+    INSIDE_BYTES,
+    MODELS,
+    Compute,
+    CpuRanks,
+    Profile,
+    measure_compute,
+    measure_cpu_ranks,
+    model_and_batch,
+    profile,
+    roles,
+)
 from .advise_plots import check_can_plot, plot_predictions, plot_projection
 from .autotune import TRIAL_PLANS
-from .bucket import Bucket
-from .communicators import EAGER_AFTER_BYTES, Communicator, Exchange, Payload, Round, RunningExchange
+from .communicators import EAGER_AFTER_BYTES
 from .components import build_components, parse_options
 from .fusion.plans import AutoPlan, FusionPlanner
 from .fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
 from .hierarchy import hierarchy_of
-from .profiler import sample_ranges
 
-#: timed runs of each sample bucket after one warm-up run; the median is kept
-RUNS = 3
 BASELINE = "compressor=bf16"
-
-
-class Replicas(Communicator):
-    """``world_size`` ranks that all hold this rank's payload, and no network: an allgather returns
-    ``world_size`` copies, an allreduce the payload times ``world_size``. Counts its rounds (a
-    variable-size gather also exchanges its lengths first, in an eager round)."""
-
-    def __init__(self, world_size: int, sums: bool) -> None:
-        super().__init__()
-        self.world_size, self.sums, self.rounds = world_size, sums, 0
-
-    def bind(self, group: Any) -> None:
-        """Stands for its own ranks: there is no process group to bind."""
-
-    def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
-        handshake = variable_size and not self.sums
-        self.rounds += 1 + handshake
-        nbytes = sum(t.numel() * t.element_size() for t in payload)
-        if self.sums:
-            return (yield Round([], lambda: [t.mul_(self.world_size) for t in payload], nbytes, eager))
-        copies = [t.contiguous().view(-1) for t in payload]
-        return (yield Round([], lambda: [copies] * self.world_size, nbytes, eager or handshake))
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One configuration's exchange on sample buckets of one model: elements, seconds, bytes."""
-
-    options: dict[str, Any]
-    sizes: tuple[int, ...]
-    encode_s: tuple[float, ...]
-    between_s: tuple[float, ...]  # work between rounds (PowerSGD's orthogonalisation)
-    decode_s: tuple[float, ...]
-    payload_bytes: tuple[float, ...]  # sent by one rank
-    rounds: int
-    sums: bool
-    eager: bool  # a round waits for a later bucket's launch to be advanced
-    #: ``node_precision="bf16"``: rounding the dense bucket to bf16 and widening it back (empty: no casts)
-    narrow_s: tuple[float, ...] = ()
-    widen_s: tuple[float, ...] = ()
-
-
-def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: int) -> Profile:
-    """Measure one configuration (``GCFusedStrategy`` options) on buckets cut from ``shapes``
-    (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes).
-    With ``node_precision="bf16"`` also the casts around the node's collectives, as
-    :func:`~gc_strategy.hierarchy.node_exchange` makes them: the fp32 bucket rounded to bf16 and the
-    bf16 bucket copied back into fp32."""
-    components = build_components(**_roles(options))
-    compressor, memory, sums = components.compressor, components.memory, components.communicator.sums
-    compressor.bind(world_size, 0)
-    compressor.begin_step(1 << 30)  # steady state: past start_iter and warm-ups
-    names = list(shapes)
-    numels = [shapes[name].numel() for name in names]
-    generator = torch.Generator().manual_seed(0)
-    gradient = torch.randn(sum(numels), generator=generator)
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
-    rows, rounds, casts = [], 0, []
-    for index, (a, b) in enumerate(sample_ranges(numels)):
-        bucket = Bucket(index, names[a:b], [shapes[name] for name in names[a:b]], torch.float32, torch.device("cpu"))
-        runs = []
-        for run in range(RUNS + 1):
-            replicas = Replicas(world_size, sums)
-            flat = gradient[offsets[a] : offsets[b]].clone()
-            running = RunningExchange(memory.exchange(compressor, flat, bucket, replicas))
-            running.finish()
-            if run:
-                runs.append((running.encode_s, running.between_s, running.decode_s, running.sent_bytes))
-            rounds, eager = replicas.rounds, running.eager
-        rows.append((bucket.numel, *(statistics.median(column) for column in zip(*runs))))
-        if options.get("node_precision") == "bf16":
-            casts.append(_time_casts(gradient[offsets[a] : offsets[b]].clone()))
-    sizes, encode, between, decode, payload = zip(*rows)
-    narrow, widen = zip(*casts) if casts else ((), ())
-    return Profile(options, sizes, encode, between, decode, payload, rounds, sums, eager, narrow, widen)
-
-
-def _time_casts(flat: Tensor) -> tuple[float, float]:
-    """Median seconds of ``flat.to(torch.bfloat16)`` and of copying that back into ``flat``, after one
-    warm-up run."""
-    runs = []
-    for run in range(RUNS + 1):
-        start = time.perf_counter()
-        wire = flat.to(torch.bfloat16)
-        narrowed = time.perf_counter()
-        flat.copy_(wire)
-        if run:
-            runs.append((narrowed - start, time.perf_counter() - narrowed))
-    narrow, widen = zip(*runs)
-    return statistics.median(narrow), statistics.median(widen)
-
-
-@dataclass(frozen=True)
-class Compute:
-    """A step without synchronisation: gradient-ready times after the first, and the rest."""
-
-    ready: tuple[float, ...]
-    other: float
-
-    @property
-    def step_s(self) -> float:
-        return self.other + self.ready[-1]
-
-    def scaled(self, factor: float) -> Compute:
-        return Compute(tuple(factor * r for r in self.ready), factor * self.other)
-
-
-def measure_compute(
-    model: nn.Module, make_batch: Callable[[], Any], loss: Callable[[Any, Any], Tensor], steps: int = 3
-) -> tuple[list[str], Compute]:
-    """Gradient-ready order (names) and :class:`Compute` of the model's training step on this
-    device (forward, backward, SGD step), the median of ``steps`` steps after one warm-up."""
-    params = {p: name for name, p in model.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    stamps: dict[str, float] = {}
-
-    def stamp(parameter: Tensor) -> None:
-        stamps.setdefault(params[parameter], time.perf_counter())
-
-    handles = [p.register_post_accumulate_grad_hook(stamp) for p in params]
-    measured = []
-    try:
-        for step in range(steps + 1):
-            stamps.clear()
-            batch = make_batch()
-            start = time.perf_counter()
-            loss(model, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            end = time.perf_counter()
-            if step:
-                measured.append((dict(stamps), end - start))
-    finally:
-        for handle in handles:
-            handle.remove()
-    stamps, step_s = sorted(measured, key=lambda m: m[1])[len(measured) // 2]
-    order = sorted(stamps, key=stamps.get)
-    first = stamps[order[0]]
-    ready = tuple(stamps[name] - first for name in order)
-    return order, Compute(ready, step_s - ready[-1])
-
-
-@dataclass(frozen=True)
-class CpuRanks:
-    """A cluster of CPU ranks like this machine's, measured (:mod:`gc_strategy.overlap`): the
-    ``link`` inside a node, from broadcasts alone, and what each collective takes from the compute
-    beside it, in seconds as a function of bytes per rank: the node's ``reduce`` and ``broadcast``
-    of a dense bucket (the hierarchy's, before and after its exchange across nodes), and the
-    ``exchange`` of a payload, summed or gathered, by ``(span, sums)``: over all ranks (``"world"``,
-    flat) or over one rank per node (``"across"``, the hierarchy's)."""
-
-    link: Link
-    reduce: Cost
-    broadcast: Cost
-    exchange: dict[tuple[str, bool], Cost]
-
-
-#: sizes of the collectives measured for :class:`CpuRanks`, bytes per rank: a small message and a node's
-#: dense buckets; a payload exchanged (smaller: an allgather's ranks each receive all the others')
-INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
-EXCHANGE_BYTES = [1 << 20, 8 << 20]
-#: the spans of an exchange (:data:`~gc_strategy.overlap.SPANS`): flat, over all ranks; the hierarchy's,
-#: over one rank per node
-EXCHANGE_SPANS = ("world", "across")
-
-
-def measure_cpu_ranks(
-    nodes: int,
-    ranks_per_node: int,
-    step: Callable[[], Any],
-    runs: int = 10,
-    spans: tuple[str, ...] = EXCHANGE_SPANS,
-) -> CpuRanks:
-    """:class:`CpuRanks` measured here beside ``step`` (the model's forward and backward), every
-    group's collectives at once (as the emulated cluster of ``benchmarks/bench.py`` shares this
-    machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges over
-    the ``spans`` asked for (the others are left out of ``exchange``); a collective of no bytes, or
-    over one rank, takes nothing. The link's bandwidth is the slope of a broadcast's time alone
-    between the two largest sizes; its latency is :func:`~gc_strategy.overlap.latency`'s small
-    message less its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
-    unknown = [span for span in spans if span not in EXCHANGE_SPANS]
-    if unknown:
-        raise ValueError(f"spans = {unknown} are invalid; allowed: {', '.join(map(repr, EXCHANGE_SPANS))}")
-
-    def lost(beside: dict, collective: str, sizes: list[int]) -> Cost:
-        return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
-
-    inside = overlap.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
-    exchange = {}
-    for span in spans:
-        if overlap.span_ranks(nodes, ranks_per_node, span) == 1:  # no exchange over one rank
-            exchange[span, True] = exchange[span, False] = Cost.linear(0.0, 0.0)
-            continue
-        beside = overlap.measure(nodes, ranks_per_node, step, EXCHANGE_BYTES, ("allreduce", "allgather"), runs, span)
-        exchange[span, True], exchange[span, False] = (
-            lost(beside, "allreduce", EXCHANGE_BYTES),
-            lost(beside, "allgather", EXCHANGE_BYTES),
-        )
-    medium, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES[1:])
-    bandwidth = (INSIDE_BYTES[2] - INSIDE_BYTES[1]) / max(large - medium, 1e-9)
-    message = overlap.latency(nodes, ranks_per_node)
-    link = Link(bandwidth, max(0.0, message - overlap.MESSAGE_BYTES / bandwidth))
-    return CpuRanks(link, lost(inside, "reduce", INSIDE_BYTES), lost(inside, "broadcast", INSIDE_BYTES), exchange)
 
 
 def predict(
@@ -349,7 +150,7 @@ def advise(
         hierarchy = options.get("hierarchy", "flat")
         world = topology.nodes if hierarchy == "node" else topology.world_size
         precision = options.get("node_precision", "full")  # bf16 casts are measured with the codec
-        codec = (world, precision, *sorted((k, str(v)) for k, v in _roles(options).items() if k != "fusion"))
+        codec = (world, precision, *sorted((k, str(v)) for k, v in roles(options).items() if k != "fusion"))
         if codec not in profiles:  # configurations that differ only in fusion share one profile
             profiles[codec] = profile(options, shapes, world)
         measured = replace(profiles[codec], options=options)
@@ -497,54 +298,20 @@ def check_config(spec: str) -> dict[str, Any]:
         hierarchy_of(options.get("hierarchy", "flat"), options.get("node_precision", "full"))
     except ValueError as error:
         raise ValueError(f"configs: {spec!r}: {error}") from None
-    build_components(**_roles(options))
+    build_components(**roles(options))
     return options
 
 
 def _plan(options: dict[str, Any], numels: list[int]) -> list[int] | None:
     """Tensors per bucket as the configuration's fusion planner cuts fp32 gradients of ``numels``
     elements; None for ``fusion=auto``, whose plan the model chooses (:func:`predict`)."""
-    planner = build_components(**_roles(options)).fusion
+    planner = build_components(**roles(options)).fusion
     return None if isinstance(planner, AutoPlan) else _cut(planner, numels)
 
 
 def _cut(planner: FusionPlanner, numels: list[int]) -> list[int]:
     """Tensors per bucket as ``planner`` cuts fp32 gradients of ``numels`` elements."""
     return planner.plan([4 * n for n in numels])
-
-
-def _roles(options: dict[str, Any]) -> dict[str, Any]:
-    """The options that build the roles (all but ``hierarchy`` and ``node_precision``)."""
-    return {k: v for k, v in options.items() if k not in ("hierarchy", "node_precision")}
-
-
-MODELS = ("resnet18", "resnet50", "resnet101", "bert-base")
-
-
-def model_and_batch(name: str, batch: int, size: int) -> tuple[nn.Module, Callable[[], Any], Callable]:
-    """A model of the advisor's list (weights random: only shapes and compute time matter), a maker
-    of random batches, and its loss."""
-    if name not in MODELS:
-        raise ValueError(f"model = {name!r} is invalid; allowed: {', '.join(MODELS)}")
-    if name.startswith("resnet"):
-        import torchvision
-
-        model = getattr(torchvision.models, name)(num_classes=10 if name == "resnet18" else 1000)
-        classes = model.fc.out_features
-        return (
-            model,
-            lambda: (torch.randn(batch, 3, size, size), torch.randint(classes, (batch,))),
-            lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
-        )
-    from transformers import BertConfig, BertForMaskedLM
-
-    model = BertForMaskedLM(BertConfig())
-    vocabulary = model.config.vocab_size
-    return (
-        model,
-        lambda: torch.randint(vocabulary, (batch, size)),
-        lambda m, b: m(input_ids=b, labels=b).loss,
-    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:

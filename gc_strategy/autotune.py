@@ -156,7 +156,7 @@ class AutoTuner:
         engine = self.engine
         start = time.perf_counter()
         numels = [engine.parameter(name).numel() for name in engine.order]
-        sizes, costs, eager = measure_costs(engine, numels, self._gradients)
+        sizes, costs, eager = measure_costs(engine, self._gradients)
         self._gradients = {}
         ready = [statistics.median(column) for column in zip(*self._ready)]
         values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])

@@ -162,6 +162,11 @@ class Communicator:
         when asked) and returns what arrived."""
         raise NotImplementedError
 
+    def barrier(self) -> None:
+        """Wait for every rank of the group (so that timed exchanges start together)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
 
 @COMMUNICATORS.register("allreduce")
 class AllReduce(Communicator):

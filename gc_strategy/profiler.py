@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
@@ -77,9 +76,21 @@ def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
     return sorted(picks, key=lambda r: (sum(numels[r[0] : r[1]]), r))
 
 
-def measure_costs(
-    engine: TunedEngine, numels: list[int], gradients: dict[str, Tensor]
-) -> tuple[list[int], torch.Tensor, bool]:
+def sample_buckets(shapes: dict[str, torch.Size], gradient: Tensor) -> list[tuple[Bucket, Tensor]]:
+    """Sample buckets of :func:`sample_ranges` over the tensors ``shapes`` (gradient-ready order),
+    each with its part of ``gradient`` (their flat gradients, concatenated, fp32)."""
+    names = list(shapes)
+    offsets = [0]
+    for name in names:
+        offsets.append(offsets[-1] + shapes[name].numel())
+    samples = []
+    for index, (a, b) in enumerate(sample_ranges([shapes[name].numel() for name in names])):
+        bucket = Bucket(index, names[a:b], [shapes[name] for name in names[a:b]], torch.float32, gradient.device)
+        samples.append((bucket, gradient[offsets[a] : offsets[b]]))
+    return samples
+
+
+def measure_costs(engine: TunedEngine, gradients: dict[str, Tensor]) -> tuple[list[int], torch.Tensor, bool]:
     """Bucket sizes (elements) and, on this rank, ``[6, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) and the work between
     rounds (PowerSGD's orthogonalisation) of this synchroniser's roles, and an fp32 and a bf16
@@ -103,14 +114,7 @@ def measure_costs(
             for name in engine.order
         ]
     )
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
-    samples = []
-    for index, (a, b) in enumerate(sample_ranges(numels)):
-        names = engine.order[a:b]
-        bucket = Bucket(index, names, [engine.parameter(name).shape for name in names], torch.float32, engine.device)
-        samples.append((bucket, gradient[offsets[a] : offsets[b]]))
+    samples = sample_buckets({name: engine.parameter(name).shape for name in engine.order}, gradient)
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
     eager = False
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
@@ -158,8 +162,7 @@ def time_exchange(
     between the work between rounds. ``flat`` is left as it was."""
     memory = memory if memory is not None else MEMORIES.build("none")
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
-    if communicator.world_size > 1:
-        dist.barrier(group=communicator.group)
+    communicator.barrier()
     running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=device_clock(flat))
     running.finish()
     return ExchangeTimes(

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torchvision.models import resnet18
 
-from gc_strategy import advise, advise_plots, overlap
-from gc_strategy.advise import Compute, CpuRanks, Profile, Replicas, predict, profile, recommendation
+from gc_strategy import advise, advise_measure, advise_plots, overlap
+from gc_strategy.advise import predict, recommendation
+from gc_strategy.advise_measure import Compute, CpuRanks, Profile, Replicas, profile
 from gc_strategy.autotune import TRIAL_PLANS
 from gc_strategy.communicators import EAGER_AFTER_BYTES, RunningExchange
 from gc_strategy.fusion.timeline import Cost
@@ -359,7 +360,7 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
 
     def measured(nodes, ranks_per_node, step, sizes, collectives, runs, span="node"):
         asked.append((span, collectives))
-        assert sizes == (advise.INSIDE_BYTES if span == "node" else advise.EXCHANGE_BYTES)
+        assert sizes == (advise_measure.INSIDE_BYTES if span == "node" else advise_measure.EXCHANGE_BYTES)
         return {
             (c, n): overlap.Beside(0.1, 1e-3 + n / 2e9, 0.1 + lost_per_byte[span, c] * n)
             for c in collectives
@@ -372,7 +373,7 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
 
     monkeypatch.setattr(overlap, "measure", measured)
     monkeypatch.setattr(overlap, "latency", latency)
-    cpu = advise.measure_cpu_ranks(2, 2, lambda: None)
+    cpu = advise_measure.measure_cpu_ranks(2, 2, lambda: None)
     assert cpu.link.bandwidth == pytest.approx(2e9) and cpu.link.latency == pytest.approx(1e-3)
     assert cpu.reduce(32 << 20) == pytest.approx(4e-9 * (32 << 20)) and cpu.broadcast(1e6) == pytest.approx(1e-3)
     assert cpu.reduce(0) == 0.0
@@ -382,15 +383,15 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
     assert asked[-1] == ("latency", (2, 2))
     assert [span for span, _ in asked] == ["node", "world", "across", "latency"]
     asked.clear()
-    one_node = advise.measure_cpu_ranks(1, 2, lambda: None)
+    one_node = advise_measure.measure_cpu_ranks(1, 2, lambda: None)
     assert [span for span, _ in asked] == ["node", "world", "latency"]
     assert one_node.exchange["across", True](1e6) == 0.0 and one_node.exchange["world", False](1e6) > 0
     asked.clear()
-    flat_only = advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world",))
+    flat_only = advise_measure.measure_cpu_ranks(2, 2, lambda: None, spans=("world",))
     assert [span for span, _ in asked] == ["node", "world", "latency"]
     assert set(flat_only.exchange) == {("world", True), ("world", False)}
     with pytest.raises(ValueError, match=r"spans = \['nodes'\] are invalid; allowed: 'world', 'across'"):
-        advise.measure_cpu_ranks(2, 2, lambda: None, spans=("world", "nodes"))
+        advise_measure.measure_cpu_ranks(2, 2, lambda: None, spans=("world", "nodes"))
 
 
 def test_a_plot_without_matplotlib_is_refused_naming_the_extra(monkeypatch):

@@ -136,7 +136,13 @@ def test_every_way_of_synchronising_implements_the_interface():
 
 
 #: the tools: the advisor, its plots, its measurements on forked CPU ranks, and the rank forker
-TOOLS = {"gc_strategy.advise", "gc_strategy.advise_plots", "gc_strategy.overlap", "gc_strategy.ranks"}
+TOOLS = {
+    "gc_strategy.advise",
+    "gc_strategy.advise_measure",
+    "gc_strategy.advise_plots",
+    "gc_strategy.overlap",
+    "gc_strategy.ranks",
+}
 
 
 def test_no_runtime_module_imports_the_tools():

@@ -283,7 +283,7 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
     expected = torch.autograd.grad(torch.nn.functional.cross_entropy(reference(x), y), list(reference.parameters()))
     seen = {}
 
-    def capture(engine, numels, gradients):
+    def capture(engine, gradients):
         seen.update(gradients=dict(gradients), names=list(engine.names))
         raise KeyboardInterrupt  # stop here: the samples are what is checked
 
