@@ -11,7 +11,7 @@ node (a reduce onto the node's first rank, a broadcast from it) and, for compari
 the node: the step alone (one forward and backward of torchvision ResNet-18, 32×32 images,
 ``--batch`` per rank), the collective of ``--megabytes`` alone, and the step with the collective
 beside it; ``lost`` (the compute the collective took) and ``hidden`` (the share of it that ran
-beside the step), as :mod:`gc_strategy.overlap` defines them.
+beside the step), as :mod:`gc_strategy.contention` defines them.
 
     python benchmarks/overlap_cost.py --layouts 1x2 2x2 2x4 --megabytes 128 --runs 15
 """
@@ -23,7 +23,7 @@ import re
 
 from cli import integer_at_least
 
-from gc_strategy import overlap
+from gc_strategy import contention
 from gc_strategy.advise_measure import model_and_batch
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for nodes, per_node in args.layouts:
         collectives = ("reduce", "broadcast", "allreduce")
-        measured = overlap.measure(nodes, per_node, step, [nbytes], collectives, args.runs)
+        measured = contention.measure(nodes, per_node, step, [nbytes], collectives, args.runs)
         for collective in collectives:
             m = measured[collective, nbytes]
             print(

@@ -25,7 +25,7 @@ synchroniser's planner keeps it, the fastest of the model's searched plan and th
 
 With ``--intra measure`` the cluster is one of CPU ranks like this machine's, whose collectives move
 their bytes with the cores that compute: the link inside a node is measured here, and so is what each
-collective takes from the backward beside it (:mod:`gc_strategy.overlap`), a node's reduce and
+collective takes from the backward beside it (:mod:`gc_strategy.contention`), a node's reduce and
 broadcast and the exchanges over all ranks and across nodes; each bucket's collectives are then
 priced with that compute as well (:func:`predict`).
 
@@ -62,7 +62,7 @@ from .advise_plots import check_can_plot, plot_predictions, plot_projection
 from .autotune import TRIAL_PLANS
 from .communicators import EAGER_AFTER_BYTES
 from .components import build_components, parse_options
-from .fusion.plans import AutoPlan, FusionPlanner
+from .fusion.plans import AutoPlanner, FusionPlanner
 from .fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from .fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
 from .hierarchy import hierarchy_of
@@ -306,7 +306,7 @@ def _plan(options: dict[str, Any], numels: list[int]) -> list[int] | None:
     """Tensors per bucket as the configuration's fusion planner cuts fp32 gradients of ``numels``
     elements; None for ``fusion=auto``, whose plan the model chooses (:func:`predict`)."""
     planner = build_components(**roles(options)).fusion
-    return None if isinstance(planner, AutoPlan) else _cut(planner, numels)
+    return None if isinstance(planner, AutoPlanner) else _cut(planner, numels)
 
 
 def _cut(planner: FusionPlanner, numels: list[int]) -> list[int]:

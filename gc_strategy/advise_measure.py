@@ -2,7 +2,7 @@
 exchange on sample buckets of a model (payload bytes, rounds, encode and decode time at the target's
 world size, through :class:`Replicas`, with :mod:`gc_strategy.profiler`'s sample buckets and
 exchange timing, the same that ``fusion="auto"`` uses), the backward's gradient-ready times, and a
-cluster of CPU ranks like this machine's (:mod:`gc_strategy.overlap`). Its models are random-weight
+cluster of CPU ranks like this machine's (:mod:`gc_strategy.contention`). Its models are random-weight
 instances of :data:`MODELS`: only their shapes and compute time matter.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import overlap
+from . import contention
 from .communicators import Communicator, Exchange, Payload, Round
 from .components import build_components
 from .fusion.timeline import Cost
@@ -174,7 +174,7 @@ def measure_compute(
 
 @dataclass(frozen=True)
 class CpuRanks:
-    """A cluster of CPU ranks like this machine's, measured (:mod:`gc_strategy.overlap`): the
+    """A cluster of CPU ranks like this machine's, measured (:mod:`gc_strategy.contention`): the
     ``link`` inside a node, from broadcasts alone, and what each collective takes from the compute
     beside it, in seconds as a function of bytes per rank: the node's ``reduce`` and ``broadcast``
     of a dense bucket (the hierarchy's, before and after its exchange across nodes), and the
@@ -191,7 +191,7 @@ class CpuRanks:
 #: dense buckets; a payload exchanged (smaller: an allgather's ranks each receive all the others')
 INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
 EXCHANGE_BYTES = [1 << 20, 8 << 20]
-#: the spans of an exchange (:data:`~gc_strategy.overlap.SPANS`): flat, over all ranks; the hierarchy's,
+#: the spans of an exchange (:data:`~gc_strategy.contention.SPANS`): flat, over all ranks; the hierarchy's,
 #: over one rank per node
 EXCHANGE_SPANS = ("world", "across")
 
@@ -208,7 +208,7 @@ def measure_cpu_ranks(
     machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges over
     the ``spans`` asked for (the others are left out of ``exchange``); a collective of no bytes, or
     over one rank, takes nothing. The link's bandwidth is the slope of a broadcast's time alone
-    between the two largest sizes; its latency is :func:`~gc_strategy.overlap.latency`'s small
+    between the two largest sizes; its latency is :func:`~gc_strategy.contention.latency`'s small
     message less its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
     unknown = [span for span in spans if span not in EXCHANGE_SPANS]
     if unknown:
@@ -217,21 +217,21 @@ def measure_cpu_ranks(
     def lost(beside: dict, collective: str, sizes: list[int]) -> Cost:
         return Cost.measured([0, *sizes], [0.0, *(beside[collective, n].lost_s for n in sizes)])
 
-    inside = overlap.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
+    inside = contention.measure(nodes, ranks_per_node, step, INSIDE_BYTES, ("reduce", "broadcast"), runs)
     exchange = {}
     for span in spans:
-        if overlap.span_ranks(nodes, ranks_per_node, span) == 1:  # no exchange over one rank
+        if contention.span_ranks(nodes, ranks_per_node, span) == 1:  # no exchange over one rank
             exchange[span, True] = exchange[span, False] = Cost.linear(0.0, 0.0)
             continue
-        beside = overlap.measure(nodes, ranks_per_node, step, EXCHANGE_BYTES, ("allreduce", "allgather"), runs, span)
+        beside = contention.measure(nodes, ranks_per_node, step, EXCHANGE_BYTES, ("allreduce", "allgather"), runs, span)
         exchange[span, True], exchange[span, False] = (
             lost(beside, "allreduce", EXCHANGE_BYTES),
             lost(beside, "allgather", EXCHANGE_BYTES),
         )
     medium, large = (inside["broadcast", n].collective_s for n in INSIDE_BYTES[1:])
     bandwidth = (INSIDE_BYTES[2] - INSIDE_BYTES[1]) / max(large - medium, 1e-9)
-    message = overlap.latency(nodes, ranks_per_node)
-    link = Link(bandwidth, max(0.0, message - overlap.MESSAGE_BYTES / bandwidth))
+    message = contention.latency(nodes, ranks_per_node)
+    link = Link(bandwidth, max(0.0, message - contention.MESSAGE_BYTES / bandwidth))
     return CpuRanks(link, lost(inside, "reduce", INSIDE_BYTES), lost(inside, "broadcast", INSIDE_BYTES), exchange)
 
 

@@ -1,7 +1,7 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
 The :class:`AutoTuner` serves a :class:`~gc_strategy.engine.GradientTunedEngine` whose planner is
-an :class:`~gc_strategy.fusion.plans.AutoPlan` (``auto:S``), through the synchroniser's public API
+an :class:`~gc_strategy.fusion.plans.AutoPlanner` (``auto:S``), through the synchroniser's public API
 only (:class:`~gc_strategy.profiler.TunedEngine`: its roles, process group, bucket order and sizes, and ``rebucket``);
 the planning itself (plans, timeline model, search) is :mod:`gc_strategy.fusion`, which knows no
 synchroniser. Once the gradient-ready order is known:
@@ -46,14 +46,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .communicators import EAGER_AFTER_BYTES
-from .fusion.plans import AutoPlan, GroupsPlan, LayerwisePlan, SinglePlan, SizeCapPlan
+from .fusion.plans import AutoPlanner, GroupsPlanner, LayerwisePlanner, SinglePlanner, SizeCapPlanner
 from .fusion.timeline import Cost, CostModel, best_plan, simulate
 from .profiler import TunedEngine, measure_costs
 
 #: fixed plans whose predicted times the report lists next to the chosen one
-REFERENCE_PLANS = [LayerwisePlan(), SinglePlan(), GroupsPlan(4), GroupsPlan(16), SizeCapPlan(25)]
+REFERENCE_PLANS = [LayerwisePlanner(), SinglePlanner(), GroupsPlanner(4), GroupsPlanner(16), SizeCapPlanner(25)]
 #: plans run for S steps each after the profile: measured step times over a spread of bucket counts
-TRIAL_PLANS = [LayerwisePlan(), GroupsPlan(2), GroupsPlan(4), GroupsPlan(8), GroupsPlan(16)]
+TRIAL_PLANS = [LayerwisePlanner(), GroupsPlanner(2), GroupsPlanner(4), GroupsPlanner(8), GroupsPlanner(16)]
 #: the fitted scale factors of the compression and the communication costs lie in [1/RANGE, RANGE]
 SCALE_RANGE = 8.0
 
@@ -61,7 +61,7 @@ SCALE_RANGE = 8.0
 class AutoTuner:
     """Profiles, tries, plans and verifies for one synchroniser (see the module docstring)."""
 
-    def __init__(self, engine: TunedEngine, planner: AutoPlan) -> None:
+    def __init__(self, engine: TunedEngine, planner: AutoPlanner) -> None:
         self.engine = engine
         self.steps = planner.profile_steps
         self.phase = "settle"  # -> "profile" -> "trial" -> "verify" -> "done"
@@ -202,7 +202,7 @@ class AutoTuner:
         groups = _broadcast_plan(engine, groups)
         free = Cost.linear(0.0, 0.0)
         nbytes = engine.tensor_nbytes(engine.order)
-        plan = SizeCapPlan(25).plan(nbytes)
+        plan = SizeCapPlanner(25).plan(nbytes)
         baselines = {
             precision: simulate(CostModel(model.ready, model.numels, free, cost, free, model.other), plan)
             for precision, cost in self._baselines.items()

@@ -63,7 +63,7 @@ from .bucket import Bucket
 from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
 from .engine_state import any_rank_holds_state, load_state, resharded, state_of
-from .fusion import AutoPlan, FilePlan, FusionPlanner, parse_fusion
+from .fusion import AutoPlanner, FilePlanner, FusionPlanner, parse_fusion
 from .hierarchy import NodeHierarchy, parse_hierarchy, route_for
 from .layout import BucketLayout
 from .synchronizer import Synchronizer
@@ -153,8 +153,8 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         self.step = 0
         self.telemetry = TelemetryLog()
         self.ready_order: list[str] | None = None  # recorded in the first synchronised backward
-        self.tuner = AutoTuner(self, self.planner) if isinstance(self.planner, AutoPlan) else None
-        if isinstance(self.planner, FilePlan):  # the plan file fixes the order too
+        self.tuner = AutoTuner(self, self.planner) if isinstance(self.planner, AutoPlanner) else None
+        if isinstance(self.planner, FilePlanner):  # the plan file fixes the order too
             self.planner.check({name: p.numel() for name, p in zip(self.names, self.params)})
             self.ready_order = list(self.planner.order)
             self._build(self.ready_order)

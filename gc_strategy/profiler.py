@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .bucket import Bucket
 from .communicators import COMMUNICATORS, Communicator, RunningExchange
-from .fusion.plans import AutoPlan
+from .fusion.plans import AutoPlanner
 from .registry import fresh_copy
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
@@ -41,7 +41,7 @@ class TunedEngine(Protocol):
     compressor: Compressor
     memory: Memory
     communicator: Communicator
-    planner: AutoPlan
+    planner: AutoPlanner
     process_group: Any
     #: how its buckets travel across ranks
     route: TimedRoute

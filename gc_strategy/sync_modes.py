@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .components import Components
-from .fusion.plans import AutoPlan, FilePlan
+from .fusion.plans import AutoPlanner, FilePlanner
 from .hierarchy import NodeHierarchy, hierarchy_of
 from .registry import Configuration, Option
 
@@ -92,7 +92,7 @@ class DiLoCo(Configuration):
                 f"sync=DiLoCo with compressor '{compressor.name}': it alternates its payloads step by step and "
                 "needs consecutive steps' gradients; use e.g. 'powersgd', 'topk' or 'qsgd' for the outer exchange"
             )
-        if isinstance(components.fusion, (AutoPlan, FilePlan)):
+        if isinstance(components.fusion, (AutoPlanner, FilePlanner)):
             raise ValueError(
                 f"sync=DiLoCo with fusion={components.fusion.describe()!r}: automatic and file plans are made for "
                 "the backward's gradients of the whole model; use a fixed plan (e.g. fusion='bucket_mb:25')"

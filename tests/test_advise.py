@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.models import resnet18
 
-from gc_strategy import advise, advise_measure, advise_plots, overlap
+from gc_strategy import advise, advise_measure, advise_plots, contention
 from gc_strategy.advise import predict, recommendation
 from gc_strategy.advise_measure import Compute, CpuRanks, Profile, Replicas, profile
 from gc_strategy.autotune import TRIAL_PLANS
@@ -362,17 +362,17 @@ def test_cpu_ranks_are_measured_from_broadcasts_alone_and_what_each_collective_t
         asked.append((span, collectives))
         assert sizes == (advise_measure.INSIDE_BYTES if span == "node" else advise_measure.EXCHANGE_BYTES)
         return {
-            (c, n): overlap.Beside(0.1, 1e-3 + n / 2e9, 0.1 + lost_per_byte[span, c] * n)
+            (c, n): contention.Beside(0.1, 1e-3 + n / 2e9, 0.1 + lost_per_byte[span, c] * n)
             for c in collectives
             for n in sizes
         }
 
     def latency(nodes, ranks_per_node):
         asked.append(("latency", (nodes, ranks_per_node)))
-        return 1e-3 + overlap.MESSAGE_BYTES / 2e9
+        return 1e-3 + contention.MESSAGE_BYTES / 2e9
 
-    monkeypatch.setattr(overlap, "measure", measured)
-    monkeypatch.setattr(overlap, "latency", latency)
+    monkeypatch.setattr(contention, "measure", measured)
+    monkeypatch.setattr(contention, "latency", latency)
     cpu = advise_measure.measure_cpu_ranks(2, 2, lambda: None)
     assert cpu.link.bandwidth == pytest.approx(2e9) and cpu.link.latency == pytest.approx(1e-3)
     assert cpu.reduce(32 << 20) == pytest.approx(4e-9 * (32 << 20)) and cpu.broadcast(1e6) == pytest.approx(1e-3)

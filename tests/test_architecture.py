@@ -140,7 +140,7 @@ TOOLS = {
     "gc_strategy.advise",
     "gc_strategy.advise_measure",
     "gc_strategy.advise_plots",
-    "gc_strategy.overlap",
+    "gc_strategy.contention",
     "gc_strategy.ranks",
 }
 

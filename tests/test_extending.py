@@ -24,13 +24,13 @@ def _examples() -> dict:
 
 def test_the_examples_run_and_behave_as_described():
     ex = _examples()
-    assert {"Int8Linear", "ClippedResidual", "FlatAllReduce", "HalvesPlan", "quantised", "summed_in_one"} <= set(ex)
+    assert {"Int8Linear", "ClippedResidual", "FlatAllReduce", "HalvesPlanner", "quantised", "summed_in_one"} <= set(ex)
     g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     compressor = ex["Int8Linear"](levels=127)
     scale = float(g.abs().max()) / 127
     decoded = compressor.decode(compressor.encode(g, None), None)
     assert float((decoded - g).abs().max()) <= scale / 2 * (1 + 1e-5)  # round to the nearest level
-    assert ex["HalvesPlan"]().plan([4, 4, 4, 4]) == [2, 2] and ex["HalvesPlan"]().plan([10, 1, 1]) == [1, 2]
+    assert ex["HalvesPlanner"]().plan([4, 4, 4, 4]) == [2, 2] and ex["HalvesPlanner"]().plan([10, 1, 1]) == [1, 2]
     with pytest.raises(ValueError, match="sums payloads element-wise"):
         ex["GCFusedStrategy"](compressor=compressor, communicator=ex["FlatAllReduce"]())
 
@@ -43,7 +43,7 @@ def _train_with_examples(rank, world_size):
             "int8",
             dict(compressor=ex["Int8Linear"](levels=127), memory=ex["ClippedResidual"](max_norm=1.0), fusion="single"),
         ),
-        ("flat", dict(compressor="none", communicator=ex["FlatAllReduce"](), fusion=ex["HalvesPlan"]())),
+        ("flat", dict(compressor="none", communicator=ex["FlatAllReduce"](), fusion=ex["HalvesPlanner"]())),
     ):
         torch.manual_seed(0)
         model, twin = SmallCNN(), SmallCNN()
@@ -79,7 +79,7 @@ def test_the_examples_train_on_two_ranks_with_the_plain_math():
 def _page_roles():
     ex = _examples()
     return build_components(
-        ex["Int8Linear"](levels=127), ex["ClippedResidual"](max_norm=1.0), fusion=ex["HalvesPlan"]()
+        ex["Int8Linear"](levels=127), ex["ClippedResidual"](max_norm=1.0), fusion=ex["HalvesPlanner"]()
     )
 
 
@@ -147,10 +147,10 @@ def test_the_pages_roles_run_through_pufferfishs_warm_up(tmp_path):
     strategy = GCFusedStrategy(
         compressor=ex["Int8Linear"](levels=127),
         memory=ex["ClippedResidual"](max_norm=1.0),
-        fusion=ex["HalvesPlan"](),
+        fusion=ex["HalvesPlanner"](),
         start_method="fork",
     )
     fit(module, strategy, max_epochs=2, callbacks=[PufferfishWarmup(ratio=0.5, warmup_steps=3), Seen()])
     assert isinstance(module.net.conv2, LowRankConv2d)
     for rank in range(2):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "Int8Linear ClippedResidual HalvesPlan"
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "Int8Linear ClippedResidual HalvesPlanner"

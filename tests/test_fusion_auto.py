@@ -11,7 +11,7 @@ import torch
 from models import SmallCNN
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
-from gc_strategy.fusion import AutoPlan, Cost, CostModel, FilePlan, best_plan, parse_fusion, simulate
+from gc_strategy.fusion import AutoPlanner, Cost, CostModel, FilePlanner, best_plan, parse_fusion, simulate
 from gc_strategy.fusion.timeline import Node
 from gc_strategy.ranks import run_ranks
 
@@ -255,7 +255,7 @@ def test_bad_auto_and_file_specs_are_refused(spec, message):
 
 
 def test_auto_spec_forms():
-    assert isinstance(parse_fusion("auto"), AutoPlan) and parse_fusion("auto").profile_steps == 5
+    assert isinstance(parse_fusion("auto"), AutoPlanner) and parse_fusion("auto").profile_steps == 5
     assert parse_fusion("auto:3").profile_steps == 3 and parse_fusion("auto:3").describe() == "auto:3"
 
 
@@ -404,4 +404,4 @@ def test_a_plan_file_for_another_model_is_refused(tmp_path):
     assert "does not match this model" in message and "other.weight" in message and names[-1] in message
     path.write_text(json.dumps({"format": 1, "order": names, "numels": numels, "groups": [1, 1]}))
     with pytest.raises(ValueError, match="do not cut its"):
-        FilePlan(str(path))
+        FilePlanner(str(path))

@@ -1,27 +1,27 @@
 """Fusion plans: how the gradient-ready sequence of tensors is cut into buckets."""
 
 from .plans import (
-    AutoPlan,
-    FilePlan,
+    AutoPlanner,
+    FilePlanner,
     FusionPlanner,
-    GroupsPlan,
-    LayerwisePlan,
-    SinglePlan,
-    SizeCapPlan,
+    GroupsPlanner,
+    LayerwisePlanner,
+    SinglePlanner,
+    SizeCapPlanner,
     parse_fusion,
 )
 from .timeline import Cost, CostModel, best_plan, simulate
 
 __all__ = [
-    "AutoPlan",
+    "AutoPlanner",
     "Cost",
     "CostModel",
-    "FilePlan",
+    "FilePlanner",
     "FusionPlanner",
-    "GroupsPlan",
-    "LayerwisePlan",
-    "SinglePlan",
-    "SizeCapPlan",
+    "GroupsPlanner",
+    "LayerwisePlanner",
+    "SinglePlanner",
+    "SizeCapPlanner",
     "best_plan",
     "parse_fusion",
     "simulate",

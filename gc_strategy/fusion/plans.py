@@ -31,7 +31,7 @@ class FusionPlanner:
         raise NotImplementedError
 
 
-class LayerwisePlan(FusionPlanner):
+class LayerwisePlanner(FusionPlanner):
     """One tensor per bucket: the research frameworks' layer-wise compression."""
 
     def plan(self, sizes: list[int]) -> list[int]:
@@ -41,7 +41,7 @@ class LayerwisePlan(FusionPlanner):
         return "layerwise"
 
 
-class SinglePlan(FusionPlanner):
+class SinglePlanner(FusionPlanner):
     """All tensors in one bucket: least fixed cost, no overlap with backward."""
 
     def plan(self, sizes: list[int]) -> list[int]:
@@ -51,7 +51,7 @@ class SinglePlan(FusionPlanner):
         return "single"
 
 
-class GroupsPlan(FusionPlanner):
+class GroupsPlanner(FusionPlanner):
     """``n`` contiguous groups of about equal bytes (fewer if there are fewer tensors).
 
     Cut ``k`` goes where the running byte total is closest to ``k/n`` of the whole, keeping every
@@ -85,7 +85,7 @@ class GroupsPlan(FusionPlanner):
         return f"groups:{self.n}"
 
 
-class SizeCapPlan(FusionPlanner):
+class SizeCapPlanner(FusionPlanner):
     """DDP's bucketing (``bucket_cap_mb``): close a bucket once it holds at least ``cap_mb``
     megabytes, except the first, which closes at ``min(1 MiB, cap_mb)`` as in DDP
     (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``) so that communication starts early in backward."""
@@ -115,7 +115,7 @@ class SizeCapPlan(FusionPlanner):
         return f"bucket_mb:{self.cap_mb:g}"
 
 
-class AutoPlan(FusionPlanner):
+class AutoPlanner(FusionPlanner):
     """Chosen by measurement (the Cupcake idea, solved exactly): the synchroniser runs the ``default``
     plan for ``profile_steps`` steps to settle and ``profile_steps`` steps of profiling, then searches
     the plan with the smallest simulated step time (:mod:`gc_strategy.fusion.timeline`) and rebuilds
@@ -125,7 +125,7 @@ class AutoPlan(FusionPlanner):
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"S = {profile_steps!r} must be an integer >= 1")
         self.profile_steps = profile_steps
-        self.default = default or SizeCapPlan(25)
+        self.default = default or SizeCapPlanner(25)
 
     def plan(self, sizes: list[int]) -> list[int]:
         return self.default.plan(sizes)
@@ -137,7 +137,7 @@ class AutoPlan(FusionPlanner):
 def write_plan_file(
     path: str, order: list[str], numels: list[int], groups: list[int], chosen_by: str, report: Any = None
 ) -> None:
-    """Write a plan as :class:`FilePlan` reads it (JSON): the gradient-ready order of the
+    """Write a plan as :class:`FilePlanner` reads it (JSON): the gradient-ready order of the
     parameters, their element counts, the number of tensors in each bucket, which planner chose it
     and, for ``fusion=auto``, its report."""
     plan = {
@@ -152,7 +152,7 @@ def write_plan_file(
         json.dump(plan, f, indent=1)
 
 
-class FilePlan(FusionPlanner):
+class FilePlanner(FusionPlanner):
     """A plan written by :func:`write_plan_file` (``GradientSynchronizer.export_plan``): the
     gradient-ready order of the parameters and the number of tensors in each bucket. It must
     describe this model exactly."""
@@ -207,20 +207,20 @@ def parse_fusion(spec: str | FusionPlanner) -> FusionPlanner:
         raise refuse
     kind, _, arg = spec.partition(":")
     if kind == "layerwise" and not arg:
-        return LayerwisePlan()
+        return LayerwisePlanner()
     if kind == "single" and not arg:
-        return SinglePlan()
+        return SinglePlanner()
     if kind == "auto" and not arg:
-        return AutoPlan()
+        return AutoPlanner()
     if kind == "file" and arg:
-        return FilePlan(arg)
+        return FilePlanner(arg)
     try:
         if kind == "auto":
-            return AutoPlan(int(arg))
+            return AutoPlanner(int(arg))
         if kind == "groups":
-            return GroupsPlan(int(arg))
+            return GroupsPlanner(int(arg))
         if kind == "bucket_mb":
-            return SizeCapPlan(float(arg))
+            return SizeCapPlanner(float(arg))
     except ValueError:
         pass
     raise refuse

@@ -341,7 +341,7 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
 
 def _starting_plans(numels: tuple[int, ...]) -> list[list[int]]:
     """Fixed plans whose best simulated time is the search's first bound."""
-    from .plans import GroupsPlan
+    from .plans import GroupsPlanner
 
     count = len(numels)
-    return [[count], [1] * count] + [GroupsPlan(n).plan(list(numels)) for n in (2, 4, 8, 16, 32, 64) if n < count]
+    return [[count], [1] * count] + [GroupsPlanner(n).plan(list(numels)) for n in (2, 4, 8, 16, 32, 64) if n < count]

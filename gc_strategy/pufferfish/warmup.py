@@ -31,7 +31,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..components import Components, build_components
-from ..fusion import FilePlan
+from ..fusion import FilePlanner
 from ..registry import Option
 from ..strategy import GCFusedStrategy
 from .transform import check_ratio, enable_factorized_loading, factorize, select_layers
@@ -94,7 +94,7 @@ class PufferfishWarmup(pl.Callback):
                 "keeps references to the old parameters. Use strategy='gc_fused' (compressor='none' is plain "
                 "allreduce) or a single device."
             )
-        if isinstance(strategy, GCFusedStrategy) and isinstance(strategy.components.fusion, FilePlan):
+        if isinstance(strategy, GCFusedStrategy) and isinstance(strategy.components.fusion, FilePlanner):
             raise ValueError(
                 f"fusion={strategy.components.fusion.describe()!r} fixes the tensors of the full-rank "
                 "model, which the conversion replaces; use 'auto' or a size-based plan"

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from gc_strategy import overlap
+from gc_strategy import contention
 
 
 def test_a_collective_takes_from_a_step_that_computes_and_not_from_one_that_sleeps():
@@ -16,8 +16,8 @@ def test_a_collective_takes_from_a_step_that_computes_and_not_from_one_that_slee
             matrix @ matrix
 
     size = 32 << 20
-    sleeping = overlap.measure(1, 2, lambda: time.sleep(0.03), [size], ("broadcast",), runs=7)["broadcast", size]
-    computing = overlap.measure(1, 2, busy, [size], ("broadcast",), runs=7)["broadcast", size]
+    sleeping = contention.measure(1, 2, lambda: time.sleep(0.03), [size], ("broadcast",), runs=7)["broadcast", size]
+    computing = contention.measure(1, 2, busy, [size], ("broadcast",), runs=7)["broadcast", size]
     assert sleeping.step_s == pytest.approx(0.03, abs=0.02) and sleeping.collective_s > 0
     assert computing.lost_s > sleeping.lost_s
     assert computing.hidden == pytest.approx(1 - computing.lost_s / computing.collective_s)
@@ -29,16 +29,16 @@ def _fails():
 
 def test_bad_input_and_a_failing_rank_are_errors_not_hangs():
     with pytest.raises(ValueError, match="node ranks = 1 is invalid; allowed: an integer >= 2"):
-        overlap.measure(2, 1, _fails, [4])
+        contention.measure(2, 1, _fails, [4])
     with pytest.raises(ValueError, match="across ranks = 1 is invalid; allowed: an integer >= 2"):
-        overlap.measure(1, 2, _fails, [4], span="across")
+        contention.measure(1, 2, _fails, [4], span="across")
     with pytest.raises(ValueError, match="span = 'rack' is invalid; allowed: node, across, world"):
-        overlap.measure(2, 2, _fails, [4], span="rack")
+        contention.measure(2, 2, _fails, [4], span="rack")
     with pytest.raises(ValueError, match=r"collectives = \['gather'\] are invalid; allowed: reduce, broadcast"):
-        overlap.measure(1, 2, _fails, [4], ("gather",))
+        contention.measure(1, 2, _fails, [4], ("gather",))
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="(?s)while measuring, rank [01] failed: .*ArithmeticError: no step here"):
-        overlap.measure(1, 2, _fails, [4])
+        contention.measure(1, 2, _fails, [4])
     assert time.perf_counter() - start < 60
 
 
@@ -49,15 +49,15 @@ def _group_of(group, root):
 def test_each_span_is_a_group_of_the_ranks_it_names():
     """4 ranks on 2 nodes, numbered node by node: a node's ranks, one rank of each node (the same
     local rank), all of them; each group's root is its first rank."""
-    assert overlap.on_node_ranks(2, 2, _group_of) == [(0, 2), (0, 2), (2, 2), (2, 2)]
-    assert overlap.on_node_ranks(2, 2, _group_of, span="across") == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    assert overlap.on_node_ranks(2, 2, _group_of, span="world") == [(0, 4)] * 4
+    assert contention.on_node_ranks(2, 2, _group_of) == [(0, 2), (0, 2), (2, 2), (2, 2)]
+    assert contention.on_node_ranks(2, 2, _group_of, span="across") == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert contention.on_node_ranks(2, 2, _group_of, span="world") == [(0, 4)] * 4
 
 
 def test_an_allgather_takes_more_than_an_allreduce_of_the_same_payload():
     """Over 4 ranks each receives 3 payloads from an allgather, and 1.5 from a ring allreduce."""
     size = 8 << 20
-    measured = overlap.measure(2, 2, lambda: None, [size], ("allreduce", "allgather"), runs=5, span="world")
+    measured = contention.measure(2, 2, lambda: None, [size], ("allreduce", "allgather"), runs=5, span="world")
     assert measured["allgather", size].collective_s > measured["allreduce", size].collective_s > 0
 
 
@@ -70,20 +70,20 @@ def test_the_latency_is_the_median_over_launches_of_the_median_over_ranks(monkey
         asked.append((nodes, ranks_per_node))
         return next(launches)
 
-    monkeypatch.setattr(overlap, "on_node_ranks", launched)
-    assert overlap.latency(2, 2, launches=3) == 2.5
+    monkeypatch.setattr(contention, "on_node_ranks", launched)
+    assert contention.latency(2, 2, launches=3) == 2.5
     assert asked == [(2, 2)] * 3
 
 
 def test_a_small_message_inside_a_node_takes_less_than_a_large_one():
-    small = overlap.latency(1, 2, launches=2, runs=5)
+    small = contention.latency(1, 2, launches=2, runs=5)
     size = 32 << 20
-    large = overlap.measure(1, 2, lambda: None, [size], ("broadcast",), runs=3)["broadcast", size].collective_s
+    large = contention.measure(1, 2, lambda: None, [size], ("broadcast",), runs=3)["broadcast", size].collective_s
     assert 0 < small < large
     with pytest.raises(ValueError, match="node ranks = 1 is invalid; allowed: an integer >= 2"):
-        overlap.latency(2, 1)
+        contention.latency(2, 1)
     with pytest.raises(ValueError, match="launches = 0 is invalid; allowed: an integer >= 1"):
-        overlap.latency(1, 2, launches=0)
+        contention.latency(1, 2, launches=0)
 
 
 def _rank_one_hangs(group, root):
@@ -95,5 +95,5 @@ def _rank_one_hangs(group, root):
 def test_a_rank_that_never_reports_is_an_error_naming_it():
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"while measuring, ranks \[1\] reported nothing within 5 s"):
-        overlap.on_node_ranks(1, 2, _rank_one_hangs, timeout_s=5)
+        contention.on_node_ranks(1, 2, _rank_one_hangs, timeout_s=5)
     assert time.perf_counter() - start < 60
