@@ -67,18 +67,22 @@ def buckets_of(model: nn.Module, loss, compressor: str, fusion: str) -> tuple[li
     gradients, from a plain backward once the synchroniser is gone (its buffers hold averages)."""
     memory, options = USUAL.get(compressor, ("none", {}))
     c = build_components(compressor, memory, fusion=fusion, **options)
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
     steps = 0
-    while steps < 2 or (engine.tuner is not None and engine.tuner.phase != "done"):  # order (+ auto's planning)
+    while steps < 2 or (
+        synchronizer.tuner is not None and synchronizer.tuner.phase != "done"
+    ):  # order (+ auto's planning)
         model.zero_grad()
         loss().backward()
         steps += 1
-    engine.close()
+    synchronizer.close()
     model.zero_grad()
     loss().backward()
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
-    flats = [torch.cat([grads[name].flatten() for name in bucket.names]).to(bucket.dtype) for bucket in engine.buckets]
-    return list(engine.buckets), flats
+    flats = [
+        torch.cat([grads[name].flatten() for name in bucket.names]).to(bucket.dtype) for bucket in synchronizer.buckets
+    ]
+    return list(synchronizer.buckets), flats
 
 
 def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[float, int]:

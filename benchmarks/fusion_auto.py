@@ -29,7 +29,7 @@ from gc_strategy.ranks import run_ranks
 FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
 
 
-def train_steps(model, engine, optimizer, batch, steps: int) -> list[float]:
+def train_steps(model, synchronizer, optimizer, batch, steps: int) -> list[float]:
     x, y = batch
     times = []
     for _ in range(steps):
@@ -56,8 +56,8 @@ def rank_main(rank: int, world_size: int, args) -> dict | None:
         torch.manual_seed(0)
         model = resnet18(num_classes=10)
         c = build_components(args.compressor, args.memory, fusion=plan)
-        engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-        runs[plan] = (model, engine, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        runs[plan] = (model, synchronizer, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     auto_engine = runs["auto"][1]
     while auto_engine.tuner.phase != "done":  # settle, profile, trials, verify
         train_steps(*runs["auto"], batch, 1)

@@ -34,17 +34,17 @@ def measure(model_name: str, compressor: str, rank: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = resnet(model_name)
     c = build_components(compressor, rank=rank, start_iter=0, fusion="bucket_mb:25")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
     x = torch.randn(2, 3, 32, 32)
     times, sent = [], []
     for step in range(steps + 2):
         model.zero_grad()
         model(x).sum().backward()
-        t = engine.telemetry.last
+        t = synchronizer.telemetry.last
         if step >= 2:
             times.append(t.encode_s + t.decode_s)
             sent.append(t.sent_bytes)
-    raw = engine.telemetry.last.raw_bytes
+    raw = synchronizer.telemetry.last.raw_bytes
     return {
         "ms": 1000 * statistics.median(times),
         "sent": statistics.median(sent),

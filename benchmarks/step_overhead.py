@@ -87,8 +87,9 @@ def package_at(revision: str) -> types.ModuleType:
     package = types.ModuleType("gc_strategy_at_rev")
     package.__path__ = [str(folder / "gc_strategy")]
     sys.modules[package.__name__] = package
-    for module in ("components", "engine"):
-        setattr(package, module, importlib.import_module(f"{package.__name__}.{module}"))
+    package.components = importlib.import_module(f"{package.__name__}.components")
+    home = "gradient_sync" if (folder / "gc_strategy" / "gradient_sync.py").exists() else "engine"  # older: engine.py
+    package.GradientSynchronizer = importlib.import_module(f"{package.__name__}.{home}").GradientSynchronizer
     return package
 
 
@@ -105,9 +106,7 @@ def build(
     elif roles is not None:
         compressor, memory, fusion, side, *options = roles
         c = package.components.build_components(compressor, memory, fusion=fusion, **(options[0] if options else {}))
-        keep = package.engine.GradientSynchronizer(
-            model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side
-        )
+        keep = package.GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), keep
 
 

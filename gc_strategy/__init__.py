@@ -10,8 +10,8 @@ from importlib.util import find_spec
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
-from .engine import GradientSynchronizer
 from .fusion import FusionPlanner, parse_fusion
+from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
 from .sync_modes import DiLoCo, EveryStep
 from .telemetry import StepTelemetry

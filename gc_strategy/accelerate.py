@@ -1,7 +1,7 @@
 """🤗 Accelerate integration: the gradient synchroniser in an Accelerate training loop.
 
 Accelerate has no plugin point for custom gradient synchronisation (its DDP kwargs take only the
-built-in fp16 / bf16 / PowerSGD hooks), so :func:`prepare` installs the engine itself, in place of
+built-in fp16 / bf16 / PowerSGD hooks), so :func:`prepare` installs the synchroniser itself, in place of
 DDP::
 
     accelerator = Accelerator(gradient_accumulation_steps=2)
@@ -46,7 +46,7 @@ from .synchronizer import Synchronizer
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
 STATE_FOLDER = "gc_state"
-#: Accelerate distributed types the engine can replace DDP in
+#: Accelerate distributed types the synchroniser can replace DDP in
 SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 

@@ -1,10 +1,10 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
-The :class:`AutoTuner` serves a :class:`~gc_strategy.engine.GradientTunedEngine` whose planner is
-an :class:`~gc_strategy.fusion.plans.AutoPlanner` (``auto:S``), through the synchroniser's public API
-only (:class:`~gc_strategy.profiler.TunedEngine`: its roles, process group, bucket order and sizes, and ``rebucket``);
-the planning itself (plans, timeline model, search) is :mod:`gc_strategy.fusion`, which knows no
-synchroniser. Once the gradient-ready order is known:
+The :class:`AutoTuner` serves a :class:`~gc_strategy.gradient_sync.GradientSynchronizer` whose
+planner is an :class:`~gc_strategy.fusion.plans.AutoPlanner` (``auto:S``), through the synchroniser's
+public API only (:class:`~gc_strategy.profiler.TunedSynchronizer`: its roles, process group, bucket
+order and sizes, and ``rebucket``); the planning itself (plans, timeline model, search) is
+:mod:`gc_strategy.fusion`, which knows no synchroniser. Once the gradient-ready order is known:
 
 1. **Settle**: ``S`` steps pass (the first steps of a process are slower than the rest: the
    allocator and caches are still cold).
@@ -48,7 +48,7 @@ from torch import Tensor
 from .communicators import EAGER_AFTER_BYTES
 from .fusion.plans import AutoPlanner, GroupsPlanner, LayerwisePlanner, SinglePlanner, SizeCapPlanner
 from .fusion.timeline import Cost, CostModel, best_plan, simulate
-from .profiler import TunedEngine, measure_costs
+from .profiler import TunedSynchronizer, measure_costs
 
 #: fixed plans whose predicted times the report lists next to the chosen one
 REFERENCE_PLANS = [LayerwisePlanner(), SinglePlanner(), GroupsPlanner(4), GroupsPlanner(16), SizeCapPlanner(25)]
@@ -61,8 +61,8 @@ SCALE_RANGE = 8.0
 class AutoTuner:
     """Profiles, tries, plans and verifies for one synchroniser (see the module docstring)."""
 
-    def __init__(self, engine: TunedEngine, planner: AutoPlanner) -> None:
-        self.engine = engine
+    def __init__(self, synchronizer: TunedSynchronizer, planner: AutoPlanner) -> None:
+        self.synchronizer = synchronizer
         self.steps = planner.profile_steps
         self.phase = "settle"  # -> "profile" -> "trial" -> "verify" -> "done"
         self._settled = 0
@@ -84,7 +84,7 @@ class AutoTuner:
 
     @property
     def recording(self) -> bool:
-        return self.phase != "done" and self.engine.ready_order is not None
+        return self.phase != "done" and self.synchronizer.ready_order is not None
 
     # ------------------------------------------------------------------ during backward
     def on_ready(self, name: str, excluded_s: float, grad: Tensor) -> None:
@@ -96,9 +96,9 @@ class AutoTuner:
         now = time.perf_counter()
         if self._first_wall is None:
             self._first_wall = now
-        if self.engine.device.type == "cuda":
+        if self.synchronizer.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.engine.device))
+            event.record(torch.cuda.current_stream(self.synchronizer.device))
             self._step_marks[name] = event
         else:
             self._step_marks[name] = now - excluded_s
@@ -124,7 +124,7 @@ class AutoTuner:
         ):
             self._last_end = end
             return
-        self._measured[tuple(self.engine.tensors_per_bucket)] = statistics.median(self._periods)
+        self._measured[tuple(self.synchronizer.tensors_per_bucket)] = statistics.median(self._periods)
         self._periods = []
         if self.phase == "profile":
             self._profile()
@@ -138,13 +138,13 @@ class AutoTuner:
         """This step's ready times in bucket order, relative to the first (a tensor that got no
         gradient counts as ready with the tensor before it)."""
         marks = self._step_marks
-        if self.engine.device.type == "cuda":
-            torch.cuda.current_stream(self.engine.device).synchronize()
+        if self.synchronizer.device.type == "cuda":
+            torch.cuda.current_stream(self.synchronizer.device).synchronize()
             first = next(iter(marks.values()))
             marks = {name: first.elapsed_time(event) / 1000 for name, event in marks.items()}
         origin = min(marks.values())
         times, last = [], 0.0
-        for name in self.engine.order:
+        for name in self.synchronizer.order:
             mark = marks.get(name)
             last = max(last, mark - origin) if mark is not None else last
             times.append(last)
@@ -153,18 +153,18 @@ class AutoTuner:
     # ------------------------------------------------------------------ profile, trials, plan
     def _profile(self) -> None:
         """The cost curves (microbenchmarks) and the ready times, reduced across ranks; the trials."""
-        engine = self.engine
+        synchronizer = self.synchronizer
         start = time.perf_counter()
-        numels = [engine.parameter(name).numel() for name in engine.order]
-        sizes, costs, eager = measure_costs(engine, self._gradients)
+        numels = [synchronizer.parameter(name).numel() for name in synchronizer.order]
+        sizes, costs, eager = measure_costs(synchronizer, self._gradients)
         self._gradients = {}
         ready = [statistics.median(column) for column in zip(*self._ready)]
-        values = _max_across_ranks(engine, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
+        values = _max_across_ranks(synchronizer, [*ready, statistics.median(self._other), *costs.flatten().tolist()])
         ready, other = values[: len(numels)], values[len(numels)]
         encode, communicator, decode, between, fp32, bf16 = (
             Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(6, -1).tolist()
         )
-        element = engine.parameter(engine.order[0]).element_size()
+        element = synchronizer.parameter(synchronizer.order[0]).element_size()
         self._model = CostModel(
             tuple(ready),
             tuple(numels),
@@ -176,8 +176,8 @@ class AutoTuner:
             advance_at=EAGER_AFTER_BYTES / element if eager else None,
         )
         self._baselines = {"fp32": fp32, "bf16": bf16}
-        nbytes = engine.tensor_nbytes(engine.order)
-        self._names = {tuple(engine.tensors_per_bucket): engine.planner.default.describe()}
+        nbytes = synchronizer.tensor_nbytes(synchronizer.order)
+        self._names = {tuple(synchronizer.tensors_per_bucket): synchronizer.planner.default.describe()}
         for plan in TRIAL_PLANS:
             self._names.setdefault(tuple(plan.plan(nbytes)), plan.describe())
         self._queue = [groups for groups in self._names if groups not in self._measured]
@@ -186,22 +186,22 @@ class AutoTuner:
 
     def _next_trial_or_plan(self) -> None:
         if self._queue:
-            self.engine.rebucket(list(self._queue.pop(0)))
+            self.synchronizer.rebucket(list(self._queue.pop(0)))
         else:
             self._plan()
 
     def _plan(self) -> None:
-        engine = self.engine
+        synchronizer = self.synchronizer
         start = time.perf_counter()
         tried = list(self._measured)
-        measured = dict(zip(tried, _max_across_ranks(engine, [self._measured[g] for g in tried])))
+        measured = dict(zip(tried, _max_across_ranks(synchronizer, [self._measured[g] for g in tried])))
         scales, model = fit_scales(self._model, measured)
         search = time.perf_counter()
         groups, _ = best_plan(model)
         search_s = time.perf_counter() - search
-        groups = _broadcast_plan(engine, groups)
+        groups = _broadcast_plan(synchronizer, groups)
         free = Cost.linear(0.0, 0.0)
-        nbytes = engine.tensor_nbytes(engine.order)
+        nbytes = synchronizer.tensor_nbytes(synchronizer.order)
         plan = SizeCapPlanner(25).plan(nbytes)
         baselines = {
             precision: simulate(CostModel(model.ready, model.numels, free, cost, free, model.other), plan)
@@ -231,25 +231,25 @@ class AutoTuner:
         }
         self._fitted = model
         self._describe_plan(groups, measured_s=None)
-        engine.rebucket(groups)
+        synchronizer.rebucket(groups)
         self.phase = "verify"
 
     def _decide(self) -> None:
         """Keep the fastest measured plan: the searched one (as verified: if it was also a trial, the
         newer measurement counts), or a trial that was measured faster."""
         searched = tuple(self.report["searched_groups"])
-        (verified,) = _max_across_ranks(self.engine, [self._measured[searched]])
+        (verified,) = _max_across_ranks(self.synchronizer, [self._measured[searched]])
         self._measured[searched] = verified
         self.report["searched_measured_step_s"] = verified
         best = min(self._measured, key=lambda g: (self._measured[g], g != searched))
         if best != searched:
-            self.engine.rebucket(list(best))
+            self.synchronizer.rebucket(list(best))
         self._describe_plan(list(best), measured_s=self._measured[best])
         self.report["chosen_by"] = "search" if best == searched else f"measurement (trial {self._names[best]})"
         self.phase = "done"
 
     def _describe_plan(self, groups: list[int], measured_s: float | None) -> None:
-        nbytes = self.engine.tensor_nbytes(self.engine.order)
+        nbytes = self.synchronizer.tensor_nbytes(self.synchronizer.order)
         self.report.update(
             {
                 "groups": groups,
@@ -292,25 +292,25 @@ def fit_scales(model: CostModel, measured: dict[tuple[int, ...], float]) -> tupl
     return (float(a), float(b)), model.scaled(a, b)
 
 
-def _max_across_ranks(engine: TunedEngine, values: list[float]) -> list[float]:
+def _max_across_ranks(synchronizer: TunedSynchronizer, values: list[float]) -> list[float]:
     measured = torch.tensor(values, dtype=torch.float64)
-    if engine.world_size > 1:
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=engine.process_group)
+    if synchronizer.world_size > 1:
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=synchronizer.process_group)
     return measured.tolist()
 
 
-def _broadcast_plan(engine: TunedEngine, groups: list[int]) -> list[int]:
+def _broadcast_plan(synchronizer: TunedSynchronizer, groups: list[int]) -> list[int]:
     """Identical inputs give identical plans; rank 0's is authoritative."""
-    if engine.world_size == 1:
+    if synchronizer.world_size == 1:
         return groups
-    padded = torch.zeros(len(engine.order), dtype=torch.int64)
+    padded = torch.zeros(len(synchronizer.order), dtype=torch.int64)
     padded[: len(groups)] = torch.tensor(groups)
-    dist.broadcast(padded, _rank0(engine), group=engine.process_group)
+    dist.broadcast(padded, _rank0(synchronizer), group=synchronizer.process_group)
     return [g for g in padded.tolist() if g > 0]
 
 
-def _rank0(engine: TunedEngine) -> int:
-    return dist.get_global_rank(engine.process_group, 0) if engine.process_group is not None else 0
+def _rank0(synchronizer: TunedSynchronizer) -> int:
+    return dist.get_global_rank(synchronizer.process_group, 0) if synchronizer.process_group is not None else 0
 
 
 def _ranges(groups: list[int]) -> list[tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""Buckets: the fused flat gradient buffers the engine compresses and communicates.
+"""Buckets: the fused flat gradient buffers the synchroniser compresses and communicates.
 
 A :class:`Bucket` is a contiguous group of parameters (in gradient-ready order) whose gradients are
 copied into one flat vector. :class:`BucketState` holds per-element state (error-feedback residuals,
@@ -146,7 +146,7 @@ def join_by_parameter(buckets: Iterable[Bucket], tensors: dict[str, Tensor], dev
 class BucketState:
     """Named per-element fp32 state, one flat vector per bucket, created lazily as zeros.
 
-    Subclasses (memories, stateful compressors) call :meth:`buffer`; the engine saves and restores
+    Subclasses (memories, stateful compressors) call :meth:`buffer`; the synchroniser saves and restores
     the state with :meth:`state_by_parameter` / :meth:`load_state_by_parameter`, which also carries it
     across a rebuild of the buckets.
     """

@@ -12,7 +12,7 @@ checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": 
 Lightning checkpoint ``DIR/NAME.ckpt`` the folder is ``DIR.gc_state/NAME.ckpt/``, beside ``DIR``,
 so that listing or globbing ``DIR`` finds only checkpoints, as with ``ddp``. On resume each rank reads its
 own file; with another world size each rank reads the old ranks' files one at a time into the
-running mean of :func:`~gc_strategy.engine_state.resharded`, so no rank holds more than two states at
+running mean of :func:`~gc_strategy.gradient_sync_state.resharded`, so no rank holds more than two states at
 once. Checkpoints that hold every rank's state gathered (``{"world_size": W, "ranks": [...]}``), or
 whose files sit in ``DIR/NAME.ckpt.gc_state/``, still load. Paths go through fsspec, as Lightning's
 own checkpoints do.

@@ -1,12 +1,12 @@
 """Communicators: asynchronous collectives over one process group (docs/algorithms.md §1).
 
 A communicator's :meth:`Communicator.exchange` is a generator: it issues one collective, ``yield``s a
-:class:`Round` (the in-flight collective) and receives the round's result back when the engine has
-waited for it. The engine drives these generators in one deterministic order on every rank, so a
+:class:`Round` (the in-flight collective) and receives the round's result back when the synchroniser has
+waited for it. The synchroniser drives these generators in one deterministic order on every rank, so a
 collective that needs a previous one (the data gather after a length exchange, PowerSGD's Q after P)
 is issued at the same point on all ranks. An exchange may mark a round ``eager``: one whose result a
 later collective of the same exchange needs (PowerSGD's P, a length handshake) and small enough to
-arrive quickly. The engine advances it at the next launch of a large enough bucket (or at the end
+arrive quickly. The synchroniser advances it at the next launch of a large enough bucket (or at the end
 of backward), so that the later collective is issued during backward rather than after it.
 
 - ``allreduce``: element-wise sum of summable payloads; one collective per payload tensor.
@@ -37,7 +37,7 @@ EAGER_AFTER_BYTES = 1 << 20
 
 class Round:
     """In-flight collectives (``works``, issued together): ``wait()`` blocks until all complete and
-    returns the round's result. ``eager`` rounds are advanced by the engine during backward (see
+    returns the round's result. ``eager`` rounds are advanced by the synchroniser during backward (see
     the module's docstring); ``inside_node`` rounds stay inside a node (``hierarchy="node"``) and
     are counted apart."""
 
@@ -76,13 +76,13 @@ Exchange = Generator[Round, Any, Any]
 
 
 class RunningExchange:
-    """One exchange driven round by round: the engine and the fusion profiler both run exchanges
+    """One exchange driven round by round: the synchroniser and the fusion profiler both run exchanges
     through it. Starting runs the generator to its first round; :meth:`advance` waits for the
     current round and runs the generator to the next one (or to its end, when ``result`` holds what
     it returned). The host time of each part is kept: ``encode_s`` up to the first round,
     ``between_s`` between rounds, ``wait_s`` waiting for rounds, ``decode_s`` after the last; and
     what the rounds sent (``node_bytes`` for rounds inside a node, ``sent_bytes`` for the rest),
-    and whether one was ``eager`` (the rest of the exchange then waits for the engine to advance it).
+    and whether one was ``eager`` (the rest of the exchange then waits for the synchroniser to advance it).
     ``clock`` reads the time (one that synchronises a device measures its work too)."""
 
     def __init__(self, exchange: Exchange, clock: Callable[[], float] = time.perf_counter) -> None:

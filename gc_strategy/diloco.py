@@ -9,7 +9,7 @@ parameters, identical on every rank, and ``θ_r`` replica ``r``'s after ``H`` in
     θ  ← OuterOpt(θ, Δ̄)                               (SGD with Nesterov momentum, lr 0.7, momentum 0.9)
     θ_r ← θ                                           (every rank continues from the same values)
 
-The exchange of ``Δ`` is a :class:`~gc_strategy.engine.GradientSynchronizer` with
+The exchange of ``Δ`` is a :class:`~gc_strategy.gradient_sync.GradientSynchronizer` with
 ``on_backward=False``: the configured compressor, memory and communicator over fused buckets, and
 the hierarchy where on. Error feedback therefore acts on ``Δ``: what compression dropped from one
 outer step's pseudo-gradient is added to the next one's.
@@ -52,9 +52,9 @@ from torch import Tensor, nn
 
 from .collectives import average_buffers
 from .components import Components, build_components
-from .engine import GradientSynchronizer
 from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
+from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
 from .sync_modes import DiLoCo
 from .synchronizer import Synchronizer
@@ -83,7 +83,7 @@ class _Fragment:
 class DiLoCoSynchronizer(Synchronizer):
     """Synchronise ``module`` as ``config`` (:class:`~gc_strategy.sync_modes.DiLoCo`) says: every
     ``inner_steps`` optimizer steps (see the module's docstring), over ``hierarchy`` (as for
-    :class:`~gc_strategy.engine.GradientSynchronizer`).
+    :class:`~gc_strategy.gradient_sync.GradientSynchronizer`).
 
     Call :meth:`after_optimizer_step` after every inner optimizer step on every rank (the Lightning
     strategy and the Accelerate integration do).

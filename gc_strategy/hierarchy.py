@@ -24,12 +24,12 @@ error-corrected: the error-feedback memory covers what the compressor drops acro
 node mean it receives. It is the precision that DDP's ``bf16_compress_hook`` gives every gradient.
 
 The exchange across nodes overlaps backward. The reduce is an eager round
-(:class:`~gc_strategy.communicators.Round`): the engine advances it at the launch of a later large
+(:class:`~gc_strategy.communicators.Round`): the synchroniser advances it at the launch of a later large
 bucket, and the owner encodes and sends its share across nodes while backward goes on. The
 broadcasts wait for the end of backward: before step 3 every rank of the node yields a round that
 is never eager. So every rank issues the node's reduces in bucket order during backward and its
 broadcasts in bucket order after it, whichever rounds of the owner's exchange were eager. The owners
-of a bucket on every node advance its exchange at the same points (the engine's schedule is the
+of a bucket on every node advance its exchange at the same points (the synchroniser's schedule is the
 same on every rank), so the collective order is the same on every rank of each group. Ranks are
 numbered node by node (``rank = node · L + local rank``), as torchrun, SLURM and Lightning's
 launchers number them.

@@ -1,7 +1,7 @@
 """The gradient synchroniser's bucket layout: the order of its parameters, the buckets cut from it,
 their flat buffers, and the roles' per-element state carried across a new cut (by parameter name,
 to the ranks its route places the new buckets on). A part of
-:class:`~gc_strategy.engine.GradientSynchronizer`, apart from its pipeline.
+:class:`~gc_strategy.gradient_sync.GradientSynchronizer`, apart from its pipeline.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .fusion.plans import write_plan_file
 
 
 class BucketLayout:
-    """The layout methods of :class:`~gc_strategy.engine.GradientSynchronizer`, which holds the
+    """The layout methods of :class:`~gc_strategy.gradient_sync.GradientSynchronizer`, which holds the
     parameters (``names``, ``params``, ``_index``), the roles, the planner and the route."""
 
     def _build(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:

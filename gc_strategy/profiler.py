@@ -1,7 +1,7 @@
 """The costs of a synchroniser's roles, measured on this rank with real collectives: how
 ``fusion="auto"`` (:mod:`gc_strategy.autotune`) and the benchmarks time an exchange.
 
-:func:`time_exchange` runs one bucket's exchange as the engine runs it and times its parts;
+:func:`time_exchange` runs one bucket's exchange as the synchroniser runs it and times its parts;
 :func:`measure_costs` samples bucket sizes from one tensor to the whole model and returns the cost
 curves the timeline model is fitted to.
 """
@@ -34,8 +34,8 @@ class TimedRoute(Protocol):
     ) -> ExchangeTimes: ...
 
 
-class TunedEngine(Protocol):
-    """What the tuner and the profiler use of a :class:`~gc_strategy.engine.GradientSynchronizer`:
+class TunedSynchronizer(Protocol):
+    """What the tuner and the profiler use of a :class:`~gc_strategy.gradient_sync.GradientSynchronizer`:
     its public API."""
 
     compressor: Compressor
@@ -90,36 +90,40 @@ def sample_buckets(shapes: dict[str, torch.Size], gradient: Tensor) -> list[tupl
     return samples
 
 
-def measure_costs(engine: TunedEngine, gradients: dict[str, Tensor]) -> tuple[list[int], torch.Tensor, bool]:
+def measure_costs(
+    synchronizer: TunedSynchronizer, gradients: dict[str, Tensor]
+) -> tuple[list[int], torch.Tensor, bool]:
     """Bucket sizes (elements) and, on this rank, ``[6, sizes]`` median seconds of: encode (with the
     memory's compensation), communication, decode (with the memory's update) and the work between
     rounds (PowerSGD's orthogonalisation) of this synchroniser's roles, and an fp32 and a bf16
     allreduce of the same bucket over all ranks (the uncompressed baselines), on samples cut from
     ``gradients`` (flat local gradients by parameter name; zeros where one is missing); and whether
-    the exchange has an eager round (then it waits for the engine to advance it).
+    the exchange has an eager round (then it waits for the synchroniser to advance it).
 
-    Each sample runs as the engine's route runs it (:meth:`~gc_strategy.routes.Route.timed_exchange`);
+    Each sample runs as the synchroniser's route runs it (:meth:`~gc_strategy.routes.Route.timed_exchange`);
     with ``hierarchy="node"`` only the owners report times, so the maximum across ranks is theirs."""
-    compressor, memory = fresh_copy(engine.compressor), fresh_copy(engine.memory)
-    compressor.bind(engine.world_size, engine.rank)
+    compressor, memory = fresh_copy(synchronizer.compressor), fresh_copy(synchronizer.memory)
+    compressor.bind(synchronizer.world_size, synchronizer.rank)
     compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
     plain = {precision: COMPRESSORS.build(name) for precision, name in (("fp32", "none"), ("bf16", "bf16"))}
     for baseline in plain.values():
-        baseline.bind(engine.world_size, engine.rank)
+        baseline.bind(synchronizer.world_size, synchronizer.rank)
     allreduce = COMMUNICATORS.build("allreduce")
-    allreduce.bind(engine.process_group)
+    allreduce.bind(synchronizer.process_group)
     gradient = torch.cat(
         [
-            gradients[name] if name in gradients else torch.zeros(engine.parameter(name).numel(), device=engine.device)
-            for name in engine.order
+            gradients[name]
+            if name in gradients
+            else torch.zeros(synchronizer.parameter(name).numel(), device=synchronizer.device)
+            for name in synchronizer.order
         ]
     )
-    samples = sample_buckets({name: engine.parameter(name).shape for name in engine.order}, gradient)
+    samples = sample_buckets({name: synchronizer.parameter(name).shape for name in synchronizer.order}, gradient)
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
     eager = False
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
-            ours = engine.route.timed_exchange(memory, compressor, engine.communicator, flat, bucket)
+            ours = synchronizer.route.timed_exchange(memory, compressor, synchronizer.communicator, flat, bucket)
             eager = eager or ours.eager
             baselines = [time_exchange(plain[p], None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")]
             if run:
@@ -155,7 +159,7 @@ def time_exchange(
     compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
 ) -> ExchangeTimes:
     """One bucket's exchange timed, all ranks of the communicator's group starting together
-    (``memory`` may be None); the exchange runs as the engine runs it (the memory's
+    (``memory`` may be None); the exchange runs as the synchroniser runs it (the memory's
     :meth:`~gc_strategy.algos.base.Memory.exchange` driven by a
     :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
     compensation, communication every round, decode the last combine and the memory's update,

@@ -4,7 +4,7 @@ A :class:`Route` runs a bucket's exchange through the roles over its process gro
 buckets on the ranks that compress them, and says which rank keeps a bucket's per-element state.
 :class:`FlatRoute` exchanges among all ranks of one process group; the hierarchy's
 :class:`~gc_strategy.hierarchy.NodeRoute` reduces inside each node and compresses across nodes.
-The engine, its bucket layout and the profiler ask their route; none of them branches on the
+The synchronizer, its bucket layout and the profiler ask their route; none of them branches on the
 topology.
 """
 

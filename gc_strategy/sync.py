@@ -7,7 +7,7 @@ from torch import nn
 
 from .components import Components
 from .diloco import DiLoCoSynchronizer
-from .engine import GradientSynchronizer
+from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
 from .sync_modes import DiLoCo, EveryStep
 from .synchronizer import Synchronizer

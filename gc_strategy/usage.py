@@ -1,5 +1,5 @@
 """Which parameters took part in a synchronised step, and what ``find_unused_parameters`` makes of
-it (the semantics of ``DistributedDataParallel``: :mod:`gc_strategy.engine`'s docstring)."""
+it (the semantics of ``DistributedDataParallel``: :mod:`gc_strategy.gradient_sync`'s docstring)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ class Usage:
     the collective order on every rank.
     """
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, synchronizer: Any) -> None:
+        self.synchronizer = synchronizer
         self.used = [
             filled or (accumulated and p.grad is not None)
-            for filled, accumulated, p in zip(engine._filled, engine._accumulated, engine.params)
+            for filled, accumulated, p in zip(synchronizer._filled, synchronizer._accumulated, synchronizer.params)
         ]
-        self.global_check = engine.find_unused_parameters or engine.ready_order is None
+        self.global_check = synchronizer.find_unused_parameters or synchronizer.ready_order is None
         self._count: Tensor | None = None
         self._work: Any = None
         #: (parameter index, bucket, slot) of each parameter this rank did not use ->
@@ -37,29 +37,29 @@ class Usage:
     def prepare_bucket(self, b: int) -> None:
         """Before bucket ``b`` launches at the end of backward: fill the slots of parameters whose
         gradient did not arrive in this backward, and keep their state for :meth:`restore_state`."""
-        engine = self.engine
-        buffer = engine.buffers[b]
-        for slot, name in enumerate(engine.buckets[b].names):
-            index = engine._index[name]
-            if engine._filled[index]:
+        synchronizer = self.synchronizer
+        buffer = synchronizer.buffers[b]
+        for slot, name in enumerate(synchronizer.buckets[b].names):
+            index = synchronizer._index[name]
+            if synchronizer._filled[index]:
                 continue
-            param, view = engine.params[index], engine.views[b][slot]
+            param, view = synchronizer.params[index], synchronizer.views[b][slot]
             if param.grad is None:
                 view.zero_()
             else:
                 if param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
                     param.grad = param.grad.clone()  # keep it out of the exchange, which writes the buffer
                 view.copy_(param.grad)
-            if not self.used[index] and engine.find_unused_parameters:
+            if not self.used[index] and synchronizer.find_unused_parameters:
                 self._save(index, b, slot)
 
     def _state_slices(self, b: int, slot: int) -> dict[tuple[int, str], Tensor]:
         """The slot's slices of every per-element state of the memory (role 0) and compressor (1)."""
         slices = {}
-        for role_index, role in enumerate((self.engine.memory, self.engine.compressor)):
+        for role_index, role in enumerate((self.synchronizer.memory, self.synchronizer.compressor)):
             for state_name, per_bucket in role.buffers.items():
                 if b in per_bucket:
-                    slices[(role_index, state_name)] = self.engine.buckets[b].views(per_bucket[b])[slot]
+                    slices[(role_index, state_name)] = self.synchronizer.buckets[b].views(per_bucket[b])[slot]
         return slices
 
     def _save(self, index: int, b: int, slot: int) -> None:
@@ -67,10 +67,10 @@ class Usage:
 
     def start_exchange(self) -> None:
         """Issue the allreduce of the usage flags (after every bucket's launch)."""
-        if not self.global_check or self.engine.world_size == 1:
+        if not self.global_check or self.synchronizer.world_size == 1:
             return
-        self._count = torch.tensor(self.used, dtype=torch.int32, device=self.engine.device)
-        self._work = dist.all_reduce(self._count, group=self.engine.process_group, async_op=True)
+        self._count = torch.tensor(self.used, dtype=torch.int32, device=self.synchronizer.device)
+        self._work = dist.all_reduce(self._count, group=self.synchronizer.process_group, async_op=True)
 
     def unused_by_all(self) -> set[int]:
         """Parameters no rank used (where that is known: with the allreduce, or at world size 1),
@@ -78,7 +78,7 @@ class Usage:
         if self._work is not None:
             self._work.wait()
             return {i for i, count in enumerate(self._count.tolist()) if count == 0}
-        if self.engine.world_size == 1:
+        if self.synchronizer.world_size == 1:
             return {i for i, used in enumerate(self.used) if not used}
         return set()
 
@@ -95,17 +95,17 @@ class Usage:
 
     def check(self, unused: set[int]) -> None:
         """With ``find_unused_parameters=False``, refuse a step in which a parameter got no gradient."""
-        engine = self.engine
-        if engine.find_unused_parameters:
+        synchronizer = self.synchronizer
+        if synchronizer.find_unused_parameters:
             return
         missing = sorted(unused | {i for i, used in enumerate(self.used) if not used})
         if not missing:
             return
-        names = ", ".join(repr(engine.names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        where = "on some rank" if unused else f"on rank {engine.rank}"
+        names = ", ".join(repr(synchronizer.names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        where = "on some rank" if unused else f"on rank {synchronizer.rank}"
         raise RuntimeError(
             f"find_unused_parameters=False (the default, as for DDP), but {len(missing)} parameter(s) got no "
-            f"gradient {where} in synchronised step {engine.step - 1}: {names}. Pass "
+            f"gradient {where} in synchronised step {synchronizer.step - 1}: {names}. Pass "
             "find_unused_parameters=True (in Lightning: GCFusedStrategy(find_unused_parameters=True) or "
             "strategy='gc_fused_find_unused_parameters_true'), or freeze those parameters (requires_grad=False)."
         )

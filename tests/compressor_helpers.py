@@ -52,7 +52,7 @@ def roundtrip(compressor, g: torch.Tensor, b: Bucket | None = None) -> torch.Ten
 
 def finish(exchange):
     """Drive an exchange generator (a memory's, a compressor's or a communicator's) through its
-    rounds, as the engine does: its return value."""
+    rounds, as the synchroniser does: its return value."""
     return RunningExchange(exchange).finish()
 
 

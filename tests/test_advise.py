@@ -125,7 +125,7 @@ def test_on_cpu_ranks_an_exchange_holds_its_bucket_and_takes_the_compute_of_its_
 
 def test_an_exchange_with_an_eager_round_waits_for_a_later_large_launch():
     """An exchange whose round is eager (a gather's length handshake, PowerSGD's P, the node's
-    reduce) goes on when the engine advances it: at the launch of a later bucket of at least
+    reduce) goes on when the synchroniser advances it: at the launch of a later bucket of at least
     ``EAGER_AFTER_BYTES``, or at the end of backward. Two fp32 buckets of 1 MiB each, ready at 0 and
     0.1 s, with free codecs: the first bucket's exchange overlaps backward only if it does not wait."""
     quarter = EAGER_AFTER_BYTES // 4  # elements of a 1 MiB fp32 bucket

@@ -1,4 +1,4 @@
-"""Every compressor through the engine on 2 and 3 gloo ranks: the synchronised gradient equals the
+"""Every compressor through the synchroniser on 2 and 3 gloo ranks: the synchronised gradient equals the
 reference aggregation of the ranks' own decodes, and telemetry counts the payload bytes."""
 
 import pytest
@@ -21,40 +21,40 @@ OPTIONS = SMALL_MODEL_OPTIONS
 def _check_all(rank, world_size, memory):
     """Per compressor, 3 steps: the synchronised gradient against the reference aggregation of every
     rank's decode of its own ``x`` (``x = g``; with residual memory ``x = g + e`` and ``e ← x −
-    decode(x)``, tracked here), and the engine's residual against the tracked ``e``."""
+    decode(x)``, tracked here), and the synchroniser's residual against the tracked ``e``."""
     errors = {}
     for name in sorted(set(COMPRESSORS.names()) - LOWRANK):  # low-rank: tests/test_powersgd.py
         torch.manual_seed(7)
         model = SmallCNN()
         c = build_components(name, memory, "auto", "groups:3", **OPTIONS.get(name, {}))
-        engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
         # a twin compressor encodes this rank's gradients independently, for the reference
         twin = COMPRESSORS.build(name, **OPTIONS.get(name, {}))
         twin.bind(world_size, rank)
         model(torch.randn(2, 3, 8, 8)).sum().backward()  # the first step records the ready order
         if memory == "residual":  # from where the first step left it
-            residual = [engine.memory.buffer("residual", b).clone() for b in engine.buckets]
+            residual = [synchronizer.memory.buffer("residual", b).clone() for b in synchronizer.buckets]
         for step in range(3):
             x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             model.zero_grad(set_to_none=True)
-            with engine.no_sync():
+            with synchronizer.no_sync():
                 model(x).square().mean().backward()
-            local = torch.cat([p.grad.reshape(-1) for p in map(engine.parameter, engine.order)])
+            local = torch.cat([p.grad.reshape(-1) for p in map(synchronizer.parameter, synchronizer.order)])
             model.zero_grad(set_to_none=True)
-            state_before = {k: {b: t.clone() for b, t in v.items()} for k, v in engine.compressor.buffers.items()}
+            state_before = {k: {b: t.clone() for b, t in v.items()} for k, v in synchronizer.compressor.buffers.items()}
             model(x).square().mean().backward()
-            synced = torch.cat([p.grad.reshape(-1) for p in map(engine.parameter, engine.order)])
-            twin.begin_step(engine.step - 1)
+            synced = torch.cat([p.grad.reshape(-1) for p in map(synchronizer.parameter, synchronizer.order)])
+            twin.begin_step(synchronizer.step - 1)
             twin.buffers = {k: {b: t.clone() for b, t in v.items()} for k, v in state_before.items()}
             decodes, offset = [], 0
-            for bucket in engine.buckets:
+            for bucket in synchronizer.buckets:
                 piece = local[offset : offset + bucket.numel]
                 if memory == "residual":
                     piece = piece + residual[bucket.index]
                 decoded = twin.decode(twin.encode(piece.clone(), bucket), bucket)
                 if memory == "residual":
                     residual[bucket.index] = piece - decoded
-                    kept = engine.memory.buffer("residual", bucket)
+                    kept = synchronizer.memory.buffer("residual", bucket)
                     scale = float(piece.abs().max().clamp_min(1e-12))
                     errors[f"{name} residual"] = max(
                         errors.get(f"{name} residual", 0.0), float((kept - residual[bucket.index]).abs().max()) / scale
@@ -68,7 +68,7 @@ def _check_all(rank, world_size, memory):
             reference = reference.sign() if name in MAJORITY else reference / world_size
             relative = float((synced - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
             errors[name] = max(errors.get(name, 0.0), relative)
-        assert engine.telemetry.last.sent_bytes > 0
+        assert synchronizer.telemetry.last.sent_bytes > 0
     return errors
 
 
@@ -93,13 +93,13 @@ def test_every_compressor_runs_on_16_bit_gradients(dtype):
             if name in ("powersgd", "acpsgd"):  # their own error feedback only where no memory keeps one
                 options.update(start_iter=0, use_error_feedback=memory == "none")
             c = build_components(name, memory, "auto", "groups:2", **options)
-            engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+            synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
             for _ in range(2):
                 model.zero_grad()
                 model(torch.randn(2, 3, 8, 8).to(dtype)).float().square().mean().backward()
             for p in model.parameters():
                 assert p.grad.dtype == dtype and torch.isfinite(p.grad).all(), (name, memory)
-            assert engine.telemetry.last.raw_bytes == sum(p.numel() * 2 for p in model.parameters())
+            assert synchronizer.telemetry.last.raw_bytes == sum(p.numel() * 2 for p in model.parameters())
 
 
 def test_a_payload_outlives_the_next_encode_of_its_bucket():

@@ -16,8 +16,8 @@ def test_side_stream_engine_matches_plain_gradients():
     model = SmallCNN().cuda()
     model.load_state_dict(reference.state_dict())
     c = build_components(compressor="none", fusion="groups:3")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-    assert engine.stream is not None
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    assert synchronizer.stream is not None
     for seed in range(3):
         x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(seed)).cuda()
         reference(x).square().mean().backward()

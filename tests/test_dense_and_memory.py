@@ -55,7 +55,7 @@ def test_none_is_exact():
 
 @pytest.mark.parametrize("flag", [None, True], ids=["new-tensor", "in-place"])
 def test_residual_memory_math(flag):
-    """``g' = βe + γg``, ``e ← g' − decode``: given the finite flag (as the engine does), ``g'`` is
+    """``g' = βe + γg``, ``e ← g' − decode``: given the finite flag (as the synchroniser does), ``g'`` is
     formed in ``e`` itself on the CPU; without it, in a new tensor. Same values either way."""
     memory = MEMORIES.build("residual", beta=0.5, gamma=2.0)
     bucket = _bucket(3)
@@ -109,7 +109,7 @@ def test_error_feedback_makes_the_time_average_of_the_error_vanish():
 def test_dgc_memory_momentum_correction_accumulation_and_masking(flag, as_mask):
     """``u = m u + g``, ``v = v + u``; ``u`` and ``v`` zeroed at the sent positions (``local_form``:
     indices, or a bool mask as on accelerators), also where the value sent there is 0 (position 2
-    at the second step). Given the finite flag (as the engine does) they are formed in place on
+    at the second step). Given the finite flag (as the synchroniser does) they are formed in place on
     the CPU."""
     memory = MEMORIES.build("dgc", momentum=0.5)
     assert memory.local_form == "positions"

@@ -49,7 +49,7 @@ def _train_with_examples(rank, world_size):
         model, twin = SmallCNN(), SmallCNN()
         twin.load_state_dict(model.state_dict())
         c = build_components(**roles)
-        engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
         x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(rank))
         model(x).square().mean().backward()
         twin(x).square().mean().backward()
@@ -63,7 +63,7 @@ def _train_with_examples(rank, world_size):
             dist.all_gather(gathered, t)
             expected.append(torch.stack(gathered).mean(0))
         results[label] = max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected))
-        residual = engine.memory.state_by_parameter(engine.buckets).get("residual", {})
+        residual = synchronizer.memory.state_by_parameter(synchronizer.buckets).get("residual", {})
         flat_residual = torch.cat([t.reshape(-1) for t in residual.values()]) if residual else torch.zeros(1)
         results[label + " residual norm"] = float(flat_residual.norm())
     return results

@@ -259,7 +259,7 @@ def test_auto_spec_forms():
     assert parse_fusion("auto:3").profile_steps == 3 and parse_fusion("auto:3").describe() == "auto:3"
 
 
-def _train(model, engine, steps, seed=0):
+def _train(model, synchronizer, steps, seed=0):
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(steps):
@@ -283,18 +283,18 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
     expected = torch.autograd.grad(torch.nn.functional.cross_entropy(reference(x), y), list(reference.parameters()))
     seen = {}
 
-    def capture(engine, gradients):
-        seen.update(gradients=dict(gradients), names=list(engine.names))
+    def capture(synchronizer, gradients):
+        seen.update(gradients=dict(gradients), names=list(synchronizer.names))
         raise KeyboardInterrupt  # stop here: the samples are what is checked
 
     monkeypatch.setattr(auto, "measure_costs", capture)
     c = build_components("topk", "residual", density=0.05, fusion="auto:2")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
     with pytest.raises(KeyboardInterrupt):
         for _ in range(10):  # no optimizer step: the same gradient every step
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-    assert engine.tuner.phase == "profile"  # stopped where the profile takes its samples
+    assert synchronizer.tuner.phase == "profile"  # stopped where the profile takes its samples
     names = [name for name, _ in reference.named_parameters()]
     assert sorted(seen["gradients"]) == sorted(names)
     for name, want in zip(names, expected):
@@ -304,33 +304,33 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
 
 @pytest.mark.parametrize("compressor, waits", [("powersgd", True), ("none", False)])
 def test_the_planner_knows_which_exchanges_wait_for_an_eager_round(compressor, waits):
-    """PowerSGD's P is an eager round: its Q waits for the engine to advance it, and the searched
+    """PowerSGD's P is an eager round: its Q waits for the synchroniser to advance it, and the searched
     plan's model says so (the sizes of the buckets whose launch advances it, in elements)."""
     from gc_strategy.communicators import EAGER_AFTER_BYTES
 
     torch.manual_seed(0)
     model = SmallCNN()
     c = build_components(compressor, "none", fusion="auto:1")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
-    while engine.tuner.phase != "done":
-        _train(model, engine, 1)
-    assert engine.plan_report["cost_model"]["advance_at"] == (EAGER_AFTER_BYTES / 4 if waits else None)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    while synchronizer.tuner.phase != "done":
+        _train(model, synchronizer, 1)
+    assert synchronizer.plan_report["cost_model"]["advance_at"] == (EAGER_AFTER_BYTES / 4 if waits else None)
 
 
 def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     torch.manual_seed(0)
     model = SmallCNN()
     c = build_components("topk", "residual", density=0.1, fusion="auto:2")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
     planning_steps = 0
-    while engine.tuner.phase != "done":  # order, settle, profile, trials, verify
-        _train(model, engine, 1, seed=rank + 100 * planning_steps)
+    while synchronizer.tuner.phase != "done":  # order, settle, profile, trials, verify
+        _train(model, synchronizer, 1, seed=rank + 100 * planning_steps)
         planning_steps += 1
-    _train(model, engine, 1, seed=rank)
-    report = engine.plan_report
+    _train(model, synchronizer, 1, seed=rank)
+    report = synchronizer.plan_report
     if rank == 0:
-        engine.export_plan(plan_path)
-    state = engine.state_dict()
+        synchronizer.export_plan(plan_path)
+    state = synchronizer.state_dict()
     # resume: a fresh synchroniser with fusion=auto restores the plan instead of profiling again
     restored_model = SmallCNN()
     c2 = build_components("topk", "residual", density=0.1, fusion="auto:2")
@@ -342,8 +342,8 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     from_file = GradientSynchronizer(from_file_model, c3.compressor, c3.memory, c3.communicator, c3.fusion)
     _train(from_file_model, from_file, 2, seed=rank)
     return {
-        "groups": engine.tensors_per_bucket,
-        "order": engine.order,
+        "groups": synchronizer.tensors_per_bucket,
+        "order": synchronizer.order,
         "report": {
             k: report[k]
             for k in (

@@ -22,7 +22,7 @@ from gc_strategy.sync import build_synchronizer
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 
 
-def _engine(
+def _synchronizer(
     model,
     name,
     ranks_per_node,
@@ -58,7 +58,10 @@ def _none_against_flat(rank, world_size, ranks_per_node):
     torch.manual_seed(0)
     flat_model, node_model = SmallCNN(), SmallCNN()
     node_model.load_state_dict(flat_model.state_dict())
-    flat, node = _engine(flat_model, "none", ranks_per_node, "flat"), _engine(node_model, "none", ranks_per_node)
+    flat, node = (
+        _synchronizer(flat_model, "none", ranks_per_node, "flat"),
+        _synchronizer(node_model, "none", ranks_per_node),
+    )
     worst = 0.0
     for step in range(3):
         for model in (flat_model, node_model):
@@ -105,7 +108,7 @@ def _against_torch_ddp(rank, world_size, ranks_per_node):
         reference, model = _Branchy(), _Branchy()
         model.load_state_dict(reference.state_dict())
         ddp = DistributedDataParallel(reference, find_unused_parameters=True, broadcast_buffers=False)
-        engine = _engine(model, "none", ranks_per_node, find_unused_parameters=True)
+        synchronizer = _synchronizer(model, "none", ranks_per_node, find_unused_parameters=True)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, model)]
         worst, same_none = 0.0, True
         for step in range(4):
@@ -114,7 +117,7 @@ def _against_torch_ddp(rank, world_size, ranks_per_node):
                 x = _batch(rank, 10 * step + m)
                 use_branch = pattern == "unused" and (step + rank) % 3 == 0
                 wait = m < micro - 1
-                for net, sync in ((ddp, ddp), (model, engine)):
+                for net, sync in ((ddp, ddp), (model, synchronizer)):
                     with sync.no_sync() if wait else contextlib.nullcontext():
                         net(x, use_branch).square().mean().backward()
             pairs = list(zip(reference.parameters(), model.parameters()))
@@ -147,8 +150,8 @@ def _bf16_against_the_math(rank, world_size, ranks_per_node):
 
     torch.manual_seed(0)
     model = SmallCNN()
-    engine = _engine(model, "none", ranks_per_node, node_precision="bf16")
-    with engine.no_sync():
+    synchronizer = _synchronizer(model, "none", ranks_per_node, node_precision="bf16")
+    with synchronizer.no_sync():
         model(_batch(rank, 0)).square().mean().backward()
     local = _grads(model)
     everyone = [torch.empty_like(local) for _ in range(world_size)]
@@ -166,8 +169,8 @@ def _bf16_against_the_math(rank, world_size, ranks_per_node):
         float((synced - expected).abs().max() / full.abs().max()),
         float((synced - full).abs().max() / full.abs().max()),
         bool(torch.equal(synced, synced.to(torch.bfloat16).float())),
-        engine.telemetry.last.node_bytes,
-        engine.telemetry.last.raw_bytes,
+        synchronizer.telemetry.last.node_bytes,
+        synchronizer.telemetry.last.raw_bytes,
     )
 
 
@@ -195,14 +198,14 @@ def _bf16_against_torch_ddp(rank, world_size):
     ours.load_state_dict(reference.state_dict())
     ddp = DistributedDataParallel(reference)
     ddp.register_comm_hook(None, bf16_compress_hook)
-    engine = _engine(ours, "none", world_size, node_precision="bf16")
+    synchronizer = _synchronizer(ours, "none", world_size, node_precision="bf16")
     for model in (ddp, ours):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         for step in range(4):
             optimizer.zero_grad(set_to_none=True)
             model(_batch(rank, step)).square().mean().backward()
             optimizer.step()
-    return engine.step, max(float((a - b).abs().max()) for a, b in zip(reference.parameters(), ours.parameters()))
+    return synchronizer.step, max(float((a - b).abs().max()) for a, b in zip(reference.parameters(), ours.parameters()))
 
 
 @pytest.mark.slow
@@ -218,20 +221,20 @@ def _topk_against_the_math(rank, world_size, ranks_per_node):
 
     torch.manual_seed(0)
     model = SmallCNN()
-    engine = _engine(model, "topk", ranks_per_node, memory="none")
+    synchronizer = _synchronizer(model, "topk", ranks_per_node, memory="none")
     model(_batch(rank, 9)).sum().backward()  # records the order
     model.zero_grad(set_to_none=True)
-    with engine.no_sync():
+    with synchronizer.no_sync():
         model(_batch(rank, 0)).square().mean().backward()
-    local = torch.cat([engine.parameter(n).grad.reshape(-1) for n in engine.order])
+    local = torch.cat([synchronizer.parameter(n).grad.reshape(-1) for n in synchronizer.order])
     everyone = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(everyone, local)
     model.zero_grad(set_to_none=True)
     model(_batch(rank, 0)).square().mean().backward()
-    synced = torch.cat([engine.parameter(n).grad.reshape(-1) for n in engine.order])
+    synced = torch.cat([synchronizer.parameter(n).grad.reshape(-1) for n in synchronizer.order])
     nodes = world_size // ranks_per_node
     expected, offset = [], 0
-    for bucket in engine.buckets:
+    for bucket in synchronizer.buckets:
         total = torch.zeros(bucket.numel)
         for n in range(nodes):
             mean = sum(everyone[n * ranks_per_node + j][offset : offset + bucket.numel] for j in range(ranks_per_node))
@@ -267,13 +270,13 @@ def _exchanges_across_during_backward(rank, world_size, ranks_per_node):
 
     c.communicator.exchange = logged
     hierarchy = NodeHierarchy(ranks_per_node=ranks_per_node)
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy=hierarchy)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy=hierarchy)
     for step in range(2):
         events.clear()
         x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank), requires_grad=True)
         x.register_hook(lambda grad: events.append("backward done"))
         model(x).square().mean().backward()
-    return events, engine.route.owners
+    return events, synchronizer.route.owners
 
 
 @pytest.mark.slow
@@ -290,18 +293,20 @@ def test_the_exchange_across_nodes_overlaps_backward():
 def _auto_plan(rank, world_size, ranks_per_node):
     torch.manual_seed(0)
     model = SmallCNN()
-    engine = _engine(model, "topk", ranks_per_node, density=0.1, fusion="auto:2")
+    synchronizer = _synchronizer(model, "topk", ranks_per_node, density=0.1, fusion="auto:2")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     steps = 0
-    while engine.tuner.phase != "done":  # order, settle, profile, trials, verify; then one planned step
+    while synchronizer.tuner.phase != "done":  # order, settle, profile, trials, verify; then one planned step
         steps += 1
         optimizer.zero_grad(set_to_none=True)
         model(_batch(rank, steps)).square().mean().backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model(_batch(rank, 0)).square().mean().backward()
-    report = {k: engine.plan_report[k] for k in ("groups", "predicted_bf16_allreduce_s", "compression_pays", "trials")}
-    return engine.tensors_per_bucket, report, _grads(model), engine.telemetry.last.node_bytes, steps
+    report = {
+        k: synchronizer.plan_report[k] for k in ("groups", "predicted_bf16_allreduce_s", "compression_pays", "trials")
+    }
+    return synchronizer.tensors_per_bucket, report, _grads(model), synchronizer.telemetry.last.node_bytes, steps
 
 
 @pytest.mark.slow
@@ -321,15 +326,15 @@ def _state_across_a_rebucket(rank, world_size, ranks_per_node):
     """Residuals by parameter, on this rank, before and after new buckets (owners change)."""
     torch.manual_seed(0)
     model = SmallCNN()
-    engine = _engine(model, "topk", ranks_per_node)
+    synchronizer = _synchronizer(model, "topk", ranks_per_node)
     for step in range(3):
         model.zero_grad(set_to_none=True)
         model(_batch(rank, step)).square().mean().backward()
-    before = engine.memory.state_by_parameter(engine.buckets)["residual"]
-    old_owners = {n: engine.route.owners[b.index] for b in engine.buckets for n in b.names}
-    engine.rebucket([1] * len(engine.order))
-    after = engine.memory.state_by_parameter(engine.buckets)["residual"]
-    new_owners = {n: engine.route.owners[b.index] for b in engine.buckets for n in b.names}
+    before = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
+    old_owners = {n: synchronizer.route.owners[b.index] for b in synchronizer.buckets for n in b.names}
+    synchronizer.rebucket([1] * len(synchronizer.order))
+    after = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
+    new_owners = {n: synchronizer.route.owners[b.index] for b in synchronizer.buckets for n in b.names}
     return before, after, old_owners, new_owners
 
 
@@ -354,11 +359,11 @@ def _replicas(rank, world_size, ranks_per_node, node_precision="full"):
     for name in COMPRESSORS.names():
         torch.manual_seed(0)
         model = SmallCNN()
-        engine = _engine(model, name, ranks_per_node, node_precision=node_precision)
+        synchronizer = _synchronizer(model, name, ranks_per_node, node_precision=node_precision)
         for step in range(3):
             model.zero_grad(set_to_none=True)
             model(_batch(rank, step)).square().mean().backward()
-        results[name] = (_grads(model), engine.step)
+        results[name] = (_grads(model), synchronizer.step)
     return results
 
 
@@ -473,7 +478,7 @@ def _resume(rank, world_size, ranks_per_node, folder):
 
     import torch.distributed as dist
 
-    def train(model, engine, optimizer, steps):
+    def train(model, synchronizer, optimizer, steps):
         for step in steps:
             optimizer.zero_grad(set_to_none=True)
             model(_batch(rank, step)).square().mean().backward()
@@ -481,24 +486,24 @@ def _resume(rank, world_size, ranks_per_node, folder):
 
     torch.manual_seed(0)
     model = SmallCNN()
-    engine = _engine(model, "topk", ranks_per_node)
+    synchronizer = _synchronizer(model, "topk", ranks_per_node)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    train(model, engine, optimizer, range(3))
+    train(model, synchronizer, optimizer, range(3))
     local = rank % ranks_per_node
-    owned = {b for b, owner in enumerate(engine.route.owners) if owner == local}
-    holds_only_its_share = set(engine.memory.buffers["residual"]) == owned
+    owned = {b for b, owner in enumerate(synchronizer.route.owners) if owner == local}
+    holds_only_its_share = set(synchronizer.memory.buffers["residual"]) == owned
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
-    manifest = save_rank_states(engine, folder)  # what a Lightning or Accelerate checkpoint writes
+    manifest = save_rank_states(synchronizer, folder)  # what a Lightning or Accelerate checkpoint writes
     dist.barrier()
     files = sorted(os.listdir(folder))
-    train(model, engine, optimizer, range(3, 6))
+    train(model, synchronizer, optimizer, range(3, 6))
     resumed = SmallCNN()
     resumed.load_state_dict(saved[0])
-    engine = _engine(resumed, "topk", ranks_per_node)
-    load_rank_states(engine, manifest, folder)
+    synchronizer = _synchronizer(resumed, "topk", ranks_per_node)
+    load_rank_states(synchronizer, manifest, folder)
     optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
     optimizer.load_state_dict(saved[1])
-    train(resumed, engine, optimizer, range(3, 6))
+    train(resumed, synchronizer, optimizer, range(3, 6))
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
     return holds_only_its_share, bool(owned), same, files
 
@@ -518,7 +523,7 @@ def _one_rank_overflows(rank, world_size, ranks_per_node):
     """top-k + residual over 2 nodes of 2; at step 2 local rank 1 of node 0 sends +inf gradients."""
     torch.manual_seed(0)
     model = SmallCNN()
-    engine = _engine(model, "topk", ranks_per_node)
+    synchronizer = _synchronizer(model, "topk", ranks_per_node)
 
     def backward(step, poisoned=False):
         model.zero_grad(set_to_none=True)
@@ -534,10 +539,10 @@ def _one_rank_overflows(rank, world_size, ranks_per_node):
 
     for step in range(2):
         backward(step)
-    residuals = engine.memory.buffers["residual"]
+    residuals = synchronizer.memory.buffers["residual"]
     before = {b: r.clone() for b, r in residuals.items()}
     bad = backward(2, poisoned=rank == 1)
-    flagged = int(engine.telemetry.last.nonfinite_buckets)
+    flagged = int(synchronizer.telemetry.last.nonfinite_buckets)
     kept = {b: bool(torch.equal(residuals[b], before[b])) for b in before}
     finite = all(bool(torch.isfinite(r).all()) for r in residuals.values())
     after = backward(3)

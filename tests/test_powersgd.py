@@ -133,7 +133,7 @@ def _against_torch_hook(rank, world_size):
     ddp = DistributedDataParallel(theirs, bucket_cap_mb=100)
     ddp.register_comm_hook(state, hook.powerSGD_hook)
     c = build_components("powersgd", rank=2, start_iter=2, fusion="single")
-    engine = GradientSynchronizer(ours, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(ours, c.compressor, c.memory, c.communicator, c.fusion)
     # the same initial Q as the hook: its numpy seed -> torch seed -> randn per tensor in bucket order
     names = dict(ours.named_parameters())
     bucket_order = [n for n, _ in reversed(list(ours.named_parameters()))]
@@ -142,7 +142,7 @@ def _against_torch_hook(rank, world_size):
     for name in bucket_order:
         rows, cols = names[name].shape
         initial_q[name] = torch.randn(1, cols, 2)[0]
-    engine.compressor.load_extra_state({"factors": {"q": initial_q}})
+    synchronizer.compressor.load_extra_state({"factors": {"q": initial_q}})
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
     errors = []
@@ -151,7 +151,7 @@ def _against_torch_hook(rank, world_size):
         for model, opt in ((ddp, opt_theirs), (ours, opt_ours)):
             opt.zero_grad()
             model(x).square().mean().backward()
-        assert engine.order == bucket_order or step == 0
+        assert synchronizer.order == bucket_order or step == 0
         worst = max(
             float((a.grad - b.grad).norm() / a.grad.norm()) for a, b in zip(theirs.parameters(), ours.parameters())
         )
@@ -171,12 +171,12 @@ def _many_buckets(rank, world_size, name):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(8)])
     c = build_components(name, rank=2, start_iter=1, fusion="layerwise")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
     per_step = []
     for step in range(5):
         model.zero_grad()
         model(torch.randn(4, 24, generator=torch.Generator().manual_seed(step * 10 + rank))).square().mean().backward()
-        t = engine.telemetry.last
+        t = synchronizer.telemetry.last
         p_step = name == "acpsgd" and step >= 1 and (step - 1) % 2 == 0
         per_step.append((t.buckets, t.collectives, t.sent_bytes, p_step))
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])

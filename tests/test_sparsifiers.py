@@ -131,7 +131,7 @@ def _bucket_draws(drawn: list[int]) -> list[int]:
 
 
 def test_randk_draws_each_buckets_positions_once_per_step_with_several_buckets_in_flight(monkeypatch):
-    """The engine encodes bucket 1 before it decodes bucket 0: each bucket's positions are drawn once
+    """The synchroniser encodes bucket 1 before it decodes bucket 0: each bucket's positions are drawn once
     per step, and the decode puts the values back where that bucket's encode took them."""
     from gc_strategy.algos import sparse
 

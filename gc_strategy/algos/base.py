@@ -49,9 +49,9 @@ class Compressor(BucketState):
     alternate from step to step, so it needs consecutive steps' gradients), ``keeps_error_feedback``
     (it keeps its own, so an error-feedback memory on top of it is refused).
 
-    **Binding**: the engine calls :meth:`bind` once with its process group's size and this rank, and
+    **Binding**: the synchroniser calls :meth:`bind` once with its process group's size and this rank, and
     :meth:`begin_step` before each synchronised step with the number of steps so far (the same on
-    every rank). Per-element state lives in :class:`BucketState` buffers, which the engine
+    every rank). Per-element state lives in :class:`BucketState` buffers, which the synchroniser
     checkpoints.
     """
 

@@ -28,7 +28,7 @@ class _Cast(Compressor):
     overflow where ``g`` alone would not); the sum of the payloads is already the average.
 
     The division writes the 16-bit payload directly (one pass, no fp32 temporary), and the average
-    stays in the wire type: the engine's copy into ``param.grad`` converts it on the way.
+    stays in the wire type: the synchroniser's copy into ``param.grad`` converts it on the way.
     """
 
     summable = True

@@ -336,7 +336,7 @@ class PowerSGD(_LowRank):
         eps = self.options["orthogonalization_epsilon"]
         q = orthogonalize(self.factor_batch("q", bucket, flat.device).clone(), eps)
         p_flat = self._products("p", mats, layout, q)
-        # eager: the engine advances it during backward (a later bucket's launch), so Q goes out early
+        # eager: the synchroniser advances it during backward (a later bucket's launch), so Q goes out early
         (summed,) = yield from communicator.exchange([torch.cat([p_flat, m_flat[layout.dense]])], False, eager=True)
         p = orthogonalize(self._padded("p", layout, summed[: p_flat.numel()]), eps)
         (summed_q,) = yield from communicator.exchange([self._products("q", mats, layout, p)], False)

@@ -18,7 +18,7 @@ A plan cuts the ``N`` gradient tensors (in gradient-ready order) into contiguous
 
 An exchange with an eager round (:class:`~gc_strategy.communicators.Round`: a variable-size
 gather's lengths, PowerSGD's P, the node's reduce of ``hierarchy="node"``) goes on only when the
-engine advances it: at the launch of a later bucket of at least ``EAGER_AFTER_BYTES``, or at the end
+synchroniser advances it: at the launch of a later bucket of at least ``EAGER_AFTER_BYTES``, or at the end
 of backward. With ``CostModel.advance_at`` (that size in elements) its collective runs from
 ``max(A_b, C_{b-1})`` instead, ``A_b`` that launch: all of it, which is exact where the first
 round is a length handshake, near it for the node's reduce (device time on CPU ranks, a fast link

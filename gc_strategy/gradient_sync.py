@@ -62,8 +62,8 @@ from .autotune import AutoTuner
 from .bucket import Bucket
 from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
-from .engine_state import any_rank_holds_state, load_state, resharded, state_of
 from .fusion import AutoPlanner, FilePlanner, FusionPlanner, parse_fusion
+from .gradient_sync_state import any_rank_holds_state, load_state, resharded, state_of
 from .hierarchy import NodeHierarchy, parse_hierarchy, route_for
 from .layout import BucketLayout
 from .synchronizer import Synchronizer
@@ -371,13 +371,13 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronisation state, on the CPU, keyed by parameter name
-        (:func:`~gc_strategy.engine_state.state_of`)."""
+        (:func:`~gc_strategy.gradient_sync_state.state_of`)."""
         return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: one saved by this rank, or one that
-        :func:`~gc_strategy.engine_state.resharded` made from the states of a run with another
-        world size (:func:`~gc_strategy.engine_state.load_state`)."""
+        :func:`~gc_strategy.gradient_sync_state.resharded` made from the states of a run with another
+        world size (:func:`~gc_strategy.gradient_sync_state.load_state`)."""
         load_state(self, state)
         self._keep_owned_state()
         self._reset_step()

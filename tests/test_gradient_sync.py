@@ -8,12 +8,12 @@ from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
 from gc_strategy.communicators import AllReduce
-from gc_strategy.engine_state import resharded
 from gc_strategy.fusion import FusionPlanner
+from gc_strategy.gradient_sync_state import resharded
 from gc_strategy.ranks import run_ranks
 
 
-def _engine(module, compressor="none", memory="none", fusion="layerwise", communicator="auto", **options):
+def _synchronizer(module, compressor="none", memory="none", fusion="layerwise", communicator="auto", **options):
     c = build_components(compressor, memory, communicator, fusion, **options)
     return GradientSynchronizer(module, c.compressor, c.memory, c.communicator, c.fusion)
 
@@ -53,7 +53,7 @@ def test_single_process_none_leaves_gradients_exact(fusion):
     reference = SmallCNN()
     model = SmallCNN()
     model.load_state_dict(reference.state_dict())
-    _engine(model, fusion=fusion)
+    _synchronizer(model, fusion=fusion)
     for step in range(3):
         _backward(reference, step)
         _backward(model, step)
@@ -64,12 +64,12 @@ def test_single_process_none_leaves_gradients_exact(fusion):
 def test_first_step_records_the_ready_order_and_rebuilds_buckets():
     model = Shuffled()
     expected = _ready_order(model)
-    engine = _engine(model, fusion="layerwise")
-    assert engine.order == list(reversed(engine.names))  # before: reverse registration order
-    assert engine.order != expected
+    synchronizer = _synchronizer(model, fusion="layerwise")
+    assert synchronizer.order == list(reversed(synchronizer.names))  # before: reverse registration order
+    assert synchronizer.order != expected
     _backward(model)
-    assert engine.ready_order == expected
-    assert [b.names for b in engine.buckets] == [[n] for n in expected]
+    assert synchronizer.ready_order == expected
+    assert [b.names for b in synchronizer.buckets] == [[n] for n in expected]
 
 
 class SpyAllReduce(AllReduce):
@@ -81,8 +81,8 @@ class SpyAllReduce(AllReduce):
         self.launches = []
 
     def exchange(self, payload, variable_size, eager=False):
-        engine = self.engine_ref[0]
-        self.launches.append(sum(engine._filled))
+        synchronizer = self.engine_ref[0]
+        self.launches.append(sum(synchronizer._filled))
         return (yield from super().exchange(payload, variable_size, eager))
 
 
@@ -100,8 +100,8 @@ def test_buckets_launch_during_backward_as_soon_as_complete(plan, expected):
     ref = []
     spy = SpyAllReduce(ref)
     c = build_components(fusion=plan)
-    engine = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
-    ref.append(engine)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
+    ref.append(synchronizer)
     _backward(model)  # records the order
     spy.launches.clear()
     _backward(model, 1)
@@ -114,14 +114,14 @@ def test_no_sync_launches_nothing_and_the_next_sync_averages_the_sum():
     ref = []
     spy = SpyAllReduce(ref)
     c = build_components()
-    engine = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
-    ref.append(engine)
-    with engine.no_sync():
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
+    ref.append(synchronizer)
+    with synchronizer.no_sync():
         _backward(model, 0)
         _backward(model, 1)
-    assert spy.launches == [] and engine.step == 0
+    assert spy.launches == [] and synchronizer.step == 0
     _backward(model, 2)
-    assert engine.step == 1 and len(spy.launches) == len(engine.buckets)
+    assert synchronizer.step == 1 and len(spy.launches) == len(synchronizer.buckets)
     reference = SmallCNN()
     reference.load_state_dict(model.state_dict())
     for seed in range(3):
@@ -133,18 +133,20 @@ def test_no_sync_launches_nothing_and_the_next_sync_averages_the_sum():
 def test_unused_parameters_keep_none_and_frozen_ones_are_left_alone():
     model = SmallCNN(with_unused=True, frozen_stem=True)
     c = build_components("none", "none", "auto", "single")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True)
-    assert "conv1.weight" not in engine.names and "unused.weight" in engine.names
+    synchronizer = GradientSynchronizer(
+        model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True
+    )
+    assert "conv1.weight" not in synchronizer.names and "unused.weight" in synchronizer.names
     _backward(model)
     assert model.unused.weight.grad is None and model.unused.bias.grad is None  # as DDP: untouched
     assert model.conv1.weight.grad is None
     assert model.head.weight.grad is not None
-    assert engine.telemetry.last.buckets == 1
+    assert synchronizer.telemetry.last.buckets == 1
 
 
 def test_an_unused_parameter_without_find_unused_parameters_is_an_error_naming_the_option():
     model = SmallCNN(with_unused=True)
-    _engine(model, fusion="single")
+    _synchronizer(model, fusion="single")
     with pytest.raises(RuntimeError, match=r"find_unused_parameters=True.*|'unused.weight'") as error:
         _backward(model)
     assert "'unused.weight'" in str(error.value) and "find_unused_parameters=True" in str(error.value)
@@ -152,56 +154,60 @@ def test_an_unused_parameter_without_find_unused_parameters_is_an_error_naming_t
 
 def test_telemetry_counts_bytes():
     model = SmallCNN()
-    engine = _engine(model, compressor="fp16", fusion="groups:3")
+    synchronizer = _synchronizer(model, compressor="fp16", fusion="groups:3")
     _backward(model)
     raw = sum(p.numel() * 4 for p in model.parameters())
-    last = engine.telemetry.last
+    last = synchronizer.telemetry.last
     assert last.raw_bytes == raw and last.sent_bytes == raw // 2 and last.buckets == 3
     assert last.compression_ratio == 2.0
 
 
 def test_non_finite_gradient_never_enters_memory_and_is_flagged():
     model = SmallCNN()
-    engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
+    synchronizer = _synchronizer(model, compressor="bf16", memory="residual", fusion="groups:2")
     _backward(model, 0)
     _backward(model, 1)
-    before = {k: v.clone() for k, v in engine.memory.buffers["residual"].items()}
-    poisoned_bucket = engine._slot[engine.names.index("head.weight")][0]
+    before = {k: v.clone() for k, v in synchronizer.memory.buffers["residual"].items()}
+    poisoned_bucket = synchronizer._slot[synchronizer.names.index("head.weight")][0]
     model.head.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     _backward(model, 2)
-    after = engine.memory.buffers["residual"]
+    after = synchronizer.memory.buffers["residual"]
     assert torch.equal(after[poisoned_bucket], before[poisoned_bucket])
     other = 1 - poisoned_bucket
     assert not torch.equal(after[other], before[other])  # the healthy bucket was updated
     assert torch.isfinite(after[poisoned_bucket]).all()
-    assert engine.telemetry.last.nonfinite_buckets == 1
+    assert synchronizer.telemetry.last.nonfinite_buckets == 1
     assert not torch.isfinite(model.head.weight.grad).all()  # the step is visibly bad: a scaler skips it
 
 
 def test_state_dict_round_trip_and_a_different_model_is_refused():
     model = SmallCNN()
-    engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
+    synchronizer = _synchronizer(model, compressor="bf16", memory="residual", fusion="groups:2")
     _backward(model)
     _backward(model, 1)
-    state = engine.state_dict()
+    state = synchronizer.state_dict()
     fresh_model = SmallCNN()
-    fresh = _engine(fresh_model, compressor="bf16", memory="residual", fusion="groups:2")
+    fresh = _synchronizer(fresh_model, compressor="bf16", memory="residual", fusion="groups:2")
     fresh.load_state_dict(state)
-    assert fresh.order == engine.order and fresh.tensors_per_bucket == engine.tensors_per_bucket and fresh.step == 2
-    for b in engine.buckets:
-        assert torch.equal(fresh.memory.buffers["residual"][b.index], engine.memory.buffers["residual"][b.index])
-    other = _engine(Shuffled(), compressor="bf16", memory="residual")
+    assert (
+        fresh.order == synchronizer.order
+        and fresh.tensors_per_bucket == synchronizer.tensors_per_bucket
+        and fresh.step == 2
+    )
+    for b in synchronizer.buckets:
+        assert torch.equal(fresh.memory.buffers["residual"][b.index], synchronizer.memory.buffers["residual"][b.index])
+    other = _synchronizer(Shuffled(), compressor="bf16", memory="residual")
     with pytest.raises(ValueError, match="does not match this model's parameters"):
         other.load_state_dict(state)
 
 
 def test_memory_survives_a_change_of_plan():
     model = SmallCNN()
-    engine = _engine(model, compressor="bf16", memory="residual", fusion="groups:2")
+    synchronizer = _synchronizer(model, compressor="bf16", memory="residual", fusion="groups:2")
     _backward(model)
-    per_param = engine.memory.state_by_parameter(engine.buckets)["residual"]
-    engine.rebucket([1] * len(engine.order))
-    again = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    per_param = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
+    synchronizer.rebucket([1] * len(synchronizer.order))
+    again = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
     assert per_param.keys() == again.keys()
     for name in per_param:
         assert torch.equal(per_param[name], again[name])
@@ -221,7 +227,7 @@ def _average_vs_reference(rank, world_size, compressor, communicator, fusion):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    engine = _engine(model, compressor=compressor, communicator=communicator, fusion=fusion)
+    synchronizer = _synchronizer(model, compressor=compressor, communicator=communicator, fusion=fusion)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     results = []
     for step in range(2):
@@ -229,7 +235,7 @@ def _average_vs_reference(rank, world_size, compressor, communicator, fusion):
         _backward(model, seed=100 * step + rank)
         reference = [sum(g) / world_size for g in zip(*(_local_grads(r, step, state) for r in range(world_size)))]
         results.append(max(float((p.grad - ref).abs().max()) for p, ref in zip(model.parameters(), reference)))
-    order = engine.order
+    order = synchronizer.order
     dist.barrier()
     return results, order
 
@@ -252,7 +258,7 @@ def test_gradients_become_views_of_the_averaged_buckets_and_still_accumulate():
     reference, model = SmallCNN(), SmallCNN()
     model.load_state_dict(reference.state_dict())
     c = build_components("none", fusion="groups:2")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
     for step in range(6):
         x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
         for m in (reference, model):
@@ -262,7 +268,7 @@ def test_gradients_become_views_of_the_averaged_buckets_and_still_accumulate():
         for a, b in zip(reference.parameters(), model.parameters()):
             assert torch.equal(a.grad, b.grad)
     storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-    assert len(storages) == len(engine.buckets) == 2
+    assert len(storages) == len(synchronizer.buckets) == 2
 
 
 class EventAllReduce(AllReduce):
@@ -319,17 +325,17 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
     """PowerSGD's P round is eager: a bucket's Q collective goes out during backward, right after the
     next large enough bucket's own first collective (SmallCNN's buckets hold at most 4.6 kB), or at
     the end of backward before any bucket is decoded."""
-    monkeypatch.setattr("gc_strategy.engine.EAGER_AFTER_BYTES", after_bytes)
+    monkeypatch.setattr("gc_strategy.gradient_sync.EAGER_AFTER_BYTES", after_bytes)
     model = SmallCNN()
     ref = []
     communicator = EventAllReduce(ref)
     c = build_components("powersgd", rank=1, start_iter=0, fusion="layerwise")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, communicator, c.fusion)
-    ref.append(engine)
+    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, communicator, c.fusion)
+    ref.append(synchronizer)
     _backward(model)  # records the order
     communicator.events.clear()
     _backward(model, 1)
-    assert engine.order == [
+    assert synchronizer.order == [
         "head.bias",
         "head.weight",
         "conv2.weight",
@@ -345,7 +351,7 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
 def test_resharding_takes_the_mean_of_per_rank_state_and_rank_0s_shared_state():
     """Two ranks' states (two single-process engines on different data) resharded for another world
     size: per-element state (residuals; PowerSGD's error) is their mean, PowerSGD's shared factors
-    are rank 0's; a fresh engine loads it."""
+    are rank 0's; a fresh synchroniser loads it."""
     states = {}
     for compressor, memory, options in (
         ("topk", "residual", dict(density=0.1)),
@@ -355,10 +361,10 @@ def test_resharding_takes_the_mean_of_per_rank_state_and_rank_0s_shared_state():
         for rank in range(2):
             torch.manual_seed(0)
             model = SmallCNN()
-            engine = _engine(model, compressor, memory, fusion="groups:2", **options)
+            synchronizer = _synchronizer(model, compressor, memory, fusion="groups:2", **options)
             for step in range(3):
                 _backward(model, 10 * rank + step)
-            per_rank.append(engine.state_dict())
+            per_rank.append(synchronizer.state_dict())
         states[compressor] = per_rank
         merged = resharded(per_rank)
         role, name = ("memory", "residual") if memory == "residual" else ("compressor", "error")
@@ -368,7 +374,7 @@ def test_resharding_takes_the_mean_of_per_rank_state_and_rank_0s_shared_state():
         assert any(not torch.equal(per_rank[0][role][name][p], per_rank[1][role][name][p]) for p in merged[role][name])
         torch.manual_seed(0)
         fresh_model = SmallCNN()
-        fresh = _engine(fresh_model, compressor, memory, fusion="groups:2", **options)
+        fresh = _synchronizer(fresh_model, compressor, memory, fusion="groups:2", **options)
         fresh.load_state_dict({**merged, "world_size": 3})
         loaded = (fresh.memory if role == "memory" else fresh.compressor).state_by_parameter(fresh.buckets)[name]
         assert all(torch.equal(loaded[p], merged[role][name][p]) for p in loaded)
@@ -403,7 +409,7 @@ def test_checkpointed_layers_finish_once_with_plain_gradients_at_world_size_1(re
     reference = CheckpointedPerLayer(reentrant, frozen_head)
     model = CheckpointedPerLayer(reentrant, frozen_head)
     model.load_state_dict(reference.state_dict())
-    engine = _engine(model, fusion="layerwise")
+    synchronizer = _synchronizer(model, fusion="layerwise")
     for step in range(2):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         for m in (reference, model):
@@ -414,7 +420,7 @@ def test_checkpointed_layers_finish_once_with_plain_gradients_at_world_size_1(re
             if a.grad is not None:
                 assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
                 assert b.grad.abs().sum() > 0
-        assert engine.step == step + 1
+        assert synchronizer.step == step + 1
 
 
 class Branchy(nn.Module):
@@ -436,15 +442,17 @@ def test_a_parameter_no_rank_used_keeps_its_error_feedback_state():
     torch.manual_seed(0)
     model = Branchy()
     c = build_components("fp16", "residual", "auto", "single")
-    engine = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True)
+    synchronizer = GradientSynchronizer(
+        model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True
+    )
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     model(x).square().mean().backward()
-    before = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    before = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
     assert before["branch.weight"].abs().sum() > 0  # fp16's rounding left something behind
     model.zero_grad(set_to_none=True)
     model.use_branch = False
     model(x).square().mean().backward()
-    after = engine.memory.state_by_parameter(engine.buckets)["residual"]
+    after = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
     assert torch.equal(after["branch.weight"], before["branch.weight"])
     assert torch.equal(after["branch.bias"], before["branch.bias"])
     assert not torch.equal(after["trunk.weight"], before["trunk.weight"])

@@ -13,57 +13,57 @@ from torch import Tensor
 STATE_FORMAT = 1
 
 
-def state_of(engine: Any) -> dict[str, Any]:
-    """A :class:`~gc_strategy.engine.GradientSynchronizer`'s state for a checkpoint, on the CPU,
+def state_of(synchronizer: Any) -> dict[str, Any]:
+    """A :class:`~gc_strategy.gradient_sync.GradientSynchronizer`'s state for a checkpoint, on the CPU,
     keyed by parameter name: the step, the gradient order and plan, and the roles' state."""
     return _to_cpu(
         {
             "format": STATE_FORMAT,
-            "world_size": engine.world_size,
-            "step": engine.step,
-            "ready_order": engine.ready_order,
-            "groups": engine.tensors_per_bucket,
-            "plan": engine.planner.describe(),
-            "memory": engine.memory.state_by_parameter(engine.buckets),
-            "compressor": engine.compressor.state_by_parameter(engine.buckets),
-            "compressor_extra": engine.compressor.extra_state(),
-            "auto_plan": engine.plan_report,
+            "world_size": synchronizer.world_size,
+            "step": synchronizer.step,
+            "ready_order": synchronizer.ready_order,
+            "groups": synchronizer.tensors_per_bucket,
+            "plan": synchronizer.planner.describe(),
+            "memory": synchronizer.memory.state_by_parameter(synchronizer.buckets),
+            "compressor": synchronizer.compressor.state_by_parameter(synchronizer.buckets),
+            "compressor_extra": synchronizer.compressor.extra_state(),
+            "auto_plan": synchronizer.plan_report,
         }
     )
 
 
-def any_rank_holds_state(engine: Any, state: dict[str, Any]) -> bool:
+def any_rank_holds_state(synchronizer: Any, state: dict[str, Any]) -> bool:
     """Whether any rank keeps state of its own for a checkpoint (the memory's, the compressor's),
     given this rank's :func:`state_of`: an allreduce, called on every rank. Without it rank 0's
     state is every rank's."""
     own = state["memory"] or state["compressor"] or state["compressor_extra"]
-    held = torch.tensor([float(bool(own))], device=engine.device)
-    if engine.world_size > 1:
-        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=engine.process_group)
+    held = torch.tensor([float(bool(own))], device=synchronizer.device)
+    if synchronizer.world_size > 1:
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=synchronizer.process_group)
     return bool(held.item())
 
 
-def load_state(engine: Any, state: dict[str, Any]) -> None:
-    """Restore :func:`state_of`'s record into ``engine``: its order and buckets (the plan's,
+def load_state(synchronizer: Any, state: dict[str, Any]) -> None:
+    """Restore :func:`state_of`'s record into ``synchronizer``: its order and buckets (the plan's,
     where it is the same plan), step and roles' state."""
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"gradient synchroniser state has format {state.get('format')!r}; expected {STATE_FORMAT}")
-    if state["world_size"] != engine.world_size:
+    if state["world_size"] != synchronizer.world_size:
         state = {**state, "auto_plan": None}  # its timings were measured with another world size: plan again
     order = state["ready_order"]
     if order is not None:
-        unknown = sorted(set(order) ^ set(engine.names))
+        unknown = sorted(set(order) ^ set(synchronizer.names))
         if unknown:
             raise ValueError(f"the checkpoint's gradient order does not match this model's parameters: {unknown[:5]}")
-        same_plan = state.get("plan") == engine.planner.describe()
-        engine.ready_order = list(order)
-        engine._build(engine.ready_order, list(state["groups"]) if same_plan else None)
-        if same_plan and engine.tuner is not None and state.get("auto_plan") is not None:
-            engine.tuner.restore(state["auto_plan"])
-    engine.step = int(state["step"])
-    engine.memory.load_state_by_parameter(state["memory"], engine.buckets)
-    engine.compressor.load_state_by_parameter(state["compressor"], engine.buckets)
-    engine.compressor.load_extra_state(state["compressor_extra"])
+        same_plan = state.get("plan") == synchronizer.planner.describe()
+        synchronizer.ready_order = list(order)
+        synchronizer._build(synchronizer.ready_order, list(state["groups"]) if same_plan else None)
+        if same_plan and synchronizer.tuner is not None and state.get("auto_plan") is not None:
+            synchronizer.tuner.restore(state["auto_plan"])
+    synchronizer.step = int(state["step"])
+    synchronizer.memory.load_state_by_parameter(state["memory"], synchronizer.buckets)
+    synchronizer.compressor.load_state_by_parameter(state["compressor"], synchronizer.buckets)
+    synchronizer.compressor.load_extra_state(state["compressor_extra"])
 
 
 def resharded(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
