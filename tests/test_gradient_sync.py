@@ -288,32 +288,10 @@ class EventAllReduce(AllReduce):
 # (gradients ready, eager) per collective of a layerwise PowerSGD step on SmallCNN: vectors go dense
 # in one round, each weight sends P (eager) at its launch; its Q follows after the own collective of
 # the next bucket at least EAGER_AFTER_BYTES large, or at the end of backward
-Q_AT_THE_NEXT_LAUNCH = [
-    (1, False),
-    (2, True),
-    (3, True),
-    (3, False),
-    (4, False),
-    (4, False),
-    (5, False),
-    (6, False),
-    (7, True),
-    (8, False),
-    (8, False),
-]
-Q_AT_THE_END = [
-    (1, False),
-    (2, True),
-    (3, True),
-    (4, False),
-    (5, False),
-    (6, False),
-    (7, True),
-    (8, False),
-    (8, False),
-    (8, False),
-    (8, False),
-]
+Q_AT_THE_NEXT_LAUNCH = [(1, False), (2, True), (3, True), (3, False), (4, False), (4, False)]
+Q_AT_THE_NEXT_LAUNCH += [(5, False), (6, False), (7, True), (8, False), (8, False)]
+Q_AT_THE_END = [(1, False), (2, True), (3, True), (4, False), (5, False), (6, False), (7, True)]
+Q_AT_THE_END += [(8, False)] * 4
 
 
 @pytest.mark.parametrize(
