@@ -73,14 +73,14 @@ BASELINE = "compressor=bf16"
 def predict(
     profile: Profile,
     numels: list[int],
-    groups: list[int] | None,
+    cut: list[int] | None,
     compute: Compute,
     topology: Topology,
     codec_scale: float,
     cpu: CpuRanks | None = None,
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
-    ``groups`` (tensors per bucket; None: ``fusion="auto"``, which keeps the fastest measured of the
+    ``cut`` (tensors per bucket; None: ``fusion="auto"``, which keeps the fastest measured of the
     plan it searches and the plans it tries (:mod:`gc_strategy.autotune`), here the fastest simulated of
     the same plans), with encode and decode times times ``codec_scale``. With ``hierarchy="node"`` each
     bucket is coded by its owner alone, and the step is the latest rank's
@@ -123,11 +123,11 @@ def predict(
     node = None
     if hierarchy == "node":
         node = Node(topology.ranks_per_node, Cost.measured(sizes, reduce), Cost.measured(sizes, broadcast))
-    if groups is None:  # the search is exact for one rank; over a node it searches a rank on average
+    if cut is None:  # the search is exact for one rank; over a node it searches a rank on average
         searched = best_plan(node.mean(model) if node else model)[0]
         tried = [_cut(planner, numels) for planner in TRIAL_PLANS]
         return min(simulate(model, plan, node) for plan in [searched, *tried])
-    return simulate(model, groups, node)
+    return simulate(model, cut, node)
 
 
 def advise(

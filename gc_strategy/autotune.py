@@ -180,7 +180,7 @@ class AutoTuner:
         self._names = {tuple(synchronizer.tensors_per_bucket): synchronizer.planner.default.describe()}
         for plan in TRIAL_PLANS:
             self._names.setdefault(tuple(plan.plan(nbytes)), plan.describe())
-        self._queue = [groups for groups in self._names if groups not in self._measured]
+        self._queue = [cut for cut in self._names if cut not in self._measured]
         self._profile_s = time.perf_counter() - start
         self.phase = "trial"
 
@@ -197,9 +197,9 @@ class AutoTuner:
         measured = dict(zip(tried, _max_across_ranks(synchronizer, [self._measured[g] for g in tried])))
         scales, model = fit_scales(self._model, measured)
         search = time.perf_counter()
-        groups, _ = best_plan(model)
+        cut, _ = best_plan(model)
         search_s = time.perf_counter() - search
-        groups = _broadcast_plan(synchronizer, groups)
+        cut = _broadcast_plan(synchronizer, cut)
         free = Cost.linear(0.0, 0.0)
         nbytes = synchronizer.tensor_nbytes(synchronizer.order)
         plan = SizeCapPlanner(25).plan(nbytes)
@@ -209,7 +209,7 @@ class AutoTuner:
         }
         self._measured = measured
         self.report = {
-            "searched_groups": groups,
+            "searched_groups": cut,
             "searched_measured_step_s": None,
             "compression_cost_scale": scales[0],
             "communication_cost_scale": scales[1],
@@ -230,8 +230,8 @@ class AutoTuner:
             "cost_model": model.to_dict(),
         }
         self._fitted = model
-        self._describe_plan(groups, measured_s=None)
-        synchronizer.rebucket(groups)
+        self._describe_plan(cut, measured_s=None)
+        synchronizer.rebucket(cut)
         self.phase = "verify"
 
     def _decide(self) -> None:
@@ -248,14 +248,14 @@ class AutoTuner:
         self.report["chosen_by"] = "search" if best == searched else f"measurement (trial {self._names[best]})"
         self.phase = "done"
 
-    def _describe_plan(self, groups: list[int], measured_s: float | None) -> None:
+    def _describe_plan(self, cut: list[int], measured_s: float | None) -> None:
         nbytes = self.synchronizer.tensor_nbytes(self.synchronizer.order)
         self.report.update(
             {
-                "groups": groups,
-                "buckets": len(groups),
-                "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(groups)],
-                "predicted_step_s": simulate(self._fitted, groups),
+                "groups": cut,
+                "buckets": len(cut),
+                "bucket_mb": [round(sum(nbytes[a:b]) / 2**20, 3) for a, b in _ranges(cut)],
+                "predicted_step_s": simulate(self._fitted, cut),
                 "measured_step_s": measured_s,
             }
         )
@@ -273,11 +273,11 @@ def fit_scales(model: CostModel, measured: dict[tuple[int, ...], float]) -> tupl
     geometric grid in ``[1/SCALE_RANGE, SCALE_RANGE]`` refined three times around its best point. The
     microbenchmarks give the shape of each cost over sizes; the training steps, where compression
     and collectives compete with everything else on the device, give their level."""
-    plans = [(list(groups), np.log(seconds)) for groups, seconds in measured.items()]
+    plans = [(list(cut), np.log(seconds)) for cut, seconds in measured.items()]
 
     def error(a: float, b: float) -> float:
         scaled = model.scaled(a, b)
-        return sum((np.log(simulate(scaled, groups)) - target) ** 2 for groups, target in plans)
+        return sum((np.log(simulate(scaled, cut)) - target) ** 2 for cut, target in plans)
 
     limit = np.log2(SCALE_RANGE)
     centre, half_width = (0.0, 0.0), limit
@@ -299,12 +299,12 @@ def _max_across_ranks(synchronizer: TunedSynchronizer, values: list[float]) -> l
     return measured.tolist()
 
 
-def _broadcast_plan(synchronizer: TunedSynchronizer, groups: list[int]) -> list[int]:
+def _broadcast_plan(synchronizer: TunedSynchronizer, cut: list[int]) -> list[int]:
     """Identical inputs give identical plans; rank 0's is authoritative."""
     if synchronizer.world_size == 1:
-        return groups
+        return cut
     padded = torch.zeros(len(synchronizer.order), dtype=torch.int64)
-    padded[: len(groups)] = torch.tensor(groups)
+    padded[: len(cut)] = torch.tensor(cut)
     dist.broadcast(padded, _rank0(synchronizer), group=synchronizer.process_group)
     return [g for g in padded.tolist() if g > 0]
 

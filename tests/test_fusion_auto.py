@@ -403,5 +403,5 @@ def test_a_plan_file_for_another_model_is_refused(tmp_path):
     message = str(error.value)
     assert "does not match this model" in message and "other.weight" in message and names[-1] in message
     path.write_text(json.dumps({"format": 1, "order": names, "numels": numels, "groups": [1, 1]}))
-    with pytest.raises(ValueError, match="do not cut its"):
+    with pytest.raises(ValueError, match="do not cover its"):
         FilePlanner(str(path))

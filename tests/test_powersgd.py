@@ -80,7 +80,7 @@ def test_rank_clamping_and_the_compression_rule():
     compressor = build("powersgd", rank=8, min_compression_rate=2)
     bucket = _matrix_bucket((64, 3, 3, 3), (4, 5), (100,), (512, 512))
     layout = compressor.layout(bucket)
-    shapes = {(m.rows, m.cols, m.rank): m.name for ms in layout.groups.values() for m in ms}
+    shapes = {(m.rows, m.cols, m.rank): m.name for ms in layout.by_shape.values() for m in ms}
     # conv [64, 27]: (64+27)*8*2 = 1456 < 1728 compress; [4, 5]: rank 4, (9)*4*2 = 72 > 20 dense
     assert shapes == {(64, 27, 8): "w0", (512, 512, 8): "w3"}
     assert layout.dense.numel() == 20 + 100
@@ -261,7 +261,7 @@ def test_batched_same_shape_matrices_give_the_per_matrix_results(name, monkeypat
     for batched in (False, True):
         monkeypatch.setattr(type(build(name)), "batch_by_shape", staticmethod(lambda device, b=batched: b))
         compressor = build(name, rank=2, start_iter=0)
-        assert len(compressor.layout(bucket).groups) == (2 if batched else 5)
+        assert len(compressor.layout(bucket).by_shape) == (2 if batched else 5)
         results[batched] = []
         for step, flat in enumerate(steps):
             compressor.begin_step(step)

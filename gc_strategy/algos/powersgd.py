@@ -51,27 +51,27 @@ class _Layout:
 
     The factors of all compressed matrices are held as two zero-padded batches, ``P`` as
     ``[matrices, largest rows, r]`` and ``Q`` as ``[matrices, largest cols, r]``, the matrices of
-    group ``k`` at positions ``slots[k]``: one orthogonalisation covers them all. ``index[kind]``
-    lists, in payload order (group by group, each factor row-major), the positions of the real
+    shape ``k`` at positions ``slots[k]``: one orthogonalisation covers them all. ``index[kind]``
+    lists, in payload order (shape by shape, each factor row-major), the positions of the real
     factor entries in the flattened padded batch.
     """
 
-    groups: dict[tuple, list[_Matrix]]
+    by_shape: dict[tuple, list[_Matrix]]
     dense: Tensor  # int64 positions of the densely averaged elements
     slots: list[slice]
     sizes: dict[str, int]  # kind -> padded size
     index: dict[str, Tensor]
-    runs: list[list[tuple[int, int]]]  # per group, its spans of evenly spaced matrices (:meth:`_LowRank._runs`)
+    runs: list[list[tuple[int, int]]]  # per shape, its spans of evenly spaced matrices (:meth:`_LowRank._runs`)
     padded: dict[str, Tensor] = field(default_factory=dict)  # kind -> the batch :meth:`_LowRank._padded` fills
 
     @property
     def matrices(self) -> list[_Matrix]:
-        return [m for ms in self.groups.values() for m in ms]
+        return [m for ms in self.by_shape.values() for m in ms]
 
     def views(self, kind: str, batch: Tensor) -> list[Tensor]:
-        """Per group, its factors ``[b, rows or cols, rank]`` as views of the padded ``batch``."""
+        """Per shape, its factors ``[b, rows or cols, rank]`` as views of the padded ``batch``."""
         views = []
-        for ms, slot in zip(self.groups.values(), self.slots):
+        for ms, slot in zip(self.by_shape.values(), self.slots):
             size = ms[0].rows if kind == "p" else ms[0].cols
             views.append(batch[slot, :size, : ms[0].rank])
         return views
@@ -98,7 +98,7 @@ class _LowRank(Compressor):
     def layout(self, bucket: Bucket) -> _Layout:
         key = tuple(bucket.names)
         if key not in self._layouts:
-            groups: dict[tuple, list[_Matrix]] = {}
+            by_shape: dict[tuple, list[_Matrix]] = {}
             dense_mask = torch.ones(bucket.numel, dtype=torch.bool)
             for name, shape, offset, numel in zip(bucket.names, bucket.shapes, bucket.offsets, bucket.numels):
                 if len(shape) < 2:
@@ -106,20 +106,20 @@ class _LowRank(Compressor):
                 rows, cols = shape[0], numel // shape[0]
                 rank = min(self.options["rank"], rows, cols)
                 if (rows + cols) * rank * self.options["min_compression_rate"] < rows * cols:
-                    group = (rows, cols, rank) if self.batch_by_shape(bucket.device) else (rows, cols, rank, name)
-                    groups.setdefault(group, []).append(_Matrix(name, offset, rows, cols, rank))
+                    shape_key = (rows, cols, rank) if self.batch_by_shape(bucket.device) else (rows, cols, rank, name)
+                    by_shape.setdefault(shape_key, []).append(_Matrix(name, offset, rows, cols, rank))
                     dense_mask[offset : offset + numel] = False
             dense = to_device(torch.nonzero(dense_mask).view(-1), bucket.device)
             slots, start = [], 0
-            for ms in groups.values():
+            for ms in by_shape.values():
                 slots.append(slice(start, start + len(ms)))
                 start += len(ms)
             sizes = {
-                "p": max((m.rows for ms in groups.values() for m in ms), default=0),
-                "q": max((m.cols for ms in groups.values() for m in ms), default=0),
+                "p": max((m.rows for ms in by_shape.values() for m in ms), default=0),
+                "q": max((m.cols for ms in by_shape.values() for m in ms), default=0),
             }
-            runs = [self._runs(ms) for ms in groups.values()]
-            layout = _Layout(groups, dense, slots, sizes, {}, runs)
+            runs = [self._runs(ms) for ms in by_shape.values()]
+            layout = _Layout(by_shape, dense, slots, sizes, {}, runs)
             for kind, size in sizes.items():
                 positions = torch.arange(start * size * self.options["rank"]).view(start, size, self.options["rank"])
                 pieces = [view.reshape(-1) for view in layout.views(kind, positions)] or [positions.view(-1)]
@@ -196,11 +196,11 @@ class _LowRank(Compressor):
         """The bucket's layout, its finite flag, the compensated input ``M`` and its matrices by
         shape; None before ``start_iter`` or for a bucket without matrices (sent dense instead)."""
         layout = self.layout(bucket)
-        if self.step < self.options["start_iter"] or not layout.groups:
+        if self.step < self.options["start_iter"] or not layout.by_shape:
             return None
         finite = all_finite(flat)
         m_flat = self._compensated(flat, bucket, finite)
-        mats = [self._matrices(m_flat, ms, runs) for ms, runs in zip(layout.groups.values(), layout.runs)]
+        mats = [self._matrices(m_flat, ms, runs) for ms, runs in zip(layout.by_shape.values(), layout.runs)]
         return layout, finite, m_flat, mats
 
     def _compensated(self, flat: Tensor, bucket: Bucket, finite: Tensor) -> Tensor:
@@ -245,15 +245,15 @@ class _LowRank(Compressor):
     def _write_products(cls, out: Tensor, layout: _Layout, p: Tensor, q: Tensor) -> None:
         """``P Qᵀ`` of every matrix (padded factor batches ``p``, ``q``) into its place in the flat
         ``out``: one ``bmm`` into a view of ``out`` per span of evenly spaced matrices."""
-        groups = zip(layout.groups.values(), layout.runs, layout.views("p", p), layout.views("q", q))
-        for matrices, runs, p_group, q_group in groups:
+        batches = zip(layout.by_shape.values(), layout.runs, layout.views("p", p), layout.views("q", q))
+        for matrices, runs, p_batch, q_batch in batches:
             for i, j in runs:
-                torch.bmm(p_group[i:j], q_group[i:j].transpose(1, 2), out=cls._batch_view(out, matrices[i:j]))
+                torch.bmm(p_batch[i:j], q_batch[i:j].transpose(1, 2), out=cls._batch_view(out, matrices[i:j]))
 
     @staticmethod
     def _products(kind: str, mats: list[Tensor], layout: _Layout, other: Tensor) -> Tensor:
         """The factors of ``kind`` from the other, padded ones, in payload order: ``P = M Q`` or
-        ``Q = Mᵀ P`` for every group (:func:`product`)."""
+        ``Q = Mᵀ P`` for every shape (:func:`product`)."""
         side = "q" if kind == "p" else "p"
         return torch.cat([product(kind, m, f).reshape(-1) for m, f in zip(mats, layout.views(side, other))])
 

@@ -100,16 +100,16 @@ class SizeCapPlanner(FusionPlanner):
     def plan(self, sizes: list[int]) -> list[int]:
         cap = self.cap_mb * 1024 * 1024
         limit = min(self.FIRST_BUCKET_BYTES, cap)
-        groups, count, held = [], 0, 0
+        cut, count, held = [], 0, 0
         for size in sizes:
             count += 1
             held += size
             if held >= limit:
-                groups.append(count)
+                cut.append(count)
                 count, held, limit = 0, 0, cap
         if count:
-            groups.append(count)
-        return groups
+            cut.append(count)
+        return cut
 
     def describe(self) -> str:
         return f"bucket_mb:{self.cap_mb:g}"
@@ -166,16 +166,12 @@ class FilePlanner(FusionPlanner):
                 raise ValueError(f"format {data.get('format')!r}, expected {PLAN_FILE_FORMAT}")
             self.order = [str(name) for name in data["order"]]
             self.numels = [int(n) for n in data["numels"]]
-            self.groups = [int(g) for g in data["groups"]]
+            self.cut = [int(g) for g in data["groups"]]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"fusion = 'file:{path}': not a readable plan file ({error})") from None
-        if (
-            len(self.numels) != len(self.order)
-            or sum(self.groups) != len(self.order)
-            or min(self.groups, default=1) < 1
-        ):
+        if len(self.numels) != len(self.order) or sum(self.cut) != len(self.order) or min(self.cut, default=1) < 1:
             raise ValueError(
-                f"fusion = 'file:{path}': its groups {self.groups} do not cut its {len(self.order)} tensors"
+                f"fusion = 'file:{path}': its tensors per bucket {self.cut} do not cover its {len(self.order)} tensors"
             )
 
     def check(self, numels: dict[str, int]) -> None:
@@ -192,7 +188,7 @@ class FilePlanner(FusionPlanner):
     def plan(self, sizes: list[int]) -> list[int]:
         if len(sizes) != len(self.order):
             raise ValueError(f"fusion = 'file:{self.path}' plans {len(self.order)} tensors, not {len(sizes)}")
-        return list(self.groups)
+        return list(self.cut)
 
     def describe(self) -> str:
         return f"file:{self.path}"

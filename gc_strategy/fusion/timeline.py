@@ -214,18 +214,18 @@ class Node:
         )
 
 
-def simulate(model: CostModel, groups: list[int], node: Node | None = None) -> float:
-    """Simulated iteration time of the plan ``groups`` (tensors per bucket), step by step; on a
+def simulate(model: CostModel, cut: list[int], node: Node | None = None) -> float:
+    """Simulated iteration time of the plan ``cut`` (tensors per bucket), step by step; on a
     ``node`` whose ranks share the buckets, the latest rank's."""
-    if sum(groups) != len(model.numels) or any(g < 1 for g in groups):
-        raise ValueError(f"plan {groups} does not cover {len(model.numels)} tensors")
-    ends = np.cumsum(groups)
+    if sum(cut) != len(model.numels) or any(g < 1 for g in cut):
+        raise ValueError(f"plan {cut} does not cover {len(model.numels)} tensors")
+    ends = np.cumsum(cut)
     cumulative = np.concatenate([[0], np.cumsum(model.numels, dtype=np.float64)])
-    sizes = cumulative[ends] - cumulative[ends - np.asarray(groups)]
+    sizes = cumulative[ends] - cumulative[ends - np.asarray(cut)]
     encode, decode, between = (np.asarray(cost(sizes)) for cost in (model.encode, model.decode, model.between))
     node = node or Node(1)
     # by elements: the same deal as by bytes
-    owners = bucket_owners(sizes.tolist(), node.ranks) if node.ranks > 1 else [0] * len(groups)
+    owners = bucket_owners(sizes.tolist(), node.ranks) if node.ranks > 1 else [0] * len(cut)
     owns = np.arange(node.ranks)[:, None] == np.asarray(owners)[None, :]  # [rank, bucket]
     reduce, broadcast = np.asarray(node.reduce(sizes)), np.asarray(node.broadcast(sizes))
     before = reduce + owns * encode  # each rank's device work up to each launch
@@ -311,8 +311,8 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
         network = np.maximum(last[:, 1], ready[-1] + last[:, 0]) + last[:, 2]  # the end of backward advances
         return np.maximum(ready[-1] + last[:, 3], network + dec[start, -1])
 
-    best_groups = min(_starting_plans(model.numels), key=lambda g: simulate(model, g))
-    bound = simulate(model, best_groups) - model.other
+    best_cut = min(_starting_plans(model.numels), key=lambda g: simulate(model, g))
+    bound = simulate(model, best_cut) - model.other
     # every kept prefix ("label"): where it ends, (Σ enc, C, W, Σ (enc + btw + dec)), and the label it extends
     ends, labels, parents = np.zeros(1, dtype=np.int64), np.array([[0.0, -np.inf, 0.0, 0.0]]), np.full(1, -1)
     for j in range(1, count):
@@ -335,8 +335,8 @@ def best_plan(model: CostModel) -> tuple[list[int], float]:
             label = int(parents[label])
         cuts.append(0)
         cuts.reverse()
-        best_groups = [b - a for a, b in zip(cuts, cuts[1:])]
-    return best_groups, float(model.other + bound)
+        best_cut = [b - a for a, b in zip(cuts, cuts[1:])]
+    return best_cut, float(model.other + bound)
 
 
 def _starting_plans(numels: tuple[int, ...]) -> list[list[int]]:
