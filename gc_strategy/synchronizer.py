@@ -1,7 +1,7 @@
 """The one interface of every way of synchronising a data-parallel model: what the Lightning
 strategy, the Accelerate adapter and checkpoints talk to, whatever synchronises underneath (every
 step: :class:`~gc_strategy.gradient_sync.GradientSynchronizer`; every ``H`` steps:
-:class:`~gc_strategy.diloco.DiLoCo`).
+:class:`~gc_strategy.diloco.DiLoCoSynchronizer`; sharded over nodes: :class:`~gc_strategy.sharded.ShardedSynchronizer`).
 
 A training loop does, on every rank in the same order::
 

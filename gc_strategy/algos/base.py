@@ -47,7 +47,8 @@ class Compressor(BucketState):
     between ranks), ``allreduce_only`` (its own rounds need a summing communicator),
     ``applies_momentum`` (the optimizer's should be off), ``per_step_schedule`` (its payloads
     alternate from step to step, so it needs consecutive steps' gradients), ``keeps_error_feedback``
-    (it keeps its own, so an error-feedback memory on top of it is refused).
+    (it keeps its own, so an error-feedback memory on top of it is refused), ``works_on_matrices``
+    (it compresses each tensor of two or more dimensions as a matrix: a flat shard gives it none).
 
     **Binding**: the synchroniser calls :meth:`bind` once with its process group's size and this rank, and
     :meth:`begin_step` before each synchronised step with the number of steps so far (the same on
@@ -62,6 +63,7 @@ class Compressor(BucketState):
     allreduce_only: ClassVar[bool] = False
     applies_momentum: ClassVar[bool] = False
     per_step_schedule: ClassVar[bool] = False
+    works_on_matrices: ClassVar[bool] = False
     keeps_error_feedback: bool = False
 
     def __init__(self, **options: Any) -> None:

@@ -80,6 +80,7 @@ class _Layout:
 class _LowRank(Compressor):
     summable = True
     allreduce_only = True
+    works_on_matrices = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

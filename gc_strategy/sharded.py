@@ -1,0 +1,166 @@
+"""Compressed HSDP on FSDP2: parameters, gradients and optimizer state sharded inside each node,
+each shard's gradient compressed across nodes.
+
+With ``N`` nodes of ``S`` ranks, the model is sharded by ``fully_shard`` over the ``"shard"``
+dimension of a 2-D device mesh ``(N, S)``: inside a node, FSDP2 all-gathers parameters and
+reduce-scatters gradients as usual. Native HSDP would then all-reduce each reduce-scattered shard
+across nodes at full precision. Here, FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``,
+torch >= 2.7: "custom HSDP") takes that step instead: the node's mean of shard ``s`` of an FSDP
+module, ``(1/S) Σ_local g``, goes through the memory, the compressor and the communicator to the
+ranks holding shard ``s`` on the other nodes (the mesh's ``"replicate"`` dimension), so
+
+    ĝ_s = (1/N) Σ_nodes D(C((1/S) Σ_local g_s + e_s))        (e_s: this rank's error feedback)
+
+which, with ``compressor="none"``, is native HSDP's ``(1/W) Σ_ranks g_s``. Each FSDP module's flat
+shard is one bucket of the roles; its error-feedback and compressor state cover this rank's shard
+alone, ``1/S`` of the module. Every rank of a replicate group holds the same shard of the same
+module and runs the same exchanges in the same order (FSDP2's reduce-scatters follow backward's
+order, identical on every rank), so the collectives match.
+
+The hook runs inside FSDP2's reduce, on its all-reduce stream on an accelerator; it returns once the
+average is written into FSDP2's buffer, which FSDP2 then views as each parameter's sharded gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from .bucket import Bucket, join_by_parameter
+from .communicators import RunningExchange
+from .components import Components
+from .synchronizer import Synchronizer
+from .telemetry import StepTelemetry, TelemetryLog, add_exchange
+
+#: the mesh dimensions: across nodes (the compressed exchange) and inside a node (FSDP2's shards)
+MESH_DIMS = ("replicate", "shard")
+
+
+def fsdp_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The FSDP2 modules of ``module`` (``fully_shard`` applied), by qualified name, outermost first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+
+class ShardedSynchronizer(Synchronizer):
+    """Averages the sharded gradients of ``module`` (already ``fully_shard``-ed over
+    ``mesh["shard"]``) across ``mesh["replicate"]`` through ``components``' compressor, memory and
+    communicator (see the module's docstring). ``mesh`` is a 2-D ``DeviceMesh`` with the dimensions
+    :data:`MESH_DIMS`."""
+
+    def __init__(self, module: nn.Module, components: Components, mesh: Any) -> None:
+        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+            raise ValueError(
+                f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
+                "ranks of a node)"
+            )
+        if components.compressor.works_on_matrices:
+            raise ValueError(
+                f"compressor '{components.compressor.name}' compresses each parameter as a matrix, and FSDP2's "
+                "reduce-scattered shards are flat; allowed with sharding: a compressor of flat gradients "
+                "(e.g. 'topk', 'qsgd', 'efsignsgd', 'none')"
+            )
+        self.modules = fsdp_modules(module)
+        if not self.modules:
+            raise ValueError(
+                "the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard(..., mesh=mesh['shard']) "
+                "on it (and on its blocks) first"
+            )
+        self.module = module
+        self.compressor = components.compressor
+        self.memory = components.memory
+        self.communicator = components.communicator
+        self.communicator.bind(mesh["replicate"].get_group())
+        self.compressor.bind(self.communicator.world_size, self.communicator.rank)
+        #: this rank's place among the ranks holding the same shards (one per node)
+        self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
+        self.step = 0
+        self.telemetry = TelemetryLog()
+        self._step_telemetry = StepTelemetry()
+        self.buckets: dict[int, Bucket] = {}
+        self._pending: dict[str, Any] | None = None  # a loaded state, applied as each bucket appears
+        self.compressor.begin_step(self.step)
+        for b, (_, fsdp_module) in enumerate(self.modules):
+            fsdp_module.set_all_reduce_hook(self._hook_for(b))
+
+    def _hook_for(self, b: int):
+        def hook(reduce_output: Tensor) -> None:
+            self._exchange(b, reduce_output)
+
+        return hook
+
+    def _bucket(self, b: int, shard: Tensor) -> Bucket:
+        bucket = self.buckets.get(b)
+        if bucket is None or bucket.numel != shard.numel():
+            name = self.modules[b][0] or "<root>"
+            bucket = Bucket(b, [name], [shard.shape], shard.dtype, shard.device)
+            self.buckets[b] = bucket
+            if self._pending is not None:
+                self._load_into(bucket, self._pending)
+        return bucket
+
+    def _exchange(self, b: int, shard: Tensor) -> None:
+        """The node's mean of this rank's shard of FSDP module ``b`` becomes the mean over all ranks."""
+        bucket = self._bucket(b, shard)
+        running = RunningExchange(self.memory.exchange(self.compressor, shard, bucket, self.communicator))
+        average, _ = running.finish()
+        if average.data_ptr() != shard.data_ptr():
+            shard.copy_(average)
+        add_exchange(self._step_telemetry, bucket.nbytes, running)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate sharded gradients with no reduction at all (FSDP2's
+        ``set_requires_gradient_sync(False)``): neither inside the node nor across nodes."""
+        _, root = self.modules[0]
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def after_optimizer_step(self) -> None:
+        self.step += 1
+        self._step_telemetry.extra = self.compressor.pop_metrics()
+        self.telemetry.record(self._step_telemetry)
+        self._step_telemetry = StepTelemetry()
+        self.compressor.begin_step(self.step)
+
+    def close(self) -> None:
+        for _, fsdp_module in self.modules:
+            fsdp_module.set_all_reduce_hook(None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compression state for its shards, on the CPU."""
+        buckets = list(self.buckets.values())
+        on_cpu = {
+            role: {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in r.state_by_parameter(buckets).items()}
+            for role, r in (("memory", self.memory), ("compressor", self.compressor))
+        }
+        return {"format": "sharded-1", "step": self.step, **on_cpu, "compressor_extra": self.compressor.extra_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's :meth:`state_dict`; the state of a shard whose bucket FSDP2 has not
+        reduced yet (a resume before the first backward) is applied when it first is."""
+        self.step = int(state["step"])
+        self.compressor.load_extra_state(state["compressor_extra"])
+        self.compressor.begin_step(self.step)
+        self.memory.buffers, self.compressor.buffers = {}, {}
+        self._pending = state
+        for bucket in self.buckets.values():
+            self._load_into(bucket, state)
+
+    def _load_into(self, bucket: Bucket, state: dict[str, Any]) -> None:
+        for role, values in ((self.memory, state["memory"]), (self.compressor, state["compressor"])):
+            for name, tensors in values.items():
+                role.buffers.setdefault(name, {}).update(join_by_parameter([bucket], tensors, bucket.device))
+
+    def holds_rank_state(self, state: dict[str, Any]) -> bool:
+        """Whether the roles keep state: then every rank keeps its own shards' (the same answer on
+        every rank, since every rank runs the same roles on the same FSDP2 modules)."""
+        return bool(state["memory"] or state["compressor"])

@@ -1,0 +1,175 @@
+"""Compressed HSDP on FSDP2, on 4 gloo ranks as 2 nodes x 2: ``compressor="none"`` against torch's
+native HSDP (a 2-D mesh, torch's own all-reduce across nodes), the replicas of every shard
+identical across nodes for the flat compressors, error feedback on 1/S of the model, an exact
+resume with each rank's compression state, and what is refused."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gc_strategy import build_components
+from gc_strategy.ranks import run_ranks
+from gc_strategy.sharded import ShardedSynchronizer
+
+pytestmark = pytest.mark.slow
+
+NODES, PER_NODE = 2, 2
+#: flat compressors, each with the memory it is used with
+FLAT = [("topk", "residual", dict(density=0.1)), ("qsgd", "none", {}), ("efsignsgd", "residual", {})]
+FLAT += [("randk", "residual", dict(density=0.1)), ("fp16", "none", {}), ("dgc", "dgc", dict(density=0.1))]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _sharded(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+
+
+def _step(model, optimizer, sync, rank, step, micro_batches=1):
+    optimizer.zero_grad(set_to_none=True)
+    for micro in range(micro_batches):
+        g = torch.Generator().manual_seed(100 * step + 10 * rank + micro)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        last = micro == micro_batches - 1
+        context = sync.no_sync() if sync is not None and not last else _no_sync(model, last)
+        with context:
+            nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    if sync is not None:
+        sync.after_optimizer_step()
+
+
+class _no_sync:
+    """Native HSDP's own accumulation switch (FSDP2's set_requires_gradient_sync)."""
+
+    def __init__(self, model, sync):
+        self.model, self.sync = model, sync
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(self.sync)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
+def _full(model):
+    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+
+def _against_native(rank, world_size, micro_batches):
+    mesh = _mesh()
+    native = _sharded(mesh)  # 2-D mesh: HSDP
+    ours = _sharded(mesh["shard"])
+    sync = ShardedSynchronizer(ours, build_components("none"), mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (native, ours)]
+    for step in range(4):
+        _step(native, optimizers[0], None, rank, step, micro_batches)
+        _step(ours, optimizers[1], sync, rank, step, micro_batches)
+    return _full(native), _full(ours), len(sync.buckets)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_none_equals_native_hsdp_on_every_rank(micro_batches):
+    """With 2 micro-batches per step the first accumulates with no reduction on either side."""
+    for native, ours, buckets in run_ranks(_against_native, NODES * PER_NODE, micro_batches, timeout=300):
+        assert buckets == 3  # the three blocks (the root holds no parameter of its own)
+        torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)  # fp32 rounding of the two reductions
+
+
+def _replicas(rank, world_size):
+    mesh = _mesh()
+    out = {}
+    for name, memory, options in FLAT:
+        model = _sharded(mesh["shard"])
+        before = _full(model)
+        sync = ShardedSynchronizer(model, build_components(name, memory, **options), mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            _step(model, optimizer, sync, rank, step)
+        state = sum(t.numel() for per in sync.memory.buffers.values() for t in per.values())
+        local = sum(p.to_local().numel() for p in model.parameters())
+        out[name] = (_full(model), not torch.equal(_full(model), before), state, local)
+        sync.close()
+    return out
+
+
+def test_every_flat_compressor_keeps_the_replicas_of_each_shard_identical():
+    """After 3 steps every rank holds the same parameters (bit for bit across nodes), which moved;
+    error-feedback state is about 1/S of the model on each rank (its shard)."""
+    ranks = run_ranks(_replicas, NODES * PER_NODE, timeout=600)
+    total = sum(p.numel() for p in _model().parameters())
+    for name, memory, _ in FLAT:
+        reference = ranks[0][name][0]
+        for r in range(1, NODES * PER_NODE):
+            assert torch.equal(ranks[r][name][0], reference), (name, r)
+        assert all(rank[name][1] for rank in ranks), name
+        for rank in ranks:
+            _, _, state, local = rank[name]
+            assert local <= total / PER_NODE + 64  # this rank's shard (FSDP2 pads rows to a multiple of S)
+            if memory != "none":
+                assert 0 < state <= 2 * (total / PER_NODE + 64), (name, state)  # residual (+ momentum for dgc)
+
+
+def _resume(rank, world_size):
+    mesh = _mesh()
+    components = dict(compressor="topk", memory="residual", density=0.1)
+    straight = _sharded(mesh["shard"])
+    sync = ShardedSynchronizer(straight, build_components(**components), mesh)
+    optimizer = torch.optim.SGD(straight.parameters(), lr=0.1)
+    for step in range(2):
+        _step(straight, optimizer, sync, rank, step)
+    saved = copy.deepcopy((straight.state_dict(), sync.state_dict()))
+    for step in range(2, 4):
+        _step(straight, optimizer, sync, rank, step)
+    resumed = _sharded(mesh["shard"])
+    resumed.load_state_dict(saved[0])
+    again = ShardedSynchronizer(resumed, build_components(**components), mesh)
+    again.load_state_dict(saved[1])
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    for step in range(2, 4):
+        _step(resumed, optimizer, again, rank, step)
+    return torch.equal(_full(resumed), _full(straight)), sync.holds_rank_state(saved[1])
+
+
+def test_resume_with_each_ranks_compression_state_is_exact():
+    for same, held in run_ranks(_resume, NODES * PER_NODE, timeout=300):
+        assert same and held
+
+
+def _refused(rank, world_size):
+    mesh = _mesh()
+    errors = []
+    for build in (
+        lambda: ShardedSynchronizer(_sharded(mesh["shard"]), build_components("powersgd"), mesh),
+        lambda: ShardedSynchronizer(_model(), build_components("none"), mesh),
+        lambda: ShardedSynchronizer(_sharded(mesh["shard"]), build_components("none"), mesh["shard"]),
+    ):
+        try:
+            build()
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_what_cannot_work_is_refused_before_any_work():
+    for errors in run_ranks(_refused, NODES * PER_NODE, timeout=300):
+        assert len(errors) == 3
+        assert "compressor 'powersgd' compresses each parameter as a matrix" in errors[0]
+        assert "the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard" in errors[1]
+        assert "mesh dimensions = ('shard',) are invalid; allowed: ('replicate', 'shard')" in errors[2]
