@@ -63,6 +63,24 @@ from .telemetry import StepTelemetry, TelemetryLog, add_into
 STATE_FORMAT = "diloco-1"
 
 
+def roles_by_dimension(
+    named: list[tuple[str, nn.Parameter]], components: Components, vectors: str
+) -> Iterator[tuple[list[str], Components]]:
+    """Parameters by the roles that exchange their Δ, each group with fresh roles: 1-D tensors
+    apart (at bf16, or fp32 with ``vectors="fp32"``, with no error feedback) unless
+    ``vectors="compressed"``."""
+    if vectors == "compressed":
+        yield [n for n, _ in named], components.fresh()
+        return
+    matrices = [n for n, p in named if p.dim() > 1]
+    others = [n for n, p in named if p.dim() <= 1]
+    if matrices:
+        yield matrices, components.fresh()
+    if others:
+        dense = "bf16" if vectors == "bf16" else "none"
+        yield others, build_components(dense, "none", "auto", copy.deepcopy(components.fusion))
+
+
 class _Fragment:
     """Parameters exchanged together at one inner step of every ``H``: their outer values and the
     synchronisers that average their ``Δ`` (matrices with the configured roles, vectors apart)."""
@@ -158,7 +176,7 @@ class DiLoCoSynchronizer(Synchronizer):
             names = [n for n, _ in chunk]
             offset = (j + 1) * self.inner_steps // len(per_fragment)
             fragment = _Fragment(j, offset, names, [p for _, p in chunk], [self.outer[n] for n in names])
-            for group, roles in self._split(chunk, self.components, self.vectors):
+            for group, roles in roles_by_dimension(chunk, self.components, self.vectors):
                 synchronizer = GradientSynchronizer(
                     self.module,
                     roles.compressor,
@@ -178,23 +196,6 @@ class DiLoCoSynchronizer(Synchronizer):
                 fragment.synchronizers.append(synchronizer)
                 broadcast = False
             self.fragments.append(fragment)
-
-    @staticmethod
-    def _split(
-        chunk: list[tuple[str, nn.Parameter]], components: Components, vectors: str
-    ) -> Iterator[tuple[list[str], Components]]:
-        """The fragment's parameters by the roles that exchange their Δ: 1-D tensors apart unless
-        ``vectors="compressed"``."""
-        if vectors == "compressed":
-            yield [n for n, _ in chunk], components.fresh()
-            return
-        matrices = [n for n, p in chunk if p.dim() > 1]
-        others = [n for n, p in chunk if p.dim() <= 1]
-        if matrices:
-            yield matrices, components.fresh()
-        if others:
-            dense = "bf16" if vectors == "bf16" else "none"
-            yield others, build_components(dense, "none", "auto", copy.deepcopy(components.fusion))
 
     # ------------------------------------------------------------------ the schedule
     def after_optimizer_step(self) -> None:

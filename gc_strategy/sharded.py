@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .bucket import Bucket, join_by_parameter
@@ -76,8 +77,8 @@ class ShardedSynchronizer(Synchronizer):
         self.communicator = components.communicator
         self.communicator.bind(mesh["replicate"].get_group())
         self.compressor.bind(self.communicator.world_size, self.communicator.rank)
-        #: this rank's place among the ranks holding the same shards (one per node)
-        self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
+        #: this rank's place in the whole mesh (each rank holds shards of its own)
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.step = 0
         self.telemetry = TelemetryLog()
         self._step_telemetry = StepTelemetry()

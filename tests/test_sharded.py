@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from gc_strategy import build_components
+from gc_strategy import DiLoCo, build_components
+from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.ranks import run_ranks
 from gc_strategy.sharded import ShardedSynchronizer
+from gc_strategy.sharded_diloco import ShardedDiLoCo
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +128,7 @@ def test_every_flat_compressor_keeps_the_replicas_of_each_shard_identical():
                 assert 0 < state <= 2 * (total / PER_NODE + 64), (name, state)  # residual (+ momentum for dgc)
 
 
-def _resume(rank, world_size):
+def _resume(rank, world_size, folder):
     mesh = _mesh()
     components = dict(compressor="topk", memory="residual", density=0.1)
     straight = _sharded(mesh["shard"])
@@ -134,22 +136,24 @@ def _resume(rank, world_size):
     optimizer = torch.optim.SGD(straight.parameters(), lr=0.1)
     for step in range(2):
         _step(straight, optimizer, sync, rank, step)
-    saved = copy.deepcopy((straight.state_dict(), sync.state_dict()))
+    saved = copy.deepcopy(straight.state_dict())
+    manifest = save_rank_states(sync, folder)  # each rank's file, as a checkpoint writes them
     for step in range(2, 4):
         _step(straight, optimizer, sync, rank, step)
     resumed = _sharded(mesh["shard"])
-    resumed.load_state_dict(saved[0])
+    resumed.load_state_dict(saved)
     again = ShardedSynchronizer(resumed, build_components(**components), mesh)
-    again.load_state_dict(saved[1])
+    load_rank_states(again, manifest, folder)
     optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
     for step in range(2, 4):
         _step(resumed, optimizer, again, rank, step)
-    return torch.equal(_full(resumed), _full(straight)), sync.holds_rank_state(saved[1])
+    return torch.equal(_full(resumed), _full(straight))
 
 
-def test_resume_with_each_ranks_compression_state_is_exact():
-    for same, held in run_ranks(_resume, NODES * PER_NODE, timeout=300):
-        assert same and held
+def test_resume_with_each_ranks_compression_state_is_exact(tmp_path):
+    """Each rank writes its own file (its shards' residuals), and reads it back."""
+    assert all(run_ranks(_resume, NODES * PER_NODE, str(tmp_path), timeout=300))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(NODES * PER_NODE)]
 
 
 def _refused(rank, world_size):
@@ -159,6 +163,10 @@ def _refused(rank, world_size):
         lambda: ShardedSynchronizer(_sharded(mesh["shard"]), build_components("powersgd"), mesh),
         lambda: ShardedSynchronizer(_model(), build_components("none"), mesh),
         lambda: ShardedSynchronizer(_sharded(mesh["shard"]), build_components("none"), mesh["shard"]),
+        lambda: ShardedDiLoCo(
+            _sharded(mesh["shard"]), build_components("none"), DiLoCo(inner_steps=4, fragments=2), mesh
+        ),
+        lambda: ShardedDiLoCo(_sharded(mesh["shard"]), build_components("acpsgd"), DiLoCo(inner_steps=4), mesh),
     ):
         try:
             build()
@@ -169,7 +177,59 @@ def _refused(rank, world_size):
 
 def test_what_cannot_work_is_refused_before_any_work():
     for errors in run_ranks(_refused, NODES * PER_NODE, timeout=300):
-        assert len(errors) == 3
+        assert len(errors) == 5
         assert "compressor 'powersgd' compresses each parameter as a matrix" in errors[0]
         assert "the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard" in errors[1]
         assert "mesh dimensions = ('shard',) are invalid; allowed: ('replicate', 'shard')" in errors[2]
+        assert "fragments = 2 and overlap_steps = 0 are invalid; allowed: fragments=1, overlap_steps=0" in errors[3]
+        assert "sync=DiLoCo with compressor 'acpsgd': it alternates its payloads" in errors[4]
+
+
+def _diloco_equals_per_step(rank, world_size):
+    """DiLoCo with one inner step and outer SGD at lr 1: θ ← mean over nodes of the local steps,
+    which is native HSDP's step with plain SGD."""
+    mesh = _mesh()
+    native = _sharded(mesh)
+    ours = _sharded(mesh["shard"])
+    config = DiLoCo(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, vectors="fp32")
+    sync = ShardedDiLoCo(ours, build_components("none"), config, mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (native, ours)]
+    for step in range(3):
+        _step(native, optimizers[0], None, rank, step)
+        _step(ours, optimizers[1], sync, rank, step)
+    return _full(native), _full(ours)
+
+
+def test_diloco_over_shards_with_one_inner_step_equals_per_step_hsdp():
+    for native, ours in run_ranks(_diloco_equals_per_step, NODES * PER_NODE, timeout=300):
+        torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)
+
+
+def _diloco_replicas(rank, world_size, compressor, memory, options):
+    mesh = _mesh()
+    model = _sharded(mesh["shard"])
+    sync = ShardedDiLoCo(model, build_components(compressor, memory, **options), DiLoCo(inner_steps=2), mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    after_outer, before = [], _full(model)
+    for step in range(4):
+        _step(model, optimizer, sync, rank, step)
+        if step % 2 == 1:
+            after_outer.append(_full(model))
+    outer = sum(t.numel() for t in sync.outer.values())
+    return after_outer, not torch.equal(after_outer[-1], before), sync.step, outer
+
+
+@pytest.mark.parametrize(
+    "compressor, memory, options",
+    [("topk", "residual", dict(density=0.1)), ("powersgd", "none", dict(rank=2, start_iter=0))],
+)
+def test_diloco_over_shards_keeps_replicas_identical_after_each_outer_step(compressor, memory, options):
+    """Top-k and PowerSGD (on each row-shard as a matrix) with error feedback, H=2: every rank holds
+    the same parameters after each of the 2 outer steps; the outer state is this rank's shard."""
+    ranks = run_ranks(_diloco_replicas, NODES * PER_NODE, compressor, memory, options, timeout=300)
+    total = sum(p.numel() for p in _model().parameters())
+    for after_outer, moved, steps, outer in ranks:
+        assert steps == 2 and moved
+        assert outer <= total / PER_NODE + 64
+        for mine, reference in zip(after_outer, ranks[0][0]):
+            assert torch.equal(mine, reference)

@@ -1,0 +1,155 @@
+"""DiLoCo over FSDP2 shards: inner steps sharded inside each node, no traffic across nodes between
+outer steps, and each local shard's pseudo-gradient compressed across nodes.
+
+On a 2-D mesh ``(N nodes, S ranks)`` the model is ``fully_shard``-ed over ``mesh["shard"]``, so an
+inner step is FSDP2's own: the node's ranks all-gather parameters and reduce-scatter gradients
+among themselves, and nothing crosses nodes. Every ``H`` inner steps (Douillard et al. 2023) each
+rank takes the pseudo-gradient of its local shards, ``Δ_s = θ_s − θ_{s,n}``, through the memory,
+the compressor and the communicator to the ranks holding the same shards on the other nodes (the
+mesh's ``"replicate"`` dimension), and applies the outer optimizer to its outer shards ``θ_s``:
+
+    Δ̄_s = (1/N) Σ_nodes D(C(Δ_{s,n} + e_{s,n}))       θ_s ← OuterOpt(θ_s, Δ̄_s)       θ_{s,n} ← θ_s
+
+The outer state (``θ_s`` in fp32 and the outer optimizer's momentum) and the error feedback cover
+this rank's shards: ``1/S`` of the model, in CPU memory with ``offload=True``. The local shards keep
+their parameter shapes (row-shards of the matrices), so every compressor works on them, PowerSGD on
+each row-shard as a matrix; 1-D tensors go apart as :class:`~gc_strategy.sync_modes.DiLoCo`'s
+``vectors`` says. Streaming DiLoCo's fragments are not offered here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .bucket import Bucket
+from .communicators import RunningExchange
+from .components import Components
+from .diloco import roles_by_dimension
+from .sharded import MESH_DIMS, fsdp_modules
+from .sync_modes import DiLoCo
+from .synchronizer import Synchronizer
+from .telemetry import StepTelemetry, TelemetryLog, add_exchange
+
+
+class _Group:
+    """Parameters whose local shards one set of roles exchanges, as one bucket."""
+
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], roles: Components) -> None:
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.roles = roles
+        shards = self.shards()
+        self.bucket = Bucket(index, self.names, [s.shape for s in shards], torch.float32, shards[0].device)
+
+    def shards(self) -> list[Tensor]:
+        """This rank's local shards of the parameters (views of FSDP2's sharded storage)."""
+        return [p.to_local() for p in self.params]
+
+
+class ShardedDiLoCo(Synchronizer):
+    """DiLoCo as ``config`` says, over ``module`` already ``fully_shard``-ed over ``mesh["shard"]``
+    (see the module's docstring). Call :meth:`after_optimizer_step` after every inner step."""
+
+    def __init__(self, module: nn.Module, components: Components, config: DiLoCo, mesh: Any) -> None:
+        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+            raise ValueError(
+                f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
+                "ranks of a node)"
+            )
+        if not fsdp_modules(module):
+            raise ValueError("the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard on it first")
+        if config.fragments != 1 or config.overlap_steps != 0:
+            raise ValueError(
+                f"DiLoCo over shards: fragments = {config.fragments!r} and overlap_steps = {config.overlap_steps!r} "
+                "are invalid; allowed: fragments=1, overlap_steps=0 (Streaming DiLoCo is not offered over shards)"
+            )
+        config.check(components)
+        self.module = module
+        self.config = config
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        group = mesh["replicate"].get_group()
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        local = {name: p.to_local() for name, p in named}
+        for shard in local.values():  # every node starts from the same values: rank 0's of its shards
+            dist.broadcast(shard.detach(), dist.get_global_rank(group, 0), group=group)
+        outer_device = torch.device("cpu") if config.offload else next(iter(local.values())).device
+        #: θ_s, this rank's outer shards in fp32
+        self.outer = {name: local[name].detach().to(outer_device, torch.float32, copy=True) for name, _ in named}
+        self.groups = []
+        by_name = dict(named)
+        for index, (names, roles) in enumerate(roles_by_dimension(named, components, config.vectors)):
+            roles.communicator.bind(group)
+            roles.compressor.bind(roles.communicator.world_size, roles.communicator.rank)
+            self.groups.append(_Group(index, [(n, by_name[n]) for n in names], roles))
+        self.outer_optimizer = config.outer()(list(self.outer.values()))
+        self.inner_step = 0
+        #: outer steps taken
+        self.step = 0
+        self.telemetry = TelemetryLog()
+        for fsdp_module in fsdp_modules(module):  # inner steps never cross nodes
+            fsdp_module[1].set_all_reduce_hook(None)
+
+    def after_optimizer_step(self) -> None:
+        """Count the inner step; every ``inner_steps``, the outer step."""
+        self.inner_step += 1
+        if self.inner_step % self.config.inner_steps == 0:
+            self._outer_step()
+
+    @torch.no_grad()
+    def _outer_step(self) -> None:
+        record = StepTelemetry()
+        for group in self.groups:
+            flat = torch.cat(
+                [(self.outer[n].to(s.device) - s.float()).reshape(-1) for n, s in zip(group.names, group.shards())]
+            )
+            roles, bucket = group.roles, group.bucket
+            roles.compressor.begin_step(self.step)
+            running = RunningExchange(roles.memory.exchange(roles.compressor, flat, bucket, roles.communicator))
+            average, _ = running.finish()
+            add_exchange(record, bucket.nbytes, running)
+            for name, value in zip(group.names, bucket.views(average)):
+                self.outer[name].grad = value.to(self.outer[name].device)
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        for group in self.groups:
+            for name, shard in zip(group.names, group.shards()):
+                shard.copy_(self.outer[name])
+        self.step += 1
+        self.telemetry.record(record)
+
+    def close(self) -> None:
+        """Nothing is left in flight between outer steps."""
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's outer shards, outer optimizer, schedule and roles' state, on the CPU."""
+        roles = {}
+        for group in self.groups:
+            for kind, role in (("memory", group.roles.memory), ("compressor", group.roles.compressor)):
+                for name, tensors in role.state_by_parameter([group.bucket]).items():
+                    roles.setdefault(kind, {}).setdefault(name, {}).update({n: t.cpu() for n, t in tensors.items()})
+        return {
+            "format": "sharded-diloco-1",
+            "inner_step": self.inner_step,
+            "step": self.step,
+            "outer": {n: t.cpu().clone() for n, t in self.outer.items()},
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "roles": roles,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
+        for name, value in state["outer"].items():
+            self.outer[name].copy_(value)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        for group in self.groups:
+            for kind, role in (("memory", group.roles.memory), ("compressor", group.roles.compressor)):
+                role.load_state_by_parameter(state["roles"].get(kind, {}), [group.bucket])
+
+    def holds_rank_state(self, state: dict[str, Any]) -> bool:
+        """Every rank keeps its own outer shards."""
+        return True
