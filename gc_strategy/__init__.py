@@ -2,7 +2,8 @@
 
 The core (the synchroniser, its roles, DiLoCo and the Accelerate adapter) needs torch alone. Where
 Lightning is installed, ``import gc_strategy`` also registers the Lightning strategies ``gc_fused``
-(popen launcher, like ``ddp``), ``gc_fused_spawn`` and ``gc_fused_fork``.
+(popen launcher, like ``ddp``), ``gc_fused_spawn`` and ``gc_fused_fork``, and ``gc_fsdp`` (FSDP2
+inside each node), ``gc_fsdp_spawn`` and ``gc_fsdp_fork``.
 """
 
 from importlib.util import find_spec
@@ -17,15 +18,17 @@ from .sync_modes import DiLoCo, EveryStep
 from .telemetry import StepTelemetry
 
 #: public names that need Lightning
-_WITH_LIGHTNING = ("GCFusedStrategy", "ThroughputMonitor")
+_WITH_LIGHTNING = ("GCFusedStrategy", "GCFSDPStrategy", "ThroughputMonitor")
 
 if find_spec("lightning") is not None:
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from .fsdp_strategy import GCFSDPStrategy
     from .monitor import ThroughputMonitor
     from .strategy import GCFusedStrategy
 
     GCFusedStrategy.register_strategies(StrategyRegistry)
+    GCFSDPStrategy.register_strategies(StrategyRegistry)
 
 
 def __getattr__(name: str):
@@ -46,6 +49,7 @@ __all__ = [
     "DiLoCo",
     "EveryStep",
     "FusionPlanner",
+    "GCFSDPStrategy",
     "GCFusedStrategy",
     "GradientSynchronizer",
     "Memory",

@@ -47,6 +47,16 @@ def fsdp_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
 
+def check_sharded_roles(components: Components) -> None:
+    """Refuse roles that cannot work on FSDP2's flat shards, before any work."""
+    if components.compressor.works_on_matrices:
+        raise ValueError(
+            f"compressor '{components.compressor.name}' compresses each parameter as a matrix, and FSDP2's "
+            "reduce-scattered shards are flat; allowed with sharding: a compressor of flat gradients "
+            "(e.g. 'topk', 'qsgd', 'efsignsgd', 'none'), or sync=DiLoCo(...), which sends row-shards"
+        )
+
+
 class ShardedSynchronizer(Synchronizer):
     """Averages the sharded gradients of ``module`` (already ``fully_shard``-ed over
     ``mesh["shard"]``) across ``mesh["replicate"]`` through ``components``' compressor, memory and
@@ -59,12 +69,7 @@ class ShardedSynchronizer(Synchronizer):
                 f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
                 "ranks of a node)"
             )
-        if components.compressor.works_on_matrices:
-            raise ValueError(
-                f"compressor '{components.compressor.name}' compresses each parameter as a matrix, and FSDP2's "
-                "reduce-scattered shards are flat; allowed with sharding: a compressor of flat gradients "
-                "(e.g. 'topk', 'qsgd', 'efsignsgd', 'none')"
-            )
+        check_sharded_roles(components)
         self.modules = fsdp_modules(module)
         if not self.modules:
             raise ValueError(

@@ -1,0 +1,217 @@
+"""``GCFSDPStrategy`` (``strategy="gc_fsdp"``): Lightning's ``ModelParallelStrategy`` with FSDP2
+inside each node and compression across nodes (docs/sharded.md).
+
+Lightning glue only. The device mesh is ``(num_nodes, devices)`` with the dimensions
+``("replicate", "shard")``; the LightningModule's ``configure_model`` may call ``fully_shard`` on
+``self.device_mesh["shard"]`` itself, and where it does not, the strategy shards by its policy:
+every module of a class in ``shard_modules`` (by default every module that holds parameters of its
+own), then the root. Each step's gradients are synchronised by a
+:class:`~gc_strategy.sharded.ShardedSynchronizer` (``sync="every_step"``), or the model by a
+:class:`~gc_strategy.sharded_diloco.ShardedDiLoCo` (``sync=DiLoCo(...)``). Gradient accumulation
+reduces nothing until the step's last micro-batch (FSDP2's ``set_requires_gradient_sync``).
+Checkpoints are ``ModelParallelStrategy``'s sharded ones (``torch.distributed.checkpoint``), with
+each rank's compression state beside them (:mod:`gc_strategy.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module, _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from .algos import Compressor, Memory
+from .checkpoint import load_rank_states, save_rank_states, state_folder
+from .communicators import Communicator
+from .components import build_components
+from .sharded import MESH_DIMS, ShardedSynchronizer, check_sharded_roles, fsdp_modules
+from .sharded_diloco import ShardedDiLoCo
+from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
+from .synchronizer import Synchronizer
+
+CHECKPOINT_KEY = "gc_strategy"
+START_METHODS = ("popen", "spawn", "fork")
+
+
+def shard_by_policy(module: nn.Module, mesh: Any, classes: tuple[type, ...] | None) -> None:
+    """``fully_shard`` every submodule of a class in ``classes`` (None: every one that holds
+    parameters of its own), innermost first, then ``module`` itself, over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    chosen = [
+        m
+        for _, m in module.named_modules()
+        if m is not module
+        and (isinstance(m, classes) if classes is not None else any(True for _ in m.parameters(recurse=False)))
+    ]
+    for m in reversed(chosen):
+        fully_shard(m, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+class FullWeightsLauncher(_MultiProcessingLauncher):
+    """Lightning's fork and spawn launcher, which hands rank 0's trained weights back to the main
+    process: gathered whole from the shards, since a sharded state dict does not travel."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(trainer.lightning_module, options=options)  # a collective: every rank
+        if self._strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None) if callback else None
+        path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(weights, path)
+        return _WorkerOutput(best, path, trainer.state, results, self.get_extra_results(trainer))
+
+
+class GCFSDPStrategy(ModelParallelStrategy):
+    """Sharded data-parallel training with compression across nodes (see the module's docstring).
+
+    Args:
+        compressor, memory, communicator: a registered name (with keyword ``options``) or an object;
+            a compressor of flat gradients (PowerSGD and ACP-SGD work on whole matrices: refused
+            with ``sync="every_step"``, allowed under DiLoCo, which sends row-shards).
+        sync: ``"every_step"`` or :class:`~gc_strategy.sync_modes.DiLoCo` (``fragments=1``,
+            ``overlap_steps=0``).
+        shard_modules: the module classes to shard where ``configure_model`` shards nothing
+            (None: every module that holds parameters of its own).
+        start_method: ``"popen"`` (as ``ModelParallelStrategy``), ``"spawn"`` or ``"fork"``.
+        process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        **options: options of the chosen compressor / memory / communicator (e.g. ``density=0.01``).
+    """
+
+    strategy_name = "gc_fsdp"
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "none",
+        memory: str | Memory = "none",
+        communicator: str | Communicator = "auto",
+        sync: str | EveryStep | DiLoCo = "every_step",
+        shard_modules: tuple[type, ...] | None = None,
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        refuse_misplaced_options(options)
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method = {start_method!r} is invalid; allowed: {', '.join(START_METHODS)}")
+        self.components = build_components(compressor, memory, communicator, **options)
+        self.sync = parse_sync(sync, self.components)
+        if isinstance(self.sync, EveryStep):
+            check_sharded_roles(self.components)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.shard_modules = shard_modules
+        self.start_method = start_method
+        self.synchronizer: Synchronizer | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.start_method == "popen":
+            super()._configure_launcher()
+        else:
+            self._launcher = FullWeightsLauncher(self, start_method=self.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._setup_distributed()
+        shape = (self.num_nodes, self.num_processes)
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=MESH_DIMS)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank reads its own data: the shards of a node hold one model, not one batch."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        if not fsdp_modules(self.model):
+            shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self.synchronizer = self._synchronizer()
+
+    def _synchronizer(self) -> Synchronizer:
+        components = self.components.fresh()
+        if isinstance(self.sync, DiLoCo):
+            return ShardedDiLoCo(self.model, components, self.sync, self.device_mesh)
+        return ShardedSynchronizer(self.model, components, self.device_mesh)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.no_sync():
+            yield
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.synchronizer is not None:
+            self.synchronizer.after_optimizer_step()
+        return output
+
+    @override
+    def teardown(self) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.close()
+            self.synchronizer = None
+        super().teardown()
+
+    # ---------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """The sharded checkpoint, and each rank's compression state beside it."""
+        if self.synchronizer is not None:
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: save_rank_states(self.synchronizer, state_folder(filepath))}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is not None and self.synchronizer is not None:
+            load_rank_states(self.synchronizer, saved, state_folder(checkpoint_path, saved=True))
+        return checkpoint
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("gc_fsdp", "popen"), ("gc_fsdp_spawn", "spawn"), ("gc_fsdp_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"FSDP2 inside each node, compression across nodes, start_method '{start_method}'",
+                    start_method=start_method,
+                )
