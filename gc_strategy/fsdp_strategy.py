@@ -15,6 +15,7 @@ each rank's compression state beside them (:mod:`gc_strategy.checkpoint`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from collections.abc import Callable, Generator
@@ -37,6 +38,7 @@ from .communicators import Communicator
 from .components import build_components
 from .sharded import MESH_DIMS, ShardedSynchronizer, check_sharded_roles, fsdp_modules
 from .sharded_diloco import ShardedDiLoCo
+from .strategy import end_process_group
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
@@ -135,6 +137,8 @@ class GCFSDPStrategy(ModelParallelStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         self._setup_distributed()
+        atexit.unregister(end_process_group)  # a gloo group left to the interpreter's exit can abort it
+        atexit.register(end_process_group)
         shape = (self.num_nodes, self.num_processes)
         self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=MESH_DIMS)
         self.lightning_module._device_mesh = self._device_mesh
