@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFusedStrategy
+from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.hierarchy import hierarchy_of
 from gc_strategy.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
@@ -67,8 +67,18 @@ def fusion_spec(fusion: DictConfig) -> str:
     return f"{fusion.name}:{next(iter(options.values()))}" if options else fusion.name
 
 
-def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
+#: ``trainer.sharding``: every rank holds the whole model (``gc_fused``), or FSDP2 shards it inside
+#: each node (``gc_fsdp``, docs/sharded.md)
+SHARDINGS = ("none", "fsdp")
+
+
+def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
     options = {**_options(cfg.compressor), **_options(cfg.memory), **_options(cfg.communicator)}
+    sharding = cfg.trainer.sharding
+    if sharding not in SHARDINGS:
+        raise ValueError(f"trainer.sharding = {sharding!r} is invalid; allowed: {', '.join(SHARDINGS)}")
+    if sharding == "fsdp":
+        return build_sharded_strategy(cfg, options)
     return GCFusedStrategy(
         compressor=cfg.compressor.name,
         memory=cfg.memory.name,
@@ -80,6 +90,28 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy:
         hierarchy=hierarchy_of(cfg.trainer.hierarchy, cfg.trainer.node_precision) or "flat",
         broadcast_buffers=cfg.trainer.broadcast_buffers,
         sync=sync_of(cfg.sync.name, _options(cfg.sync)),
+        **options,
+    )
+
+
+def build_sharded_strategy(cfg: DictConfig, options: dict) -> GCFSDPStrategy:
+    """``trainer.sharding=fsdp``: FSDP2 inside each node; what applies to replicated training only
+    (fusion plans, the node hierarchy, DDP's options) is refused where it is set."""
+    t = cfg.trainer
+    replicated_only = {
+        "fusion": (fusion_spec(cfg.fusion), "bucket_mb:25", "each FSDP2 module's shard is one bucket"),
+        "trainer.hierarchy": (t.hierarchy, "flat", "the nodes shard and compress already"),
+        "trainer.find_unused_parameters": (t.find_unused_parameters, False, "FSDP2 reduces every parameter"),
+    }
+    for key, (value, default, why) in replicated_only.items():
+        if value != default:
+            raise ValueError(f"{key} = {value!r} is invalid with trainer.sharding=fsdp; allowed: {default!r} ({why})")
+    return GCFSDPStrategy(
+        compressor=cfg.compressor.name,
+        memory=cfg.memory.name,
+        communicator=cfg.communicator.name,
+        sync=sync_of(cfg.sync.name, _options(cfg.sync)),
+        start_method=t.start_method,
         **options,
     )
 
@@ -150,6 +182,12 @@ def check_run(cfg: DictConfig) -> None:
     within ``trainer.max_steps``)."""
     if cfg.checkpoints not in CHECKPOINTS:
         raise ValueError(f"checkpoints = {cfg.checkpoints!r} is invalid; allowed: {', '.join(CHECKPOINTS)}")
+    if cfg.trainer.sharding == "fsdp" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
+        raise ValueError(
+            "trainer.sharding=fsdp keeps one set of roles on one model from start to end; set "
+            f"speedup.baseline_steps=0 (is {cfg.speedup.baseline_steps}) and lowrank_model=none "
+            f"(is enabled: {cfg.lowrank_model.enabled})"
+        )
     if cfg.sync.name == "diloco" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
         raise ValueError(
             "sync=diloco runs one set of roles on one model from start to end; set speedup.baseline_steps=0 "

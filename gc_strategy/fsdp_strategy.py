@@ -5,7 +5,7 @@ Lightning glue only. The device mesh is ``(num_nodes, devices)`` with the dimens
 ``("replicate", "shard")``; the LightningModule's ``configure_model`` may call ``fully_shard`` on
 ``self.device_mesh["shard"]`` itself, and where it does not, the strategy shards by its policy:
 every module of a class in ``shard_modules`` (by default every module that holds parameters of its
-own), then the root. Each step's gradients are synchronised by a
+own), then each child of the LightningModule (:func:`shard_by_policy`). Each step's gradients are synchronised by a
 :class:`~gc_strategy.sharded.ShardedSynchronizer` (``sync="every_step"``), or the model by a
 :class:`~gc_strategy.sharded_diloco.ShardedDiLoCo` (``sync=DiLoCo(...)``). Gradient accumulation
 reduces nothing until the step's last micro-batch (FSDP2's ``set_requires_gradient_sync``).
@@ -47,19 +47,34 @@ START_METHODS = ("popen", "spawn", "fork")
 
 
 def shard_by_policy(module: nn.Module, mesh: Any, classes: tuple[type, ...] | None) -> None:
-    """``fully_shard`` every submodule of a class in ``classes`` (None: every one that holds
-    parameters of its own), innermost first, then ``module`` itself, over ``mesh``."""
+    """``fully_shard`` over ``mesh`` every submodule of a class in ``classes`` (None: every one that
+    holds parameters of its own), innermost first, then every direct child of ``module`` that holds
+    parameters: the LightningModule's ``training_step`` calls its children, not its own forward,
+    whose hooks would gather the root's parameters. A module holding a parameter tied to another
+    module's (BERT's decoder and word embeddings) is left to its enclosing unit, since FSDP2 must
+    hold a tied parameter in one unit."""
     from torch.distributed.fsdp import fully_shard
 
-    chosen = [
-        m
-        for _, m in module.named_modules()
-        if m is not module
-        and (isinstance(m, classes) if classes is not None else any(True for _ in m.parameters(recurse=False)))
-    ]
-    for m in reversed(chosen):
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(module).__name__} holds parameters of its own, which FSDP2 would gather only in its forward; "
+            "keep them in a submodule, or shard the model in configure_model"
+        )
+    holders: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+
+    def chosen(m: nn.Module) -> bool:
+        own = list(m.parameters(recurse=False))
+        if any(holders[id(p)] > 1 for p in own):
+            return False
+        return isinstance(m, classes) if classes is not None else bool(own)
+
+    children = [m for m in module.children() if any(True for _ in m.parameters())]
+    units = [m for m in module.modules() if m is not module and m not in children and chosen(m)]
+    for m in [*reversed(units), *children]:
         fully_shard(m, mesh=mesh)
-    fully_shard(module, mesh=mesh)
 
 
 class FullWeightsLauncher(_MultiProcessingLauncher):

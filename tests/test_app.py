@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from gc_strategy import COMPRESSORS, MEMORIES, EveryStep, NodeHierarchy
+from gc_strategy import COMPRESSORS, MEMORIES, EveryStep, GCFSDPStrategy, NodeHierarchy
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -90,6 +91,47 @@ def test_fusion_spec_and_strategy_from_config():
     assert build_strategy(_compose("trainer.hierarchy=node")).hierarchy == NodeHierarchy()
     node_bf16 = build_strategy(_compose("trainer.hierarchy=node", "trainer.node_precision=bf16"))
     assert node_bf16.hierarchy == NodeHierarchy(precision="bf16")
+
+
+def test_sharding_from_config():
+    """``trainer.sharding=fsdp`` builds gc_fsdp; what applies to replicated training only is refused."""
+    strategy = build_strategy(_compose("trainer.sharding=fsdp", "compressor=topk", "memory=residual"))
+    assert isinstance(strategy, GCFSDPStrategy) and strategy.components.compressor.name == "topk"
+    for overrides, message in (
+        (
+            ["trainer.sharding=fsdp", "fusion=groups", "fusion.n=4"],
+            "fusion = 'groups:4' is invalid with trainer",
+        ),
+        (["trainer.sharding=fsdp", "trainer.hierarchy=node"], "trainer.hierarchy = 'node' is invalid with trainer.sh"),
+        (["trainer.sharding=ddp"], "trainer.sharding = 'ddp' is invalid; allowed: none, fsdp"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build_strategy(_compose(*overrides))
+
+
+@pytest.mark.slow
+def test_cli_trains_bert_sharded_inside_the_node(tmp_path):
+    """BERT (tied word embeddings and decoder) through gc_fsdp with top-k: the default sharding
+    policy keeps the tied parameter in one unit, and the sharded checkpoint has each rank's state."""
+    run = tmp_path / "run"
+    done = _cli(
+        tmp_path,
+        "model=bert",
+        "data=synthetic_tokens",
+        "data.train_tokens=20000",
+        "data.val_tokens=4000",
+        "trainer.sharding=fsdp",
+        "compressor=topk",
+        "compressor.density=0.01",
+        "memory=residual",
+        "logger=csv",
+        *QUICK[:3],
+        "speedup.warmup_steps=0",
+        f"hydra.run.dir={run}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint's folder
+    assert sorted(p.name for p in (run / "checkpoints.gc_state" / "last.ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
 def test_sync_diloco_from_config():
