@@ -35,12 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from bench_worker import ALONE, BASELINES, IDEALS, parse_config, ranks
+from bench_worker import ALONE, BASELINES, IDEALS, parse_config, ranks, strategy_class
 from hydra.core.hydra_config import HydraConfig
 from netns import check_can_emulate, emulated_network, loopback
 from omegaconf import DictConfig, OmegaConf
-
-from gc_strategy import GCFusedStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_GRACE_S = 10.0  # after a rank fails, how long its peers get to exit on their own
@@ -51,6 +49,7 @@ COLUMNS = [
     "samples/s",
     "bytes sent / step",
     "bytes across nodes / step",
+    "final loss",
     *(f"step / {ideal}" for ideal in IDEALS),
     *(f"speedup vs {b}" for b in BASELINES if b not in IDEALS),
 ]
@@ -75,7 +74,7 @@ def validate(cfg: DictConfig) -> None:
     for name in cfg.configs:
         options = parse_config(name)
         if name not in BASELINES:
-            GCFusedStrategy(**options)  # names, options and values checked here
+            strategy_class(name)(**options)  # names, options and values checked here
     if cfg.net.rate:
         check_can_emulate(cfg.net.rate)
 
@@ -224,6 +223,8 @@ def aggregate(cfg: DictConfig, runs: dict[str, list[dict]]) -> list[dict[str, An
                 values = [r[key] for r in ok if r.get(key) is not None]
                 row[column] = round(statistics.mean(values)) if values else None
             row["encode+decode (s)"] = (ok[0].get("breakdown") or {}).get("encode+decode", 0.0)
+            losses = [r["final_loss"] for r in ok if r.get("final_loss") is not None]
+            row["final loss"] = statistics.mean(losses) if losses else None
         rows.append(row)
     for row in rows:
         median = medians.get(row["configuration"])

@@ -20,7 +20,9 @@ communication hook that sends nothing, each rank keeping its own gradients: what
 parallelism costs before any gradient is exchanged, i.e. DDP's copies into buckets and the ranks
 running in step, since Lightning starts every step with a broadcast), and
 ``gc_fused[:key=value,...]`` with the options of :class:`gc_strategy.GCFusedStrategy`
-(``gc_fused:compressor=dgc,memory=dgc,density=0.01,fusion=auto:2``).
+(``gc_fused:compressor=dgc,memory=dgc,density=0.01,fusion=auto:2``); sharded inside each node:
+``hsdp`` (torch's native HSDP) and ``gc_fsdp[:key=value,...]`` with those of
+:class:`gc_strategy.GCFSDPStrategy` (``gc_fsdp:sync=diloco,inner_steps=10,compressor=topk,density=0.01``).
 """
 
 from __future__ import annotations
@@ -35,11 +37,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from netns import sent_bytes
 
+from gc_strategy import GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.components import parse_options
+from gc_strategy.fsdp_strategy import shard_by_policy
 from gc_strategy.strategy import end_process_group
 from gc_strategy.sync_modes import from_command_line
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
+BASELINES += ("hsdp",)
+#: the strategies a configuration ``KIND:key=value,...`` names
+KINDS = ("gc_fused", "gc_fsdp")
 ALONE = ("compute", "compute-parallel")  # each rank trains on its own, without a process group
 #: configurations that exchange no gradient: bounds on a step, so ratios to them read "step / X"
 IDEALS = (*ALONE, "ddp+no-comm")
@@ -79,14 +86,34 @@ def parse_config(name: str) -> dict[str, Any]:
     if name in BASELINES:
         return {}
     kind, _, spec = name.partition(":")
-    if kind != "gc_fused":
-        raise ValueError(f"configs: {name!r} is invalid; allowed: {', '.join(BASELINES)}, or gc_fused[:key=value,...]")
-    return from_command_line(parse_options(spec))
+    if kind not in KINDS:
+        raise ValueError(
+            f"configs: {name!r} is invalid; allowed: {', '.join(BASELINES)}, gc_fused[:key=value,...] or "
+            "gc_fsdp[:key=value,...]"
+        )
+    options = from_command_line(parse_options(spec))
+    if kind == "gc_fsdp" and options.pop("hierarchy") != "flat":
+        raise ValueError(f"configs: {name!r}: gc_fsdp shards inside each node already; drop hierarchy=")
+    return options
+
+
+def strategy_class(name: str) -> type:
+    """The strategy class of a ``KIND:...`` configuration."""
+    return GCFSDPStrategy if name.startswith("gc_fsdp") else GCFusedStrategy
+
+
+class NativeHSDP(GCFSDPStrategy):
+    """``hsdp``: torch's own HSDP through gc_fsdp's set-up (a ``(nodes, devices)`` mesh, the same
+    sharding policy), every shard all-reduced across nodes at full precision by FSDP2 itself."""
+
+    def _shard(self) -> None:
+        shard_by_policy(self.model, self.device_mesh, self.shard_modules)  # the 2-D mesh: HSDP
+
+    def _synchronizer(self) -> None:
+        return None
 
 
 def make_strategy(name: str, warmup: int):
-    import gc_strategy
-
     if name in ALONE:
         return "auto"
     if name == "ddp":
@@ -105,7 +132,9 @@ def make_strategy(name: str, warmup: int):
         )
         one_bucket = {"bucket_cap_mb": ONE_BUCKET_MB} if name.endswith("-1bucket") else {}
         return DDPWithCommHook(powerSGD_hook.powerSGD_hook, state, **one_bucket)
-    return gc_strategy.GCFusedStrategy(process_group_backend="gloo", **parse_config(name))
+    if name == "hsdp":
+        return NativeHSDP(process_group_backend="gloo")
+    return strategy_class(name)(process_group_backend="gloo", **parse_config(name))
 
 
 class InterfaceBytes(pl.Callback):
@@ -142,8 +171,12 @@ def main(config_path: str, name: str, result_path: str) -> None:
     world_size = 1 if name in ALONE else cfg.world_size
     nodes = 1 if name in ALONE else cfg.nodes
     steps = cfg.warmup + cfg.steps
-    cfg.data.train_samples = cfg.data.batch_size * world_size * steps
-    cfg.data.val_samples = cfg.data.batch_size
+    samples = cfg.data.batch_size * world_size * steps  # every step's batches, once
+    if "train_samples" in cfg.data:  # images
+        cfg.data.train_samples, cfg.data.val_samples = samples, cfg.data.batch_size
+    else:  # token streams, cut into sequences of max_length (BERT) or bptt (LSTM) tokens
+        length = cfg.data.get("max_length", cfg.data.get("bptt"))
+        cfg.data.train_tokens, cfg.data.val_tokens = (samples + 1) * length, 4 * cfg.data.batch_size * length
     pl.seed_everything(cfg.seed, verbose=False)
     module, data = build_recipe(cfg, cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +197,12 @@ def main(config_path: str, name: str, result_path: str) -> None:
             callbacks=[monitor, traffic],
         )
         trainer.fit(module, datamodule=data)
-    result = {"local_rank": trainer.local_rank, "node_sent_bytes": traffic.sent}
+    losses = [float(value) for key, value in trainer.callback_metrics.items() if "loss" in key]
+    result = {
+        "local_rank": trainer.local_rank,
+        "node_sent_bytes": traffic.sent,
+        "final_loss": losses[0] if losses else None,
+    }
     if trainer.is_global_zero:
         result.update(monitor.summary)
         elements = sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -168,7 +168,7 @@ class GCFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         if not fsdp_modules(self.model):
-            shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules)
+            self._shard()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -180,7 +180,11 @@ class GCFSDPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self.synchronizer = self._synchronizer()
 
-    def _synchronizer(self) -> Synchronizer:
+    def _shard(self) -> None:
+        """Shard the model inside each node by the policy (:func:`shard_by_policy`)."""
+        shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules)
+
+    def _synchronizer(self) -> Synchronizer | None:
         components = self.components.fresh()
         if isinstance(self.sync, DiLoCo):
             return ShardedDiLoCo(self.model, components, self.sync, self.device_mesh)

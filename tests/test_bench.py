@@ -16,10 +16,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench  # noqa: E402
 import netns  # noqa: E402
-from bench_worker import keep_local_gradients, parse_config  # noqa: E402
+from bench_worker import keep_local_gradients, parse_config, strategy_class  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
-from gc_strategy import DiLoCo, EveryStep, NodeHierarchy  # noqa: E402
+from gc_strategy import DiLoCo, EveryStep, GCFSDPStrategy, NodeHierarchy  # noqa: E402
 from gc_strategy.ranks import run_ranks  # noqa: E402
 
 
@@ -241,6 +241,13 @@ def test_bad_configs_are_refused_before_any_work(tmp_path):
         "sync": EveryStep(),
         "hierarchy": "flat",
     }
+    assert parse_config("gc_fsdp:compressor=topk,sync=diloco,inner_steps=5") == {
+        "compressor": "topk",
+        "sync": DiLoCo(inner_steps=5),
+    }
+    assert strategy_class("gc_fsdp:compressor=topk") is GCFSDPStrategy
+    with pytest.raises(ValueError, match="gc_fsdp shards inside each node already; drop hierarchy="):
+        parse_config("gc_fsdp:hierarchy=node")
     assert parse_config("gc_fused:sync=diloco,inner_steps=5,hierarchy=node,node_precision=bf16") == {
         "sync": DiLoCo(inner_steps=5),
         "hierarchy": NodeHierarchy(precision="bf16"),
