@@ -18,8 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +37,7 @@ from .communicators import Communicator
 from .components import build_components
 from .sharded import MESH_DIMS, ShardedSynchronizer, check_sharded_roles, fsdp_modules
 from .sharded_diloco import ShardedDiLoCo
-from .strategy import end_process_group
+from .strategy import SynchronizerGlue, end_process_group
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
@@ -98,7 +97,7 @@ class FullWeightsLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best, path, trainer.state, results, self.get_extra_results(trainer))
 
 
-class GCFSDPStrategy(ModelParallelStrategy):
+class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
     """Sharded data-parallel training with compression across nodes (see the module's docstring).
 
     Args:
@@ -190,14 +189,6 @@ class GCFSDPStrategy(ModelParallelStrategy):
             return ShardedDiLoCo(self.model, components, self.sync, self.device_mesh)
         return ShardedSynchronizer(self.model, components, self.device_mesh)
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.synchronizer is None:
-            yield
-            return
-        with self.synchronizer.no_sync():
-            yield
-
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -207,9 +198,7 @@ class GCFSDPStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.close()
-            self.synchronizer = None
+        self.close_synchronizer()
         super().teardown()
 
     # ---------------------------------------------------------------- checkpoints

@@ -38,7 +38,28 @@ from .synchronizer import Synchronizer
 CHECKPOINT_KEY = "gc_strategy"
 
 
-class GCFusedStrategy(DDPStrategy):
+class SynchronizerGlue:
+    """What a Lightning strategy holding a :class:`~gc_strategy.synchronizer.Synchronizer` in
+    ``self.synchronizer`` does with it around the Trainer's loop: accumulation without exchange,
+    and closing it at teardown."""
+
+    synchronizer: Synchronizer | None
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.no_sync():
+            yield
+
+    def close_synchronizer(self) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.close()
+            self.synchronizer = None
+
+
+class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     """Data-parallel training with compressed, fused gradient synchronisation.
 
     Args:
@@ -223,19 +244,9 @@ class GCFusedStrategy(DDPStrategy):
                 )
                 return
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.synchronizer is None:
-            yield
-            return
-        with self.synchronizer.no_sync():
-            yield
-
     @override
     def teardown(self) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.close()
-            self.synchronizer = None
+        self.close_synchronizer()
         self._pending_state = None  # a checkpoint's state applies only to the run that loaded it
         super().teardown()
 

@@ -60,6 +60,47 @@ class ParityModule(pl.LightningModule):
                     raise AssertionError(f"rank {rank} parameters differ from rank 0 after training")
 
 
+class ShardedMLP(pl.LightningModule):
+    """An MLP trained with SGD and momentum. ``configure_model`` shards its layers, then itself,
+    over the strategy's ``device_mesh[mesh_dim]`` (``"*"``: the whole mesh, HSDP on a 2-D one), or
+    leaves sharding to the strategy (``mesh_dim=None``). At the end every rank writes the full
+    parameters to ``out/rank<R>.pt``."""
+
+    def __init__(self, out, mesh_dim: str | None = None, samples: int = 128) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.out, self.mesh_dim, self.samples = out, mesh_dim, samples
+
+    def configure_model(self) -> None:
+        if self.mesh_dim is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh if self.mesh_dim == "*" else self.device_mesh[self.mesh_dim]
+        for layer in (self.net[0], self.net[2], self.net[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(
+            torch.randn(self.samples, 16, generator=g), torch.randint(0, 4, (self.samples,), generator=g)
+        )
+        return DataLoader(data, batch_size=8, shuffle=False)
+
+    def on_train_end(self) -> None:
+        flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in self.parameters()])
+        torch.save(flat, f"{self.out}/rank{self.global_rank}.pt")
+
+
 def flat_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 

@@ -89,6 +89,7 @@ import torch
 import gc_strategy
 from gc_strategy import GradientSynchronizer, build_components
 import gc_strategy.accelerate, gc_strategy.checkpoint, gc_strategy.diloco
+import gc_strategy.sharded, gc_strategy.sharded_diloco
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 roles = build_components("topk", "residual", density=0.5)
 sync = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)

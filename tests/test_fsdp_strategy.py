@@ -4,13 +4,11 @@ own ``ModelParallelStrategy`` with FSDP2, with and without gradient accumulation
 sharding policy applies where ``configure_model`` shards nothing; a resume from a sharded checkpoint
 with each rank's error feedback is exact. Across several nodes: tests/test_sharded.py."""
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from models import ShardedMLP, fit
 
 from gc_strategy import DiLoCo, GCFSDPStrategy
 from gc_strategy.fsdp_strategy import FullWeightsLauncher
@@ -18,60 +16,11 @@ from gc_strategy.fsdp_strategy import FullWeightsLauncher
 pytestmark = pytest.mark.slow
 
 
-class Sharded(pl.LightningModule):
-    """An MLP; ``configure_model`` shards its layers over ``mesh_dim`` of the strategy's mesh, or
-    leaves sharding to the strategy (``mesh_dim=None``). At the end rank 0 writes the full
-    parameters to ``out``."""
-
-    def __init__(self, out, mesh_dim=None, steps=8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-        self.out, self.mesh_dim, self.steps = out, mesh_dim, steps
-
-    def configure_model(self):
-        if self.mesh_dim is None:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh[self.mesh_dim]
-        for layer in (self.net[0], self.net[2], self.net[4]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        data = TensorDataset(
-            torch.randn(8 * self.steps * 2, 16, generator=g), torch.randint(0, 4, (8 * self.steps * 2,), generator=g)
-        )
-        return DataLoader(data, batch_size=8, shuffle=False)
-
-    def on_train_end(self):
-        flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in self.parameters()])
-        if self.global_rank == 0:
-            torch.save(flat, self.out)
-
-
-def _fit(module, strategy, ckpt_path=None, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer = pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
-    trainer.fit(module, ckpt_path=ckpt_path)
-    return torch.load(module.out)
+def _fit(out, mesh_dim, strategy, ckpt_path=None, **kwargs):
+    """Train :class:`ShardedMLP` on 2 processes; rank 0's full parameters after."""
+    out.mkdir()
+    fit(ShardedMLP(out, mesh_dim), strategy, ckpt_path=ckpt_path, **kwargs)
+    return torch.load(out / "rank0.pt")
 
 
 def _native():
@@ -88,20 +37,16 @@ def _native_fork():
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_none_equals_lightnings_fsdp2(tmp_path, accumulate):
-    native = _fit(Sharded(tmp_path / "native.pt", "data_parallel"), _native_fork(), accumulate_grad_batches=accumulate)
-    ours = _fit(
-        Sharded(tmp_path / "ours.pt", "shard"),
-        GCFSDPStrategy(start_method="fork"),
-        accumulate_grad_batches=accumulate,
-    )
+    native = _fit(tmp_path / "native", "data_parallel", _native_fork(), accumulate_grad_batches=accumulate)
+    ours = _fit(tmp_path / "ours", "shard", GCFSDPStrategy(start_method="fork"), accumulate_grad_batches=accumulate)
     torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)
 
 
 def test_the_default_policy_shards_what_configure_model_leaves(tmp_path):
     """No ``configure_model`` sharding: the strategy shards every module with parameters of its
     own; the result is the same as sharding them in ``configure_model``."""
-    by_hand = _fit(Sharded(tmp_path / "hand.pt", "shard"), GCFSDPStrategy(start_method="fork"))
-    by_policy = _fit(Sharded(tmp_path / "policy.pt"), GCFSDPStrategy(start_method="fork"))
+    by_hand = _fit(tmp_path / "hand", "shard", GCFSDPStrategy(start_method="fork"))
+    by_policy = _fit(tmp_path / "policy", None, GCFSDPStrategy(start_method="fork"))
     assert torch.equal(by_policy, by_hand)
 
 
@@ -109,26 +54,23 @@ def test_resume_from_a_sharded_checkpoint_with_error_feedback_is_exact(tmp_path)
     def strategy():
         return GCFSDPStrategy(compressor="topk", memory="residual", density=0.1, start_method="fork")
 
-    straight = _fit(Sharded(tmp_path / "straight.pt", "shard"), strategy(), max_epochs=2)
+    straight = _fit(tmp_path / "straight", "shard", strategy(), max_epochs=2)
     checkpoints = tmp_path / "ckpt"
     _fit(
-        Sharded(tmp_path / "first.pt", "shard"),
+        tmp_path / "first",
+        "shard",
         strategy(),
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)],
     )
     assert sorted(p.name for p in (tmp_path / "ckpt.gc_state" / "last.ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
-    resumed = _fit(
-        Sharded(tmp_path / "resumed.pt", "shard"), strategy(), max_epochs=2, ckpt_path=str(checkpoints / "last.ckpt")
-    )
+    resumed = _fit(tmp_path / "resumed", "shard", strategy(), max_epochs=2, ckpt_path=str(checkpoints / "last.ckpt"))
     assert torch.equal(resumed, straight)
 
 
 def test_diloco_over_shards_runs_through_lightning(tmp_path):
-    before = torch.cat([p.detach().reshape(-1) for p in Sharded(None).parameters()])
-    after = _fit(
-        Sharded(tmp_path / "diloco.pt", "shard"), GCFSDPStrategy(sync=DiLoCo(inner_steps=4), start_method="fork")
-    )
+    before = torch.cat([p.detach().reshape(-1) for p in ShardedMLP(None).parameters()])
+    after = _fit(tmp_path / "diloco", "shard", GCFSDPStrategy(sync=DiLoCo(inner_steps=4), start_method="fork"))
     assert not torch.equal(after, before)
 
 
