@@ -35,7 +35,7 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states, state_folder
 from .communicators import Communicator
 from .components import build_components
-from .sharded import MESH_DIMS, ShardedSynchronizer, check_sharded_roles, fsdp_modules
+from .sharded import MESH_DIMS, ShardedSynchronizer, check_sharded_roles, fsdp_modules, require_fsdp2_hook
 from .sharded_diloco import ShardedDiLoCo
 from .strategy import SynchronizerGlue, end_process_group
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
@@ -127,6 +127,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
+        require_fsdp2_hook()
         refuse_misplaced_options(options)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method = {start_method!r} is invalid; allowed: {', '.join(START_METHODS)}")

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -38,6 +39,21 @@ from .telemetry import StepTelemetry, TelemetryLog, add_exchange
 
 #: the mesh dimensions: across nodes (the compressed exchange) and inside a node (FSDP2's shards)
 MESH_DIMS = ("replicate", "shard")
+
+
+def has_fsdp2_hook() -> bool:
+    """Whether this torch has FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``, 2.7)."""
+    from torch.distributed import fsdp
+
+    return hasattr(getattr(fsdp, "FSDPModule", None), "set_all_reduce_hook")
+
+
+def require_fsdp2_hook() -> None:
+    """Refuse a torch without FSDP2's all-reduce hook."""
+    if not has_fsdp2_hook():
+        raise RuntimeError(
+            f"sharded training needs torch >= 2.7 (FSDP2's all-reduce hook); this is {torch.__version__}"
+        )
 
 
 def fsdp_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -69,6 +85,7 @@ class ShardedSynchronizer(Synchronizer):
                 f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
                 "ranks of a node)"
             )
+        require_fsdp2_hook()
         check_sharded_roles(components)
         self.modules = fsdp_modules(module)
         if not self.modules:

@@ -29,7 +29,7 @@ from .bucket import Bucket
 from .communicators import RunningExchange
 from .components import Components
 from .diloco import roles_by_dimension
-from .sharded import MESH_DIMS, fsdp_modules
+from .sharded import MESH_DIMS, fsdp_modules, require_fsdp2_hook
 from .sync_modes import DiLoCo
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
@@ -60,6 +60,7 @@ class ShardedDiLoCo(Synchronizer):
                 f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
                 "ranks of a node)"
             )
+        require_fsdp2_hook()
         if not fsdp_modules(module):
             raise ValueError("the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard on it first")
         if config.fragments != 1 or config.overlap_steps != 0:

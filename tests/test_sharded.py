@@ -12,10 +12,10 @@ from torch import nn
 from gc_strategy import DiLoCo, build_components
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.ranks import run_ranks
-from gc_strategy.sharded import ShardedSynchronizer
+from gc_strategy.sharded import ShardedSynchronizer, has_fsdp2_hook
 from gc_strategy.sharded_diloco import ShardedDiLoCo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_fsdp2_hook(), reason="sharded training needs torch >= 2.7")]
 
 NODES, PER_NODE = 2, 2
 #: flat compressors, each with the memory it is used with
