@@ -45,13 +45,13 @@ CHECKPOINT_KEY = "gc_strategy"
 START_METHODS = ("popen", "spawn", "fork")
 
 
-def shard_by_policy(module: nn.Module, mesh: Any, classes: tuple[type, ...] | None) -> None:
+def shard_by_policy(module: nn.Module, mesh: Any, classes: tuple[type, ...] | None, **options: Any) -> None:
     """``fully_shard`` over ``mesh`` every submodule of a class in ``classes`` (None: every one that
     holds parameters of its own), innermost first, then every direct child of ``module`` that holds
     parameters: the LightningModule's ``training_step`` calls its children, not its own forward,
     whose hooks would gather the root's parameters. A module holding a parameter tied to another
     module's (BERT's decoder and word embeddings) is left to its enclosing unit, since FSDP2 must
-    hold a tied parameter in one unit."""
+    hold a tied parameter in one unit. ``options`` go to every ``fully_shard`` (``mp_policy``)."""
     from torch.distributed.fsdp import fully_shard
 
     if any(True for _ in module.parameters(recurse=False)):
@@ -73,7 +73,7 @@ def shard_by_policy(module: nn.Module, mesh: Any, classes: tuple[type, ...] | No
     children = [m for m in module.children() if any(True for _ in m.parameters())]
     units = [m for m in module.modules() if m is not module and m not in children and chosen(m)]
     for m in [*reversed(units), *children]:
-        fully_shard(m, mesh=mesh)
+        fully_shard(m, mesh=mesh, **options)
 
 
 class FullWeightsLauncher(_MultiProcessingLauncher):
@@ -108,6 +108,9 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
             ``overlap_steps=0``).
         shard_modules: the module classes to shard where ``configure_model`` shards nothing
             (None: every module that holds parameters of its own).
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards
+            (``param_dtype`` for forward and backward, ``reduce_dtype`` for the reductions and the
+            shards the compressor receives); None: full precision.
         start_method: ``"popen"`` (as ``ModelParallelStrategy``), ``"spawn"`` or ``"fork"``.
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
         **options: options of the chosen compressor / memory / communicator (e.g. ``density=0.01``).
@@ -122,6 +125,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         communicator: str | Communicator = "auto",
         sync: str | EveryStep | DiLoCo = "every_step",
         shard_modules: tuple[type, ...] | None = None,
+        mixed_precision: Any = None,
         start_method: str = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -137,6 +141,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
             check_sharded_roles(self.components)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.shard_modules = shard_modules
+        self.mixed_precision = mixed_precision
         self.start_method = start_method
         self.synchronizer: Synchronizer | None = None
 
@@ -182,7 +187,8 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
 
     def _shard(self) -> None:
         """Shard the model inside each node by the policy (:func:`shard_by_policy`)."""
-        shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules)
+        policy = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
+        shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules, **policy)
 
     def _synchronizer(self) -> Synchronizer | None:
         components = self.components.fresh()

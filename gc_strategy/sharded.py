@@ -63,6 +63,24 @@ def fsdp_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
 
+def check_sharded_model(module: nn.Module, mesh: Any) -> list[tuple[str, nn.Module]]:
+    """``module``'s FSDP2 modules, after refusing a torch without FSDP2's hook, a mesh whose
+    dimensions are not :data:`MESH_DIMS` and a module that FSDP2 has not sharded."""
+    if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        raise ValueError(
+            f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
+            "ranks of a node)"
+        )
+    require_fsdp2_hook()
+    modules = fsdp_modules(module)
+    if not modules:
+        raise ValueError(
+            "the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard(..., mesh=mesh['shard']) "
+            "on it (and on its blocks) first"
+        )
+    return modules
+
+
 def check_sharded_roles(components: Components) -> None:
     """Refuse roles that cannot work on FSDP2's flat shards, before any work."""
     if components.compressor.works_on_matrices:
@@ -80,19 +98,8 @@ class ShardedSynchronizer(Synchronizer):
     :data:`MESH_DIMS`."""
 
     def __init__(self, module: nn.Module, components: Components, mesh: Any) -> None:
-        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-            raise ValueError(
-                f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
-                "ranks of a node)"
-            )
-        require_fsdp2_hook()
         check_sharded_roles(components)
-        self.modules = fsdp_modules(module)
-        if not self.modules:
-            raise ValueError(
-                "the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard(..., mesh=mesh['shard']) "
-                "on it (and on its blocks) first"
-            )
+        self.modules = check_sharded_model(module, mesh)
         self.module = module
         self.compressor = components.compressor
         self.memory = components.memory

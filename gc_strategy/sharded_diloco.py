@@ -29,7 +29,7 @@ from .bucket import Bucket
 from .communicators import RunningExchange
 from .components import Components
 from .diloco import roles_by_dimension
-from .sharded import MESH_DIMS, fsdp_modules, require_fsdp2_hook
+from .sharded import check_sharded_model
 from .sync_modes import DiLoCo
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
@@ -55,14 +55,7 @@ class ShardedDiLoCo(Synchronizer):
     (see the module's docstring). Call :meth:`after_optimizer_step` after every inner step."""
 
     def __init__(self, module: nn.Module, components: Components, config: DiLoCo, mesh: Any) -> None:
-        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-            raise ValueError(
-                f"mesh dimensions = {mesh.mesh_dim_names!r} are invalid; allowed: {MESH_DIMS!r} (nodes, then the "
-                "ranks of a node)"
-            )
-        require_fsdp2_hook()
-        if not fsdp_modules(module):
-            raise ValueError("the module has no FSDP2 module: call torch.distributed.fsdp.fully_shard on it first")
+        fsdp = check_sharded_model(module, mesh)
         if config.fragments != 1 or config.overlap_steps != 0:
             raise ValueError(
                 f"DiLoCo over shards: fragments = {config.fragments!r} and overlap_steps = {config.overlap_steps!r} "
@@ -91,8 +84,8 @@ class ShardedDiLoCo(Synchronizer):
         #: outer steps taken
         self.step = 0
         self.telemetry = TelemetryLog()
-        for fsdp_module in fsdp_modules(module):  # inner steps never cross nodes
-            fsdp_module[1].set_all_reduce_hook(None)
+        for _, fsdp_module in fsdp:  # inner steps never cross nodes
+            fsdp_module.set_all_reduce_hook(None)
 
     def after_optimizer_step(self) -> None:
         """Count the inner step; every ``inner_steps``, the outer step."""

@@ -63,14 +63,15 @@ class ParityModule(pl.LightningModule):
 class ShardedMLP(pl.LightningModule):
     """An MLP trained with SGD and momentum. ``configure_model`` shards its layers, then itself,
     over the strategy's ``device_mesh[mesh_dim]`` (``"*"``: the whole mesh, HSDP on a 2-D one), or
-    leaves sharding to the strategy (``mesh_dim=None``). At the end every rank writes the full
+    leaves sharding to the strategy (``mesh_dim=None``), with ``shard_options`` (``mp_policy``).
+    At the end every rank writes the full
     parameters to ``out/rank<R>.pt``."""
 
-    def __init__(self, out, mesh_dim: str | None = None, samples: int = 128) -> None:
+    def __init__(self, out, mesh_dim: str | None = None, samples: int = 128, **shard_options) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-        self.out, self.mesh_dim, self.samples = out, mesh_dim, samples
+        self.out, self.mesh_dim, self.samples, self.shard_options = out, mesh_dim, samples, shard_options
 
     def configure_model(self) -> None:
         if self.mesh_dim is None:
@@ -79,8 +80,8 @@ class ShardedMLP(pl.LightningModule):
 
         mesh = self.device_mesh if self.mesh_dim == "*" else self.device_mesh[self.mesh_dim]
         for layer in (self.net[0], self.net[2], self.net[4]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **self.shard_options)
+        fully_shard(self, mesh=mesh, **self.shard_options)
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -17,10 +17,10 @@ from gc_strategy.sharded import has_fsdp2_hook
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_fsdp2_hook(), reason="sharded training needs torch >= 2.7")]
 
 
-def _fit(out, mesh_dim, strategy, ckpt_path=None, **kwargs):
+def _fit(out, mesh_dim, strategy, ckpt_path=None, shard_options=None, **kwargs):
     """Train :class:`ShardedMLP` on 2 processes; rank 0's full parameters after."""
     out.mkdir()
-    fit(ShardedMLP(out, mesh_dim), strategy, ckpt_path=ckpt_path, **kwargs)
+    fit(ShardedMLP(out, mesh_dim, **(shard_options or {})), strategy, ckpt_path=ckpt_path, **kwargs)
     return torch.load(out / "rank0.pt")
 
 
@@ -49,6 +49,18 @@ def test_the_default_policy_shards_what_configure_model_leaves(tmp_path):
     by_hand = _fit(tmp_path / "hand", "shard", GCFSDPStrategy(start_method="fork"))
     by_policy = _fit(tmp_path / "policy", None, GCFSDPStrategy(start_method="fork"))
     assert torch.equal(by_policy, by_hand)
+
+
+def test_the_policy_applies_the_mixed_precision_policy(tmp_path):
+    """``mixed_precision=`` reaches every unit the strategy shards: the same result as sharding by
+    hand with that policy, and not the full-precision one."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    by_hand = _fit(tmp_path / "hand", "shard", GCFSDPStrategy(start_method="fork"), shard_options={"mp_policy": policy})
+    by_policy = _fit(tmp_path / "policy", None, GCFSDPStrategy(mixed_precision=policy, start_method="fork"))
+    full = _fit(tmp_path / "full", None, GCFSDPStrategy(start_method="fork"))
+    assert torch.equal(by_policy, by_hand) and not torch.equal(by_policy, full)
 
 
 def test_resume_from_a_sharded_checkpoint_with_error_feedback_is_exact(tmp_path):

@@ -28,13 +28,13 @@ def _model():
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
-def _sharded(mesh):
+def _sharded(mesh, **options):
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
 
 
 def _mesh():
@@ -92,6 +92,33 @@ def test_none_equals_native_hsdp_on_every_rank(micro_batches):
     for native, ours, buckets in run_ranks(_against_native, NODES * PER_NODE, micro_batches, timeout=300):
         assert buckets == 3  # the three blocks (the root holds no parameter of its own)
         torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)  # fp32 rounding of the two reductions
+
+
+def _mixed_precision(rank, world_size, reduce_dtype):
+    """bf16 parameters in forward and backward (FSDP2's MixedPrecisionPolicy), gradients reduced in
+    ``reduce_dtype``: the hook gets shards in that dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = _mesh()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    native = _sharded(mesh, mp_policy=policy)
+    ours = _sharded(mesh["shard"], mp_policy=policy)
+    sync = ShardedSynchronizer(ours, build_components("none"), mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (native, ours)]
+    for step in range(3):
+        _step(native, optimizers[0], None, rank, step)
+        _step(ours, optimizers[1], sync, rank, step)
+    return _full(native), _full(ours), {bucket.dtype for bucket in sync.buckets.values()}
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_mixed_precision_equals_native_hsdp(reduce_dtype):
+    """With FSDP2's mixed precision: native HSDP's result within the rounding of the reduce dtype
+    (fp32: 1e-6; bf16, whose sums round differently in the two reductions: 1e-2)."""
+    tolerance = 1e-6 if reduce_dtype == torch.float32 else 1e-2
+    for native, ours, dtype in run_ranks(_mixed_precision, NODES * PER_NODE, reduce_dtype, timeout=300):
+        assert dtype == {reduce_dtype}
+        torch.testing.assert_close(ours, native, rtol=tolerance, atol=tolerance)
 
 
 def _replicas(rank, world_size):
