@@ -36,11 +36,22 @@ def _native_fork():
     return strategy
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_none_equals_lightnings_fsdp2(tmp_path, accumulate):
-    native = _fit(tmp_path / "native", "data_parallel", _native_fork(), accumulate_grad_batches=accumulate)
-    ours = _fit(tmp_path / "ours", "shard", GCFSDPStrategy(start_method="fork"), accumulate_grad_batches=accumulate)
+@pytest.mark.parametrize("options", [{}, {"accumulate_grad_batches": 2}])
+def test_none_equals_lightnings_fsdp2(tmp_path, options):
+    """Also with 2 micro-batches per step."""
+    native = _fit(tmp_path / "native", "data_parallel", _native_fork(), **options)
+    ours = _fit(tmp_path / "ours", "shard", GCFSDPStrategy(start_method="fork"), **options)
     torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)
+
+
+def test_clipping_over_the_sharded_gradients_equals_lightnings_fsdp2(tmp_path):
+    """``gradient_clip_val``: the norm of the synchronised sharded gradients, clipped as FSDP2's are
+    (and the clipping acts: the result differs from the unclipped one)."""
+    native = _fit(tmp_path / "native", "data_parallel", _native_fork(), gradient_clip_val=0.05)
+    ours = _fit(tmp_path / "ours", "shard", GCFSDPStrategy(start_method="fork"), gradient_clip_val=0.05)
+    unclipped = _fit(tmp_path / "unclipped", "shard", GCFSDPStrategy(start_method="fork"))
+    torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(ours, unclipped, rtol=1e-4, atol=1e-4)
 
 
 def test_the_default_policy_shards_what_configure_model_leaves(tmp_path):
