@@ -39,7 +39,7 @@ from netns import sent_bytes
 
 from gc_strategy import GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.components import parse_options
-from gc_strategy.fsdp_strategy import shard_by_policy
+from gc_strategy.sharded import shard_by_policy
 from gc_strategy.strategy import end_process_group
 from gc_strategy.sync_modes import from_command_line
 
@@ -107,7 +107,7 @@ class NativeHSDP(GCFSDPStrategy):
     sharding policy), every shard all-reduced across nodes at full precision by FSDP2 itself."""
 
     def _shard(self) -> None:
-        shard_by_policy(self.model, self.device_mesh, self.shard_modules)  # the 2-D mesh: HSDP
+        shard_by_policy(self.model, self.device_mesh, self.shard_modules, through_root=False)  # the 2-D mesh: HSDP
 
     def _synchronizer(self) -> None:
         return None

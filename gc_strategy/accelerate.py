@@ -25,6 +25,19 @@ does (``broadcast_buffers``); then hands the model and the other objects to
 the model as it is). The synchroniser is ``model.gc_synchronizer``. DDP's ``find_unused_parameters`` and
 ``broadcast_buffers`` come from the accelerator's ``DistributedDataParallelKwargs`` handler where one
 is given, or from the arguments of the same names.
+
+Sharded (``sharding="fsdp"``, the default under Accelerate's FSDP2 plugin): the parameters,
+gradients and optimizer state are sharded with FSDP2 over the ranks of each node, and each module's
+reduce-scattered shard is compressed across nodes (:mod:`gc_strategy.sharded`), or, with
+``sync=DiLoCo(...)``, each node trains its own shards and the outer step runs on them
+(:mod:`gc_strategy.sharded_diloco`). :func:`prepare` shards the model itself, before
+``accelerator.prepare``, on a ``(nodes, ranks per node)`` mesh (Accelerate's FSDP2 path would
+shard across the nodes too, as native HSDP, whose hook runs after its own all-reduce): rank 0's
+weights are broadcast, the units are the plugin's ``transformer_cls_names_to_wrap`` classes (else
+every module holding parameters of its own) and then the model, with the plugin's
+``mixed_precision_policy`` and ``reshard_after_forward``; the optimizers are pointed at the sharded
+parameters; ``accelerator.prepare`` then finds an FSDP2 module and leaves it as it is. The ranks of a
+node are the ``ParallelismConfig``'s ``dp_shard_size``, else the launcher's ``LOCAL_WORLD_SIZE``.
 """
 
 from __future__ import annotations
@@ -40,14 +53,17 @@ from .communicators import Communicator
 from .components import build_components
 from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
-from .sync import build_synchronizer
+from .sharded import MESH_DIMS, check_sharded_roles, require_fsdp2_hook, shard_by_policy
+from .sync import build_sharded_synchronizer, build_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
 STATE_FOLDER = "gc_state"
-#: Accelerate distributed types the synchroniser can replace DDP in
-SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
+#: Accelerate distributed types the synchroniser can replace DDP (or, for FSDP2, HSDP's all-reduce) in
+SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
+#: ``sharding=``: "auto" shards under Accelerate's FSDP2 plugin, and not otherwise
+SHARDING = ("auto", "none", "fsdp")
 
 
 class CompressionState:
@@ -87,6 +103,7 @@ def prepare(
     broadcast_buffers: bool | None = None,
     sync: str | EveryStep | DiLoCo = "every_step",
     hierarchy: str | NodeHierarchy = "flat",
+    sharding: str = "auto",
     **options: Any,
 ) -> Any:
     """Like ``accelerator.prepare(model, *objects)``, with compressed fused gradient synchronisation
@@ -96,14 +113,10 @@ def prepare(
     :class:`~gc_strategy.hierarchy.NodeHierarchy`): a dense reduction inside each node and
     compression only across nodes, the nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks.
     ``sync=DiLoCo(inner_steps=...)``: the one optimizer among ``objects`` takes the inner steps,
-    and each of its steps counts towards the next outer step."""
-    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-    if kind not in SUPPORTED:
-        raise ValueError(
-            f"gc_strategy.accelerate.prepare: Accelerate's distributed type is {kind}; supported: "
-            f"{', '.join(SUPPORTED)} (plain data parallelism). DeepSpeed, FSDP, XLA and the others shard or "
-            "synchronise gradients themselves, so compression cannot replace their DDP."
-        )
+    and each of its steps counts towards the next outer step. ``sharding``: ``"auto"`` (``"fsdp"``
+    under Accelerate's FSDP2 plugin, else ``"none"``), ``"none"`` or ``"fsdp"`` (see the module's
+    docstring)."""
+    sharded = _sharded(accelerator, sharding)
     if getattr(model, "_is_accelerate_prepared", False) or hasattr(model, "gc_synchronizer"):
         raise ValueError("the model was already prepared; pass the plain nn.Module to gc_strategy.accelerate.prepare")
     refuse_misplaced_options(options)
@@ -115,26 +128,33 @@ def prepare(
         raise ValueError(
             f"sync=DiLoCo counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
         )
-    handler = getattr(accelerator, "ddp_handler", None)
-    if find_unused_parameters is None:
-        find_unused_parameters = getattr(handler, "find_unused_parameters", False)
-    if broadcast_buffers is None:
-        broadcast_buffers = getattr(handler, "broadcast_buffers", True)
-    model = model.to(accelerator.device)
-    synchronizer = build_synchronizer(
-        model,
-        components,
-        sync,
-        hierarchy=hierarchy,
-        broadcast_buffers=broadcast_buffers,
-        find_unused_parameters=find_unused_parameters,
-    )
+    if sharded:
+        _check_sharded_options(components, sync, fusion, hierarchy, find_unused_parameters, broadcast_buffers)
+        mesh = _node_mesh(accelerator)
+        model = model.to(accelerator.device)
+        _shard(accelerator, model, optimizers, mesh)
+        synchronizer = build_sharded_synchronizer(model, components, sync, mesh)
+    else:
+        handler = getattr(accelerator, "ddp_handler", None)
+        if find_unused_parameters is None:
+            find_unused_parameters = getattr(handler, "find_unused_parameters", False)
+        if broadcast_buffers is None:
+            broadcast_buffers = getattr(handler, "broadcast_buffers", True)
+        model = model.to(accelerator.device)
+        synchronizer = build_synchronizer(
+            model,
+            components,
+            sync,
+            hierarchy=hierarchy,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+        )
     synchronizer.use_optimizers(optimizers)
     for optimizer in optimizers:
         optimizer.register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_optimizer_step())
     model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
     model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
-    if accelerator.mixed_precision in ("fp16", "bf16"):
+    if accelerator.mixed_precision in ("fp16", "bf16") and not _fsdp2(accelerator):  # FSDP2: its policy
         forward = model.forward
 
         def autocast_forward(*args: Any, **kwargs: Any) -> Any:
@@ -145,8 +165,113 @@ def prepare(
     model.gc_synchronizer = synchronizer
     model.no_sync = synchronizer.no_sync
     model._is_accelerate_prepared = True  # accelerator.prepare then registers the model without wrapping it
+    if sharded and not _fsdp2(accelerator):
+        accelerator.register_save_state_pre_hook(_refuse_to_save_shards)
     state = CompressionState(synchronizer)
     accelerator.register_save_state_pre_hook(state.before_save)
     accelerator.register_load_state_pre_hook(state.before_load)
     accelerator.register_for_checkpointing(state)
     return accelerator.prepare(model, *objects)
+
+
+def _fsdp2(accelerator: Any) -> bool:
+    """Whether ``accelerator`` runs Accelerate's FSDP2 plugin."""
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    return kind == "FSDP" and getattr(plugin, "fsdp_version", 1) == 2
+
+
+def _sharded(accelerator: Any, sharding: str) -> bool:
+    """Whether to shard, after refusing distributed types and ``sharding`` values that cannot work."""
+    kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+    fsdp2 = _fsdp2(accelerator)
+    if kind not in SUPPORTED or (kind == "FSDP" and not fsdp2):
+        raise ValueError(
+            f"gc_strategy.accelerate.prepare: Accelerate's distributed type is {kind}; supported: "
+            f"{', '.join(SUPPORTED)} (FSDP with fsdp_version=2). DeepSpeed, FSDP1, XLA and the others shard or "
+            "synchronise gradients themselves, so compression cannot replace their reductions."
+        )
+    if sharding not in SHARDING:
+        raise ValueError(f"sharding = {sharding!r} is invalid; allowed: {', '.join(SHARDING)}")
+    if fsdp2 and sharding == "none":
+        raise ValueError("sharding = 'none' is invalid under Accelerate's FSDP2 plugin; allowed: 'auto', 'fsdp'")
+    return sharding == "fsdp" or (sharding == "auto" and fsdp2)
+
+
+def _check_sharded_options(
+    components: Any, sync: Any, fusion: Any, hierarchy: Any, find_unused_parameters: Any, broadcast_buffers: Any
+) -> None:
+    """Refuse, before any work, what sharded training does not take."""
+    require_fsdp2_hook()
+    if isinstance(sync, EveryStep):
+        check_sharded_roles(components)
+    refused = (
+        ("fusion", fusion, fusion != "bucket_mb:25", "each FSDP2 module's shard is one bucket"),
+        ("hierarchy", hierarchy, hierarchy != "flat", "the nodes are the mesh's"),
+        ("find_unused_parameters", find_unused_parameters, bool(find_unused_parameters), "FSDP2 reduces them all"),
+        ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "FSDP2 keeps each rank's buffers"),
+    )
+    for name, value, wrong, why in refused:
+        if wrong:
+            raise ValueError(f"sharding='fsdp': option {name} = {value!r} is invalid with sharding ({why})")
+
+
+def _refuse_to_save_shards(models: Any, weights: Any, output_dir: str) -> None:
+    """Accelerate saves the main process's model state only, unless its FSDP2 plugin saves the shards."""
+    raise ValueError(
+        "accelerator.save_state of a model sharded without Accelerate's FSDP2 plugin would keep the main "
+        "process's shards only; save it with torch.distributed.checkpoint, or use the FSDP2 plugin"
+    )
+
+
+def _node_mesh(accelerator: Any) -> Any:
+    """The ``("replicate", "shard")`` mesh of nodes by ranks per node (see the module's docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and config.non_dp_dim_names:
+        raise ValueError(
+            f"sharding='fsdp': parallelism dimensions {config.non_dp_dim_names} are invalid; allowed: data "
+            "parallelism only (dp_replicate_size, dp_shard_size)"
+        )
+    if config is not None and config.dp_shard_size > 1:
+        per_node = config.dp_shard_size
+    elif "LOCAL_WORLD_SIZE" in os.environ:
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        raise ValueError(
+            "sharding='fsdp' shards over the ranks of each node: give them as ParallelismConfig(dp_shard_size=...) "
+            "or the launcher's LOCAL_WORLD_SIZE (torchrun and accelerate launch set it)"
+        )
+    world = accelerator.num_processes
+    if per_node < 1 or world % per_node:
+        raise ValueError(f"sharding='fsdp': {world} processes cannot form nodes of {per_node} ranks each")
+    return init_device_mesh(accelerator.device.type, (world // per_node, per_node), mesh_dim_names=MESH_DIMS)
+
+
+@torch.no_grad()
+def _shard(accelerator: Any, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], mesh: Any) -> None:
+    """Broadcast rank 0's weights, shard ``model`` over ``mesh["shard"]`` by the policy, and point
+    ``optimizers`` at the sharded parameters (by name)."""
+    import torch.distributed as dist
+
+    if any(optimizer.state for optimizer in optimizers):
+        raise ValueError("sharding='fsdp' needs optimizers that have not stepped yet: their state would not be sharded")
+    names = {id(p): name for name, p in model.named_parameters()}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor, 0)
+    plugin = accelerator.state.fsdp_plugin if _fsdp2(accelerator) else None
+    options, classes = {}, None
+    if plugin is not None:
+        options["reshard_after_forward"] = plugin.reshard_after_forward
+        if plugin.mixed_precision_policy is not None:
+            options["mp_policy"] = plugin.mixed_precision_policy
+        wanted = plugin.transformer_cls_names_to_wrap or []
+        classes = tuple({type(m) for m in model.modules() if type(m).__name__ in wanted}) or None
+    shard_by_policy(model, mesh["shard"], classes, through_root=True, **options)
+    sharded = dict(model.named_parameters())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if any(id(p) not in names for p in group["params"]):
+                raise ValueError("sharding='fsdp': an optimizer holds parameters that are not the model's")
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]

@@ -27,7 +27,6 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module, _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -35,45 +34,14 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states, state_folder
 from .communicators import Communicator
 from .components import build_components
-from .sharded import MESH_DIMS, ShardedSynchronizer, check_sharded_roles, fsdp_modules, require_fsdp2_hook
-from .sharded_diloco import ShardedDiLoCo
+from .sharded import MESH_DIMS, check_sharded_roles, fsdp_modules, require_fsdp2_hook, shard_by_policy
 from .strategy import SynchronizerGlue, end_process_group
+from .sync import build_sharded_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 CHECKPOINT_KEY = "gc_strategy"
 START_METHODS = ("popen", "spawn", "fork")
-
-
-def shard_by_policy(module: nn.Module, mesh: Any, classes: tuple[type, ...] | None, **options: Any) -> None:
-    """``fully_shard`` over ``mesh`` every submodule of a class in ``classes`` (None: every one that
-    holds parameters of its own), innermost first, then every direct child of ``module`` that holds
-    parameters: the LightningModule's ``training_step`` calls its children, not its own forward,
-    whose hooks would gather the root's parameters. A module holding a parameter tied to another
-    module's (BERT's decoder and word embeddings) is left to its enclosing unit, since FSDP2 must
-    hold a tied parameter in one unit. ``options`` go to every ``fully_shard`` (``mp_policy``)."""
-    from torch.distributed.fsdp import fully_shard
-
-    if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(
-            f"{type(module).__name__} holds parameters of its own, which FSDP2 would gather only in its forward; "
-            "keep them in a submodule, or shard the model in configure_model"
-        )
-    holders: dict[int, int] = {}
-    for m in module.modules():
-        for p in m.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
-
-    def chosen(m: nn.Module) -> bool:
-        own = list(m.parameters(recurse=False))
-        if any(holders[id(p)] > 1 for p in own):
-            return False
-        return isinstance(m, classes) if classes is not None else bool(own)
-
-    children = [m for m in module.children() if any(True for _ in m.parameters())]
-    units = [m for m in module.modules() if m is not module and m not in children and chosen(m)]
-    for m in [*reversed(units), *children]:
-        fully_shard(m, mesh=mesh, **options)
 
 
 class FullWeightsLauncher(_MultiProcessingLauncher):
@@ -183,18 +151,14 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.synchronizer = self._synchronizer()
+            self.synchronizer = build_sharded_synchronizer(
+                self.model, self.components.fresh(), self.sync, self.device_mesh
+            )
 
     def _shard(self) -> None:
         """Shard the model inside each node by the policy (:func:`shard_by_policy`)."""
         policy = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
-        shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules, **policy)
-
-    def _synchronizer(self) -> Synchronizer | None:
-        components = self.components.fresh()
-        if isinstance(self.sync, DiLoCo):
-            return ShardedDiLoCo(self.model, components, self.sync, self.device_mesh)
-        return ShardedSynchronizer(self.model, components, self.device_mesh)
+        shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules, through_root=False, **policy)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

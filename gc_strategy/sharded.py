@@ -63,6 +63,45 @@ def fsdp_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
 
+def shard_by_policy(
+    module: nn.Module, mesh: Any, classes: tuple[type, ...] | None, *, through_root: bool, **options: Any
+) -> None:
+    """``fully_shard`` over ``mesh`` every submodule of a class in ``classes`` (None: every one that
+    holds parameters of its own), innermost first, then the module that encloses them:
+
+    - ``through_root=True`` (a model called as ``model(x)``, as under Accelerate): ``module``
+      itself, whose unit holds whatever parameters the others leave;
+    - ``through_root=False`` (a LightningModule, whose ``training_step`` calls its children, not its
+      own forward, so that the root's hooks would never gather its parameters): every direct child
+      of ``module`` that holds parameters; parameters of the root's own are refused.
+
+    A module holding a parameter tied to another module's (BERT's decoder and word embeddings) is
+    left to its enclosing unit, since FSDP2 must hold a tied parameter in one unit. ``options`` go to
+    every ``fully_shard`` (``mp_policy``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not through_root and any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(module).__name__} holds parameters of its own, which FSDP2 would gather only in its forward; "
+            "keep them in a submodule, or shard the model in configure_model"
+        )
+    holders: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+
+    def chosen(m: nn.Module) -> bool:
+        own = list(m.parameters(recurse=False))
+        if any(holders[id(p)] > 1 for p in own):
+            return False
+        return isinstance(m, classes) if classes is not None else bool(own)
+
+    enclosing = [module] if through_root else [m for m in module.children() if any(True for _ in m.parameters())]
+    units = [m for m in module.modules() if m is not module and m not in enclosing and chosen(m)]
+    for m in [*reversed(units), *enclosing]:
+        fully_shard(m, mesh=mesh, **options)
+
+
 def check_sharded_model(module: nn.Module, mesh: Any) -> list[tuple[str, nn.Module]]:
     """``module``'s FSDP2 modules, after refusing a torch without FSDP2's hook, a mesh whose
     dimensions are not :data:`MESH_DIMS` and a module that FSDP2 has not sharded."""

@@ -3,12 +3,16 @@ that the integrations name none of them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .components import Components
 from .diloco import DiLoCoSynchronizer
 from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
+from .sharded import ShardedSynchronizer
+from .sharded_diloco import ShardedDiLoCo
 from .sync_modes import DiLoCo, EveryStep
 from .synchronizer import Synchronizer
 
@@ -41,3 +45,13 @@ def build_synchronizer(
         broadcast_buffers=broadcast_buffers,
         hierarchy=hierarchy,
     )
+
+
+def build_sharded_synchronizer(
+    module: nn.Module, components: Components, sync: EveryStep | DiLoCo, mesh: Any
+) -> Synchronizer:
+    """The synchroniser of ``sync`` for ``module``, already ``fully_shard``-ed over ``mesh["shard"]``
+    of a ``("replicate", "shard")`` mesh (:mod:`gc_strategy.sharded`)."""
+    if isinstance(sync, DiLoCo):
+        return ShardedDiLoCo(module, components, sync, mesh)
+    return ShardedSynchronizer(module, components, mesh)
