@@ -53,7 +53,7 @@ from .communicators import Communicator
 from .components import build_components
 from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
-from .sharded import MESH_DIMS, check_sharded_roles, require_fsdp2_hook, shard_by_policy
+from .sharded import MESH_DIMS, require_fsdp2_hook, shard_by_policy
 from .sync import build_sharded_synchronizer, build_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
@@ -203,8 +203,6 @@ def _check_sharded_options(
 ) -> None:
     """Refuse, before any work, what sharded training does not take."""
     require_fsdp2_hook()
-    if isinstance(sync, EveryStep):
-        check_sharded_roles(components)
     refused = (
         ("fusion", fusion, fusion != "bucket_mb:25", "each FSDP2 module's shard is one bucket"),
         ("hierarchy", hierarchy, hierarchy != "flat", "the nodes are the mesh's"),

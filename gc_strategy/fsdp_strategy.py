@@ -34,7 +34,7 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states, state_folder
 from .communicators import Communicator
 from .components import build_components
-from .sharded import MESH_DIMS, check_sharded_roles, fsdp_modules, require_fsdp2_hook, shard_by_policy
+from .sharded import MESH_DIMS, fsdp_modules, require_fsdp2_hook, shard_by_policy
 from .strategy import SynchronizerGlue, end_process_group
 from .sync import build_sharded_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
@@ -70,8 +70,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
 
     Args:
         compressor, memory, communicator: a registered name (with keyword ``options``) or an object;
-            a compressor of flat gradients (PowerSGD and ACP-SGD work on whole matrices: refused
-            with ``sync="every_step"``, allowed under DiLoCo, which sends row-shards).
+            PowerSGD and ACP-SGD compress each parameter's row-shard as a matrix.
         sync: ``"every_step"`` or :class:`~gc_strategy.sync_modes.DiLoCo` (``fragments=1``,
             ``overlap_steps=0``).
         shard_modules: the module classes to shard where ``configure_model`` shards nothing
@@ -105,8 +104,6 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
             raise ValueError(f"start_method = {start_method!r} is invalid; allowed: {', '.join(START_METHODS)}")
         self.components = build_components(compressor, memory, communicator, **options)
         self.sync = parse_sync(sync, self.components)
-        if isinstance(self.sync, EveryStep):
-            check_sharded_roles(self.components)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.shard_modules = shard_modules
         self.mixed_precision = mixed_precision

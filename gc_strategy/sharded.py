@@ -12,8 +12,9 @@ ranks holding shard ``s`` on the other nodes (the mesh's ``"replicate"`` dimensi
     ĝ_s = (1/N) Σ_nodes D(C((1/S) Σ_local g_s + e_s))        (e_s: this rank's error feedback)
 
 which, with ``compressor="none"``, is native HSDP's ``(1/W) Σ_ranks g_s``. Each FSDP module's flat
-shard is one bucket of the roles; its error-feedback and compressor state cover this rank's shard
-alone, ``1/S`` of the module. Every rank of a replicate group holds the same shard of the same
+shard is one bucket of the roles (seen by PowerSGD and ACP-SGD as its parameters' row-shards, each a
+matrix: :func:`row_shards`); its error-feedback and compressor state cover this rank's shard alone,
+``1/S`` of the module. Every rank of a replicate group holds the same shard of the same
 module and runs the same exchanges in the same order (FSDP2's reduce-scatters follow backward's
 order, identical on every rank), so the collectives match.
 
@@ -120,14 +121,25 @@ def check_sharded_model(module: nn.Module, mesh: Any) -> list[tuple[str, nn.Modu
     return modules
 
 
-def check_sharded_roles(components: Components) -> None:
-    """Refuse roles that cannot work on FSDP2's flat shards, before any work."""
-    if components.compressor.works_on_matrices:
-        raise ValueError(
-            f"compressor '{components.compressor.name}' compresses each parameter as a matrix, and FSDP2's "
-            "reduce-scattered shards are flat; allowed with sharding: a compressor of flat gradients "
-            "(e.g. 'topk', 'qsgd', 'efsignsgd', 'none'), or sync=DiLoCo(...), which sends row-shards"
-        )
+def row_shards(fsdp_module: nn.Module, names: dict[int, str]) -> tuple[list[str], list[torch.Size]]:
+    """The parameters' names and the shapes of their row-shards, in the order FSDP2's reduce-scatter
+    output of ``fsdp_module`` lays them end to end: each parameter's rows are padded with zeros to a
+    multiple of the ``S`` ranks of a node, and this rank holds ``rows / S`` of them (FSDP2's
+    ``padded_sharded_param_size``). ``names`` maps a sharded parameter's ``id`` to its name.
+
+    FSDP2 says the layout only through its parameter group (``FSDPParam``, torch 2.7 to 2.14):
+    PowerSGD needs it to see each row-shard as a matrix."""
+    group = fsdp_module._get_fsdp_state()._fsdp_param_group
+    out_names, shapes = [], []
+    for fsdp_param in group.fsdp_params if group is not None else []:
+        if fsdp_param.fsdp_placement.dim != 0:
+            raise ValueError(
+                f"shard placement = {fsdp_param.fsdp_placement!r} is invalid for a compressor of matrices; "
+                "allowed: Shard(0), FSDP2's default (no shard_placement_fn)"
+            )
+        out_names.append(names[id(fsdp_param.sharded_param)])
+        shapes.append(torch.Size(fsdp_param.padded_sharded_param_size))
+    return out_names, shapes
 
 
 class ShardedSynchronizer(Synchronizer):
@@ -137,7 +149,6 @@ class ShardedSynchronizer(Synchronizer):
     :data:`MESH_DIMS`."""
 
     def __init__(self, module: nn.Module, components: Components, mesh: Any) -> None:
-        check_sharded_roles(components)
         self.modules = check_sharded_model(module, mesh)
         self.module = module
         self.compressor = components.compressor
@@ -163,10 +174,20 @@ class ShardedSynchronizer(Synchronizer):
         return hook
 
     def _bucket(self, b: int, shard: Tensor) -> Bucket:
+        """FSDP module ``b``'s bucket: its flat shard, seen by a compressor of matrices as the
+        parameters' row-shards (:func:`row_shards`)."""
         bucket = self.buckets.get(b)
         if bucket is None or bucket.numel != shard.numel():
-            name = self.modules[b][0] or "<root>"
-            bucket = Bucket(b, [name], [shard.shape], shard.dtype, shard.device)
+            name, fsdp_module = self.modules[b]
+            names, shapes = [name or "<root>"], [shard.shape]
+            if self.compressor.works_on_matrices:
+                names, shapes = row_shards(fsdp_module, {id(p): n for n, p in self.module.named_parameters()})
+            bucket = Bucket(b, names, shapes, shard.dtype, shard.device)
+            if bucket.numel != shard.numel():
+                raise RuntimeError(
+                    f"FSDP module {name!r}: the row-shards of its parameters hold {bucket.numel} elements, its "
+                    f"reduced shard {shard.numel()}; this torch lays FSDP2's shards out in another way"
+                )
             self.buckets[b] = bucket
             if self._pending is not None:
                 self._load_into(bucket, self._pending)

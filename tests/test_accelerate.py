@@ -321,8 +321,8 @@ def test_sharding_options_are_refused_before_any_work(monkeypatch):
         gc_accelerate.prepare(accelerator, _mlp(), sharding="zero")
     with pytest.raises(ValueError, match="option fusion = 'auto' is invalid with sharding"):
         gc_accelerate.prepare(accelerator, _mlp(), sharding="fsdp", fusion="auto")
-    with pytest.raises(ValueError, match="compressor 'powersgd' compresses each parameter as a matrix"):
-        gc_accelerate.prepare(accelerator, _mlp(), sharding="fsdp", compressor="powersgd")
+    with pytest.raises(ValueError, match="option broadcast_buffers = True is invalid with sharding"):
+        gc_accelerate.prepare(accelerator, _mlp(), sharding="fsdp", broadcast_buffers=True)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         gc_accelerate.prepare(accelerator, _mlp(), sharding="fsdp")

@@ -101,7 +101,6 @@ def test_diloco_over_shards_runs_through_lightning(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(compressor="powersgd"), "compressor 'powersgd' compresses each parameter as a matrix"),
         (dict(start_method="thread"), "start_method = 'thread' is invalid; allowed: popen, spawn, fork"),
         (dict(inner_steps=4), r"inner_steps is an option of DiLoCo; pass sync=DiLoCo\(inner_steps=4, ...\)"),
         (dict(compressor="topk", densty=0.1), r"option\(s\) densty are not taken by compressor=topk"),
