@@ -1,10 +1,22 @@
 """Sparsifiers against plain reference math (docs/algorithms.md §3)."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from compressor_helpers import EDGE_INPUTS, bucket, build, finish, payload_bytes, roundtrip
+
+from gc_strategy import kernels
+
+
+def _op_recorder():
+    """``benchmarks/op_recorder.py``'s recorder of aten ops."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from op_recorder import OpRecorder
+
+    return OpRecorder
 
 
 def _k(density, n):
@@ -251,8 +263,6 @@ def test_sample_on_device_draws_every_subset_equally_often_in_increasing_order()
 def test_randk_on_the_accelerators_path_draws_alike_on_every_rank_and_unbiased():
     """Kernels forced to the accelerator's variants: the positions come from the device draw, the
     same on two ranks, new each step, and with scaling the estimate is unbiased (as for the host's)."""
-    from gc_strategy import kernels
-
     g = torch.randn(40)
     with kernels.forced("torch"):
         a = build("randk", density=0.25, unbiased=True, process_rank=0, world_size=2)
@@ -322,19 +332,51 @@ def test_chunked_topk_keeps_the_largest_of_each_chunk(n, chunk, density):
     assert payload_bytes([values, indices]) == values.numel() * (4 + indices.element_size())
 
 
+@pytest.mark.parametrize("chunk", [0, 32])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_topk_with_quantized_values_sends_each_chunks_plain_levels(chunk, bits):
+    """SparseLoCo's quantized values: at the positions plain top-k keeps, each value becomes
+    sign(v) (j + ½) s / L with L = 2^(b−1) levels, s its chunk's largest kept |v| and
+    j = min(⌊|v| L / s⌋, L − 1), computed value by value; codes travel b bits each, one fp32 scale
+    per chunk."""
+    n = 1000
+    g = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+    b = bucket(n)
+    exact = build("topk", density=0.1, chunk=chunk)
+    kept = exact.decode(exact.encode(g, b), b)
+    compressor = build("topk", density=0.1, chunk=chunk, value_bits=bits)
+    payload = compressor.encode(g, b)
+    levels = 2 ** (bits - 1)
+    expected = torch.zeros(n)
+    step = chunk or n
+    for start in range(0, n, step):
+        part = kept[start : start + step]
+        scale = part.abs().max().item()
+        for i in part.nonzero().view(-1).tolist():
+            v = part[i].item()
+            j = min(math.floor(abs(v) / scale * levels), levels - 1)
+            expected[start + i] = math.copysign((j + 0.5) * scale / levels, v)
+    torch.testing.assert_close(compressor.decode(payload, b), expected, rtol=1e-6, atol=1e-7)
+    k, scales = (kept != 0).sum().item(), math.ceil(n / step)
+    index_bytes = 1 if chunk else 4
+    assert payload_bytes(payload) == math.ceil(k * bits / 8) + 4 * scales + k * index_bytes
+    with kernels.forced("torch"), _op_recorder()() as ops:  # the accelerator's path: the host waits nowhere
+        compressor.decode(compressor.encode(g, b), b)
+    assert not ops.waits, ops.sites
+
+
+def test_topk_value_bits_other_than_the_packed_widths_are_refused():
+    with pytest.raises(ValueError, match="option 'value_bits' = 3 is invalid; allowed: 0, 1, 2, 4, 8"):
+        build("topk", value_bits=3)
+
+
 def test_chunked_topk_aggregates_and_keeps_its_residual_like_the_plain_math():
     """Two ranks' chunked payloads average as their decodes do; the residual memory's fused path
     keeps ``e = x − decode(x)`` and the accelerator's path makes the host wait nowhere."""
-    import sys
-    from pathlib import Path
-
-    from gc_strategy import kernels
     from gc_strategy.algos import MEMORIES
     from gc_strategy.communicators import COMMUNICATORS
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from op_recorder import OpRecorder
-
+    OpRecorder = _op_recorder()
     n, b = 1000, bucket(1000)
     ranks = [build("topk", density=0.1, chunk=32, world_size=2, process_rank=r) for r in range(2)]
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(2)]
@@ -356,8 +398,6 @@ def test_dgc_threshold_rounds_on_the_accelerators_path_equal_the_hosts():
     """The host stops adjusting at the first threshold whose count lies in [0.7k, 1.3k]; the
     accelerator's path runs every round on the device, a threshold in the window kept by a factor
     of 1: the same threshold, also where a poor sample makes the rounds move it."""
-    from gc_strategy import kernels
-
     n, moved = 200_000, 0
     b = bucket(n)
     for seed in range(8):
