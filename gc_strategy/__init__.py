@@ -14,6 +14,7 @@ from .components import Components, build_components
 from .fusion import FusionPlanner, parse_fusion
 from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
+from .presets import sparseloco
 from .sync_modes import DiLoCo, EveryStep
 from .telemetry import StepTelemetry
 
@@ -58,4 +59,5 @@ __all__ = [
     "ThroughputMonitor",
     "build_components",
     "parse_fusion",
+    "sparseloco",
 ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gc_strategy import DiLoCo, build_components
+from gc_strategy import DiLoCo, build_components, sparseloco
 from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.ranks import run_ranks
 from gc_strategy.sharded import ShardedSynchronizer, has_fsdp2_hook
@@ -276,10 +276,11 @@ def test_diloco_over_shards_with_one_inner_step_equals_per_step_hsdp():
         torch.testing.assert_close(ours, native, rtol=1e-6, atol=1e-6)
 
 
-def _diloco_replicas(rank, world_size, compressor, memory, options):
+def _diloco_replicas(rank, world_size, configuration):
     mesh = _mesh()
     model = _sharded(mesh["shard"])
-    sync = ShardedDiLoCo(model, build_components(compressor, memory, **options), DiLoCo(inner_steps=2), mesh)
+    roles = {key: value for key, value in configuration.items() if key != "sync"}
+    sync = ShardedDiLoCo(model, build_components(**roles), configuration["sync"], mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     after_outer, before = [], _full(model)
     for step in range(4):
@@ -287,20 +288,30 @@ def _diloco_replicas(rank, world_size, compressor, memory, options):
         if step % 2 == 1:
             after_outer.append(_full(model))
     outer = sum(t.numel() for t in sync.outer.values())
-    return after_outer, not torch.equal(after_outer[-1], before), sync.step, outer
+    memories = [group.roles.memory.buffers for group in sync.groups]
+    feedback = sum(t.count_nonzero().item() for m in memories for v in m.values() for t in v.values())
+    return after_outer, not torch.equal(after_outer[-1], before), sync.step, outer, feedback
 
 
 @pytest.mark.parametrize(
-    "compressor, memory, options",
-    [("topk", "residual", dict(density=0.1)), ("powersgd", "none", dict(rank=2, start_iter=0))],
+    "configuration",
+    [
+        dict(sync=DiLoCo(inner_steps=2), compressor="topk", memory="residual", density=0.1),
+        dict(sync=DiLoCo(inner_steps=2), compressor="powersgd", memory="none", rank=2, start_iter=0),
+        sparseloco(inner_steps=2, chunk=256),
+    ],
+    ids=["topk", "powersgd", "sparseloco"],
 )
-def test_diloco_over_shards_keeps_replicas_identical_after_each_outer_step(compressor, memory, options):
-    """Top-k and PowerSGD (on each row-shard as a matrix) with error feedback, H=2: every rank holds
-    the same parameters after each of the 2 outer steps; the outer state is this rank's shard."""
-    ranks = run_ranks(_diloco_replicas, NODES * PER_NODE, compressor, memory, options, timeout=300)
+def test_diloco_over_shards_keeps_replicas_identical_after_each_outer_step(configuration):
+    """Top-k, PowerSGD (on each row-shard as a matrix) and the SparseLoCo preset (chunked top-k with
+    2-bit values, decaying error feedback, no outer momentum), H=2: every rank holds the same
+    parameters after each of the 2 outer steps; the outer state is this rank's shard, and the
+    sparsifiers' error feedback holds what they did not send."""
+    ranks = run_ranks(_diloco_replicas, NODES * PER_NODE, configuration, timeout=300)
     total = sum(p.numel() for p in _model().parameters())
-    for after_outer, moved, steps, outer in ranks:
+    for after_outer, moved, steps, outer, feedback in ranks:
         assert steps == 2 and moved
         assert outer <= total / PER_NODE + 64
+        assert (feedback > 0) == (configuration["memory"] == "residual")
         for mine, reference in zip(after_outer, ranks[0][0]):
             assert torch.equal(mine, reference)
