@@ -26,7 +26,7 @@ def sparseloco(
 
         e ← β e + Δ        c = Q(TopK_chunk(e))        e ← e − c        θ ← θ − α (1/N) Σ_nodes c
 
-    (``Q``: :class:`~gc_strategy.algos.sparse.TopK`'s ``value_bits``; the memory is ``residual``
+    (``Q``: :class:`~gc_strategy.algos.topk.TopK`'s ``value_bits``; the memory is ``residual``
     with ``beta``; the outer optimizer plain SGD at ``outer_lr = α``). Why: the error feedback
     already accumulates past pseudo-gradients, as the outer momentum would, and the payload is
     about ``density × (value_bits + 16)`` bits per element (2-byte in-chunk indices for chunks of
