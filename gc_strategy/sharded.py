@@ -24,7 +24,7 @@ average is written into FSDP2's buffer, which FSDP2 then views as each parameter
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .bucket import Bucket, join_by_parameter
 from .communicators import RunningExchange
 from .components import Components
+from .gradient_sync_state import resharded
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
 
@@ -142,6 +143,29 @@ def row_shards(fsdp_module: nn.Module, names: dict[int, str]) -> tuple[list[str]
     return out_names, shapes
 
 
+def shard_place(mesh: Any) -> list[int]:
+    """``[S, s]``: the ranks of a node and this rank's place among them, saved with its state."""
+    return [mesh["shard"].size(), mesh["shard"].get_local_rank()]
+
+
+def check_shard_place(saved: list[int], place: list[int]) -> None:
+    """Refuse the state of another shard: FSDP2's shards change with the ranks of a node."""
+    if list(saved) != list(place):
+        raise ValueError(
+            f"the state saved by shard {saved[1]} of {saved[0]} cannot be loaded by shard {place[1]} of "
+            f"{place[0]}; sharded state resumes on another number of nodes, with the same ranks per node"
+        )
+
+
+def same_shard(states: Iterable[dict[str, Any]], place: list[int]) -> Iterator[dict[str, Any]]:
+    """The old ranks' states that held this rank's shard (one a node), read one at a time."""
+    for state in states:
+        if state["shard"][0] != place[0]:
+            check_shard_place(state["shard"], place)
+        if state["shard"][1] == place[1]:
+            yield state
+
+
 class ShardedSynchronizer(Synchronizer):
     """Averages the sharded gradients of ``module`` (already ``fully_shard``-ed over
     ``mesh["shard"]``) across ``mesh["replicate"]`` through ``components``' compressor, memory and
@@ -155,6 +179,7 @@ class ShardedSynchronizer(Synchronizer):
         self.memory = components.memory
         self.communicator = components.communicator
         self.communicator.bind(mesh["replicate"].get_group())
+        self.place = shard_place(mesh)
         self.compressor.bind(self.communicator.world_size, self.communicator.rank)
         #: this rank's place in the whole mesh (each rank holds shards of its own)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
@@ -232,11 +257,13 @@ class ShardedSynchronizer(Synchronizer):
             role: {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in r.state_by_parameter(buckets).items()}
             for role, r in (("memory", self.memory), ("compressor", self.compressor))
         }
-        return {"format": "sharded-1", "step": self.step, **on_cpu, "compressor_extra": self.compressor.extra_state()}
+        extra = self.compressor.extra_state()
+        return {"format": "sharded-1", "step": self.step, "shard": self.place, **on_cpu, "compressor_extra": extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's :meth:`state_dict`; the state of a shard whose bucket FSDP2 has not
         reduced yet (a resume before the first backward) is applied when it first is."""
+        check_shard_place(state["shard"], self.place)
         self.step = int(state["step"])
         self.compressor.load_extra_state(state["compressor_extra"])
         self.compressor.begin_step(self.step)
@@ -254,3 +281,10 @@ class ShardedSynchronizer(Synchronizer):
         """Whether the roles keep state: then every rank keeps its own shards' (the same answer on
         every rank, since every rank runs the same roles on the same FSDP2 modules)."""
         return bool(state["memory"] or state["compressor"])
+
+    def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
+        """Start from a run on another number of nodes of as many ranks: the resharding rule of the
+        replicated synchroniser (:func:`~gc_strategy.gradient_sync_state.resharded`) over the old
+        nodes' ranks that held this rank's shard, ``e_s = (1/N) Σ_nodes e_{n,s}``, so the correction
+        the nodes apply together is the old one."""
+        self.load_state_dict({**resharded(same_shard(states, self.place)), "shard": self.place})

@@ -19,6 +19,7 @@ each row-shard as a matrix; 1-D tensors go apart as :class:`~gc_strategy.sync_mo
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from .bucket import Bucket
 from .communicators import RunningExchange
 from .components import Components
 from .diloco import roles_by_dimension
-from .sharded import check_sharded_model
+from .gradient_sync_state import resharded
+from .sharded import check_shard_place, check_sharded_model, same_shard, shard_place
 from .sync_modes import DiLoCo
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
@@ -66,6 +68,7 @@ class ShardedDiLoCo(Synchronizer):
         self.config = config
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         group = mesh["replicate"].get_group()
+        self.place = shard_place(mesh)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         local = {name: p.to_local() for name, p in named}
         for shard in local.values():  # every node starts from the same values: rank 0's of its shards
@@ -128,6 +131,7 @@ class ShardedDiLoCo(Synchronizer):
                     roles.setdefault(kind, {}).setdefault(name, {}).update({n: t.cpu() for n, t in tensors.items()})
         return {
             "format": "sharded-diloco-1",
+            "shard": self.place,
             "inner_step": self.inner_step,
             "step": self.step,
             "outer": {n: t.cpu().clone() for n, t in self.outer.items()},
@@ -136,6 +140,7 @@ class ShardedDiLoCo(Synchronizer):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_shard_place(state["shard"], self.place)
         self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
         for name, value in state["outer"].items():
             self.outer[name].copy_(value)
@@ -147,3 +152,19 @@ class ShardedDiLoCo(Synchronizer):
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Every rank keeps its own outer shards."""
         return True
+
+    def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
+        """Start from a run on another number of nodes of as many ranks: the outer shards, the outer
+        optimizer and the schedule of the first old node's rank that held this rank's shard (every
+        node's are the same after an outer step), the roles' state the mean over the old nodes'
+        (:func:`~gc_strategy.gradient_sync_state.resharded`)."""
+        first: dict[str, Any] = {}
+
+        def roles() -> Iterator[dict[str, Any]]:
+            for state in same_shard(states, self.place):
+                if not first:
+                    first.update(state)
+                yield {"memory": state["roles"].get("memory", {}), "compressor": state["roles"].get("compressor", {})}
+
+        merged = resharded(roles())
+        self.load_state_dict({**first, "shard": self.place, "roles": merged})

@@ -128,19 +128,24 @@ def _replicas(rank, world_size):
         model = _sharded(mesh["shard"])
         before = _full(model)
         sync = ShardedSynchronizer(model, build_components(name, memory, **options), mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for step in range(3):
             _step(model, optimizer, sync, rank, step)
-        state = sum(t.numel() for per in sync.memory.buffers.values() for t in per.values())
-        local = sum(p.to_local().numel() for p in model.parameters())
-        out[name] = (_full(model), not torch.equal(_full(model), before), state, local)
+        held = {
+            "parameters": sum(p.to_local().numel() for p in model.parameters()),
+            "gradients": sum(p.grad.to_local().numel() for p in model.parameters()),
+            "optimizer": sum(s["momentum_buffer"].to_local().numel() for s in optimizer.state.values()),
+            "error feedback": sum(t.numel() for per in sync.memory.buffers.values() for t in per.values()),
+        }
+        out[name] = (_full(model), not torch.equal(_full(model), before), held)
         sync.close()
     return out
 
 
 def test_every_flat_compressor_keeps_the_replicas_of_each_shard_identical():
     """After 3 steps every rank holds the same parameters (bit for bit across nodes), which moved;
-    error-feedback state is about 1/S of the model on each rank (its shard)."""
+    each rank holds about 1/S of the model's parameters, gradients, momentum and error feedback,
+    counted element by element (FSDP2 pads each parameter's rows to a multiple of S)."""
     ranks = run_ranks(_replicas, NODES * PER_NODE, timeout=600)
     total = sum(p.numel() for p in _model().parameters())
     for name, memory, _ in FLAT:
@@ -148,11 +153,15 @@ def test_every_flat_compressor_keeps_the_replicas_of_each_shard_identical():
         for r in range(1, NODES * PER_NODE):
             assert torch.equal(ranks[r][name][0], reference), (name, r)
         assert all(rank[name][1] for rank in ranks), name
+        shard = total / PER_NODE + 3  # + one padded row of each of the 3 biases, at most
         for rank in ranks:
-            _, _, state, local = rank[name]
-            assert local <= total / PER_NODE + 64  # this rank's shard (FSDP2 pads rows to a multiple of S)
-            if memory != "none":
-                assert 0 < state <= 2 * (total / PER_NODE + 64), (name, state)  # residual (+ momentum for dgc)
+            held = rank[name][2]
+            assert total / PER_NODE <= held["parameters"] == held["gradients"] == held["optimizer"] <= shard
+            feedback = held["error feedback"]
+            if memory == "dgc":
+                assert feedback == 2 * held["parameters"], name  # residual and momentum
+            elif memory != "none":
+                assert feedback == held["parameters"], name
 
 
 #: the compressors of matrices, each on every parameter's row-shard
@@ -227,6 +236,82 @@ def test_resume_with_each_ranks_compression_state_is_exact(tmp_path):
     """Each rank writes its own file (its shards' residuals), and reads it back."""
     assert all(run_ranks(_resume, NODES * PER_NODE, str(tmp_path), timeout=300))
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(NODES * PER_NODE)]
+
+
+def _save_after_two_steps(rank, world_size, folder, sync_of):
+    mesh = _mesh()
+    model = _sharded(mesh["shard"])
+    sync = sync_of(model, mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        _step(model, optimizer, sync, rank, step)
+    return save_rank_states(sync, folder)
+
+
+def _per_step(model, mesh):
+    return ShardedSynchronizer(model, build_components("topk", "residual", density=0.1), mesh)
+
+
+def _outer_every_two(model, mesh):
+    return ShardedDiLoCo(model, build_components("topk", "residual", density=0.1), DiLoCo(inner_steps=2), mesh)
+
+
+def _resume_on_one_node(rank, world_size, folder, manifest, sync_of, nodes):
+    """On ``nodes`` nodes of 2 ranks: the resharded state, or the error of loading it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (nodes, world_size // nodes), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh["shard"])
+    sync = sync_of(model, mesh)
+    try:
+        load_rank_states(sync, manifest, folder)
+    except ValueError as error:
+        return str(error)
+    if isinstance(sync, ShardedDiLoCo):
+        return sync.step, sync.inner_step, sync.outer, sync.state_dict()["roles"]["memory"]
+    # the state waits for its FSDP2 module's first reduction: run one, and compare with the same
+    # step from the plain mean of the old nodes' files set by hand
+    expected = _sharded(mesh["shard"])
+    plain = _per_step(expected, mesh)
+    old = [torch.load(f"{folder}/rank{r}.pt") for r in range(NODES * PER_NODE)]
+    mine = [state for state in old if state["shard"] == [PER_NODE, rank]]
+    mean = {
+        name: {key: sum(state["memory"][name][key] for state in mine) / len(mine) for key in mine[0]["memory"][name]}
+        for name in mine[0]["memory"]
+    }
+    plain.load_state_dict({**mine[0], "memory": mean})
+    untouched = _sharded(mesh["shard"])
+    fresh = _per_step(untouched, mesh)
+    for model_, sync_ in ((model, sync), (expected, plain), (untouched, fresh)):
+        _step(model_, torch.optim.SGD(model_.parameters(), lr=0.1), sync_, rank, 2)
+    return _full(model), _full(expected), _full(untouched), len(mine)
+
+
+@pytest.mark.parametrize("sync_of", [_per_step, _outer_every_two], ids=["every_step", "diloco"])
+def test_resume_on_another_number_of_nodes_takes_the_mean_of_the_old_nodes_shard_states(tmp_path, sync_of):
+    """Saved on 2 nodes x 2 ranks, resumed on 1 node x 2: each rank starts from the mean of the error
+    feedback of the 2 old ranks that held its shard (the replicated synchroniser's rule, per shard);
+    DiLoCo's outer shards and schedule are the old ones. On 1 node x 4 (other shards) it is refused."""
+    manifest = run_ranks(_save_after_two_steps, NODES * PER_NODE, str(tmp_path), sync_of, timeout=300)[0]
+    resumed = run_ranks(_resume_on_one_node, PER_NODE, str(tmp_path), manifest, sync_of, 1, timeout=300)
+    old = [torch.load(tmp_path / f"rank{r}.pt") for r in range(NODES * PER_NODE)]
+    for rank, result in enumerate(resumed):
+        if sync_of is _per_step:
+            ours, expected, untouched, sources = result
+            assert sources == NODES
+            assert torch.equal(ours, expected) and not torch.equal(ours, untouched)
+        else:
+            step, inner_step, outer, memory = result
+            assert (step, inner_step) == (1, 2)
+            same = [state for state in old if state["shard"] == [PER_NODE, rank]]
+            for name, value in outer.items():
+                assert torch.equal(value, same[0]["outer"][name])
+            for name, per in memory.items():
+                for key, value in per.items():
+                    plain = sum(s["roles"]["memory"][name][key] for s in same) / len(same)
+                    torch.testing.assert_close(value, plain, rtol=0, atol=0)
+    for error in run_ranks(_resume_on_one_node, 4, str(tmp_path), manifest, sync_of, 1, timeout=300):
+        assert "cannot be loaded by shard" in error and "with the same ranks per node" in error
 
 
 def _refused(rank, world_size):
