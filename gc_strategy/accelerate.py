@@ -129,7 +129,7 @@ def prepare(
             f"sync=DiLoCo counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
         )
     if sharded:
-        _check_sharded_options(components, sync, fusion, hierarchy, find_unused_parameters, broadcast_buffers)
+        _check_sharded_options(fusion, hierarchy, find_unused_parameters, broadcast_buffers)
         mesh = _node_mesh(accelerator)
         model = model.to(accelerator.device)
         _shard(accelerator, model, optimizers, mesh)
@@ -198,20 +198,18 @@ def _sharded(accelerator: Any, sharding: str) -> bool:
     return sharding == "fsdp" or (sharding == "auto" and fsdp2)
 
 
-def _check_sharded_options(
-    components: Any, sync: Any, fusion: Any, hierarchy: Any, find_unused_parameters: Any, broadcast_buffers: Any
-) -> None:
+def _check_sharded_options(fusion: Any, hierarchy: Any, find_unused_parameters: Any, broadcast_buffers: Any) -> None:
     """Refuse, before any work, what sharded training does not take."""
     require_fsdp2_hook()
     refused = (
-        ("fusion", fusion, fusion != "bucket_mb:25", "each FSDP2 module's shard is one bucket"),
-        ("hierarchy", hierarchy, hierarchy != "flat", "the nodes are the mesh's"),
-        ("find_unused_parameters", find_unused_parameters, bool(find_unused_parameters), "FSDP2 reduces them all"),
-        ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "FSDP2 keeps each rank's buffers"),
+        ("fusion", fusion, fusion != "bucket_mb:25", "'bucket_mb:25' (each FSDP2 module's shard is one bucket)"),
+        ("hierarchy", hierarchy, hierarchy != "flat", "'flat' (the mesh's nodes are the hierarchy)"),
+        ("find_unused_parameters", find_unused_parameters, bool(find_unused_parameters), "False (FSDP2 reduces all)"),
+        ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "False (FSDP2 keeps each rank's buffers)"),
     )
-    for name, value, wrong, why in refused:
+    for name, value, wrong, allowed in refused:
         if wrong:
-            raise ValueError(f"sharding='fsdp': option {name} = {value!r} is invalid with sharding ({why})")
+            raise ValueError(f"sharding='fsdp': option {name} = {value!r} is invalid with sharding; allowed: {allowed}")
 
 
 def _refuse_to_save_shards(models: Any, weights: Any, output_dir: str) -> None:
