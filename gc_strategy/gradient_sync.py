@@ -64,7 +64,7 @@ from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
 from .fusion import AutoPlanner, FilePlanner, FusionPlanner, parse_fusion
 from .gradient_sync_state import any_rank_holds_state, load_state, resharded, state_of
-from .hierarchy import NodeHierarchy, parse_hierarchy, route_for
+from .hierarchy import NodeHierarchy, route_for
 from .layout import BucketLayout
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
@@ -124,7 +124,6 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         parameters: Iterable[str] | None = None,
         on_backward: bool = True,
     ) -> None:
-        parse_hierarchy(hierarchy)  # refused before any collective
         self.module = module
         self.compressor = compressor
         self.memory = memory
