@@ -128,6 +128,9 @@ def prepare(
         raise ValueError(
             f"sync=DiLoCo counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
         )
+    handler = getattr(accelerator, "ddp_handler", None)
+    if find_unused_parameters is None:
+        find_unused_parameters = getattr(handler, "find_unused_parameters", False)
     if sharded:
         _check_sharded_options(fusion, hierarchy, find_unused_parameters, broadcast_buffers)
         mesh = _node_mesh(accelerator)
@@ -135,9 +138,6 @@ def prepare(
         _shard(accelerator, model, optimizers, mesh)
         synchronizer = build_sharded_synchronizer(model, components, sync, mesh)
     else:
-        handler = getattr(accelerator, "ddp_handler", None)
-        if find_unused_parameters is None:
-            find_unused_parameters = getattr(handler, "find_unused_parameters", False)
         if broadcast_buffers is None:
             broadcast_buffers = getattr(handler, "broadcast_buffers", True)
         model = model.to(accelerator.device)
