@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -118,6 +119,36 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's value on its way to host memory, read later without the host waiting.
+
+    Reading a device value on the host (``int(t)``) waits for everything queued before it. A
+    decision that may lag (SIDCo's stage count) starts the copy where the value is made, into
+    pinned memory, queued behind the kernels that make it, and reads it when next needed: by then
+    the copy has landed. Only a host that runs that far ahead of the device waits for it (on its
+    event), and the device then has that much work queued. The host's value lands in a NumPy
+    array, so that reading it runs no tensor op.
+    """
+
+    def __init__(self, value: Tensor) -> None:
+        self._event = None
+        if value.device.type == "cuda":
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._array = host.numpy()
+        else:
+            self._array = numpy.empty(tuple(value.shape), dtype=str(value.dtype).removeprefix("torch."))
+            torch.from_numpy(self._array).copy_(value)
+
+    def value(self):
+        """The value, as a NumPy array (0-d for a 0-d tensor)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._array
 
 
 def split_by_parameter(buckets: Iterable[Bucket], flats: dict[int, Tensor]) -> dict[str, Tensor]:

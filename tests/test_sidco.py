@@ -6,6 +6,7 @@ import pytest
 import torch
 from compressor_helpers import bucket, build
 
+from gc_strategy import kernels
 from gc_strategy.algos.sidco import exponential_threshold, gamma_threshold, gpareto_threshold
 
 N = 1_000_000
@@ -57,8 +58,8 @@ def test_multi_stage_threshold_adds_the_fits_of_the_exceedances():
         above = a.double()[a.double() > threshold]
         threshold = threshold + (above - threshold).mean() * math.log(1 / q)
     assert float(compressor.fitted_threshold(a, 3)) == pytest.approx(float(threshold), rel=1e-5)
-    # the device's form: the count held as a tensor, every possible stage fitted and 3 kept
-    assert float(compressor.fitted_threshold(a, torch.tensor(3))) == pytest.approx(float(threshold), rel=1e-5)
+    with kernels.forced("torch"):  # the accelerator's form: exceedances as masks
+        assert float(compressor.fitted_threshold(a, 3)) == pytest.approx(float(threshold), rel=1e-5)
 
 
 def test_stage_ratios_multiply_to_the_density():
@@ -85,29 +86,46 @@ def test_adaptive_stages_are_per_bucket_and_bounded():
     assert abs(float(compressor.above) / 100_000 / 0.01 - 1) <= 0.2
     restored = build("sidco", density=0.01)
     restored.load_extra_state(compressor.extra_state())
-    assert restored.stage_counts == counts
+    assert restored.extra_state() == compressor.extra_state()
+
+
+def _heavy_steps(compressor, steps, every_step):
+    """Encode one log-normal bucket for ``steps`` steps: the stage count of each step."""
+    heavy = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).exp()
+    counts = []
+    for step in steps:
+        compressor.begin_step(step)
+        every_step(compressor.encode(heavy, bucket(100_000)))
+        counts.append(compressor.stage_counts["p0"])
+    return counts
+
+
+def test_the_density_of_one_adaptation_step_sets_the_stages_from_the_next():
+    """Every 2 steps (steps 1, 3, 5, ...): the density measured at step 1 (one stage selects too
+    many on log-normal data) adds a stage at step 3, not before; and a checkpoint taken between
+    the two carries the measurement, so that a resumed run adapts as the uninterrupted one."""
+    counts = _heavy_steps(build("sidco", density=0.01, stages=1, adapt_every=2), range(8), lambda _: None)
+    assert counts[:4] == [1, 1, 1, 2]
+    first = build("sidco", density=0.01, stages=1, adapt_every=2)
+    _heavy_steps(first, range(2), lambda _: None)
+    resumed = build("sidco", density=0.01, stages=1, adapt_every=2)
+    resumed.load_extra_state(first.extra_state())
+    assert _heavy_steps(resumed, range(2, 8), lambda _: None) == counts[2:]
 
 
 def test_adaptive_stages_on_the_accelerators_path_are_those_of_the_host():
-    """Kernels forced to the accelerator's variants: the stage count stays a device tensor, and
-    the counts and thresholds equal the host's step by step."""
-    from gc_strategy import kernels
-
-    g = torch.Generator().manual_seed(0)
-    heavy = torch.randn(100_000, generator=g).exp()
-    host = build("sidco", density=0.01, stages=1, adapt_every=1)
+    """Kernels forced to the accelerator's variants (exceedances as masks, the count measured
+    through a host copy): the counts and the entries sent equal the host's step by step."""
+    host, sent = build("sidco", density=0.01, stages=1, adapt_every=1), []
+    expected = _heavy_steps(host, range(6), sent.append)
     with kernels.forced("torch"):
         device = build("sidco", density=0.01, stages=1, adapt_every=1)
-    for step in range(6):
-        host.begin_step(step)
-        expected = host.encode(heavy, bucket(100_000))
-        with kernels.forced("torch"):
-            device.begin_step(step)
-            got = device.encode(heavy, bucket(100_000))
-            assert isinstance(device.stage_counts["p0"], torch.Tensor)
-        b = bucket(100_000)
-        assert torch.equal(device.decode(got, b), host.decode(expected, b))  # the same entries sent
-    assert device.extra_state() == host.extra_state() and host.extra_state()["stage_counts"]["p0"] > 1
+        got = []
+        assert _heavy_steps(device, range(6), got.append) == expected
+    b = bucket(100_000)
+    for payload_device, payload_host in zip(got, sent):
+        assert torch.equal(device.decode(payload_device, b), host.decode(payload_host, b))
+    assert device.extra_state() == host.extra_state() and expected[-1] > 1
 
 
 def test_nothing_selected_is_a_valid_payload():

@@ -16,12 +16,14 @@ first stage, ``y = a - t`` above the previous stage's threshold ``t`` later):
 Multi-stage: stage 1 targets ``δ₁`` (``first_ratio``, default 0.25) and each of the ``S-1`` later
 stages keeps the ratio ``(δ/δ₁)^(1/(S-1))`` of the previous stage's exceedances, so the final density
 is ``δ``. Adaptive stages: every ``adapt_every`` steps a bucket whose achieved density is above 1.2δ
-gains a stage, below 0.8δ loses one, within ``[1, ⌈log δ / log 0.5⌉]``. The count is per bucket.
+gains a stage, below 0.8δ loses one, within ``[1, ⌈log δ / log 0.5⌉]``. The count is per bucket and
+held on the host; the density measured at one adaptation step sets the count from the next one on
+(``adapt_every`` steps later), so that the count of selected entries reaches host memory without
+the host waiting for it (:class:`~gc_strategy.bucket.HostCopy`).
 
 The payload holds ``C = ⌈capacity · k⌉`` slots (:class:`~gc_strategy.algos.sparse.CapacitySparsifier`).
-Off the host the fit runs on the device end to end: exceedances are masks rather than new tensors,
-and the stage count stays a device tensor, so every possible stage is fitted and those beyond the
-count leave the threshold as it is. The host never reads the device, except for the gamma
+Off the host the fit runs on the device end to end, on masks rather than new tensors of the
+exceedances, so their sizes are never read. The host never reads the device, except for the gamma
 estimator's first stage, whose inverse incomplete gamma function comes from scipy.
 """
 
@@ -34,7 +36,7 @@ from scipy.special import gammaincinv
 from torch import Tensor
 
 from .. import kernels
-from ..bucket import Bucket
+from ..bucket import Bucket, HostCopy
 from ..communicators import Payload
 from ..registry import Option
 from .base import COMPRESSORS
@@ -106,8 +108,10 @@ class SIDCo(CapacitySparsifier):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        #: the stage count per bucket (by its first parameter): a number, or a device tensor once adapted
-        self.stage_counts: dict[str, int | Tensor] = {}
+        #: the stage count per bucket (by its first parameter)
+        self.stage_counts: dict[str, int] = {}
+        #: per bucket, its count of entries above the threshold at its last adaptation step, and its size
+        self._measured: dict[str, tuple[HostCopy, int]] = {}
 
     def max_stages(self) -> int:
         return max(1, math.ceil(math.log(self.options["density"]) / math.log(0.5)))
@@ -121,16 +125,16 @@ class SIDCo(CapacitySparsifier):
     def capacity(self, n: int) -> int:
         return min(n, math.ceil(self.options["capacity"] * keep_count(self.options["density"], n)))
 
-    def fitted_threshold(self, magnitudes: Tensor, stages: int | Tensor) -> Tensor:
+    def fitted_threshold(self, magnitudes: Tensor, stages: int) -> Tensor:
         """The sum of the stages' estimates: the first fits ``a`` itself, each later one the
         exceedances ``a − t`` over the threshold so far (``a > t``, a subset of the previous
-        stage's: ``a > t + η`` exactly where ``a − t > η``), and an empty one ends the fit. A count
-        known on the host fits the exceedances as new, small tensors; a count held as a device
-        tensor fits every possible stage on masks and keeps those within it, so that the host
-        never reads the device."""
-        if isinstance(stages, int):
-            return self._fit_tails(magnitudes, self.stage_ratios(stages))
-        return self._fit_masks(magnitudes, stages)
+        stage's: ``a > t + η`` exactly where ``a − t > η``), and an empty one adds nothing. In host
+        memory the exceedances are new, small tensors; elsewhere masks, whose counts stay on the
+        device."""
+        ratios = self.stage_ratios(stages)
+        if kernels.in_host_memory(magnitudes):
+            return self._fit_tails(magnitudes, ratios)
+        return self._fit_masks(magnitudes, ratios)
 
     def _first_fit(self, magnitudes: Tensor, q: float | Tensor) -> Tensor:
         if self.options["estimator"] == "gamma":
@@ -152,44 +156,42 @@ class SIDCo(CapacitySparsifier):
             threshold = threshold + estimate
         return threshold
 
-    def _fit_masks(self, magnitudes: Tensor, stages: Tensor) -> Tensor:
-        density, first = self.options["density"], self.options["first_ratio"]
-        if density >= first:
-            return self._first_fit(magnitudes, density)
-        q_later = (density / first) ** (1 / (stages - 1).clamp_min(1).to(magnitudes.dtype))
-        threshold = self._first_fit(magnitudes, torch.where(stages == 1, density, first))
-        for stage in range(1, self.max_stages()):
-            above = magnitudes > threshold
-            estimate = self._later_fit()(magnitudes - threshold, q_later, above)
-            threshold = torch.where(above.any() & (stage < stages), threshold + estimate, threshold)
+    def _fit_masks(self, magnitudes: Tensor, ratios: list[float]) -> Tensor:
+        threshold = self._first_fit(magnitudes, ratios[0])
+        for q in ratios[1:]:  # an empty mask's estimate is 0: the threshold stays
+            threshold = threshold + self._later_fit()(magnitudes - threshold, q, magnitudes > threshold)
         return threshold
 
-    def _stages(self, bucket: Bucket, device: torch.device) -> int | Tensor:
-        """The bucket's stage count: a number in host memory, a device tensor elsewhere."""
-        key = bucket.names[0]
-        stages = self.stage_counts.setdefault(key, min(self.options["stages"], self.max_stages()))
-        if kernels.in_host_memory(device):
-            return int(stages)
-        if isinstance(stages, int):
-            stages = self.stage_counts[key] = torch.full((), stages, dtype=torch.int64, device=device)
-        return stages
-
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> Tensor:
-        return self.fitted_threshold(magnitudes, self._stages(bucket, magnitudes.device))
+        return self.fitted_threshold(magnitudes, self._stages(bucket.names[0]))
+
+    def _stages(self, key: str) -> int:
+        return self.stage_counts.setdefault(key, min(self.options["stages"], self.max_stages()))
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
+        every, key = self.options["adapt_every"], bucket.names[0]
+        adapting = every and (self.step + 1) % every == 0
+        if adapting and key in self._measured:
+            self.stage_counts[key] = self._adapted(key)
         payload = super().encode(flat, bucket)
-        every = self.options["adapt_every"]
-        if every and (self.step + 1) % every == 0:
-            stages = self._stages(bucket, flat.device)
-            achieved, density = self.above / flat.numel(), self.options["density"]
-            change = (achieved > 1.2 * density).long() - (achieved < 0.8 * density).long()
-            adapted = (stages + change).clamp(1, self.max_stages())
-            self.stage_counts[bucket.names[0]] = int(adapted) if isinstance(stages, int) else adapted
+        if adapting:
+            self._measured[key] = (HostCopy(self.above), flat.numel())
         return payload
 
+    def _adapted(self, key: str) -> int:
+        """The bucket's stage count after its last measurement: one more where it selected over
+        1.2δ, one fewer under 0.8δ."""
+        count, n = self._measured.pop(key)
+        achieved, density = int(count.value()) / n, self.options["density"]
+        change = int(achieved > 1.2 * density) - int(achieved < 0.8 * density)
+        return min(max(self._stages(key) + change, 1), self.max_stages())
+
     def extra_state(self) -> dict:
-        return {"stage_counts": {key: int(count) for key, count in self.stage_counts.items()}}
+        measured = {key: [int(count.value()), n] for key, (count, n) in self._measured.items()}
+        return {"stage_counts": dict(self.stage_counts), "measured": measured}
 
     def load_extra_state(self, state: dict) -> None:
         self.stage_counts = dict(state.get("stage_counts", {}))
+        self._measured = {
+            key: (HostCopy(torch.tensor(count)), n) for key, (count, n) in state.get("measured", {}).items()
+        }

@@ -59,22 +59,21 @@ class _Positional(Compressor):
         return scatter(bucket, *self.sent(payload, bucket), out=scratch)
 
     def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload:
-        """Residual error feedback without a dense decode: ``x = g + e`` is encoded, then ``e ← x``
-        except at the sent positions, where ``e ← x − sent`` (0 where the values travel exactly);
-        ``e`` is left as it was when the bucket is not finite. No new bucket-sized tensor. Where the
-        flag is known on the host to be True (CPU) ``x`` is formed in ``e`` itself, one dense pass
-        (``e += g``); otherwise in the gradient buffer when it is fp32, then copied to ``e`` if
-        finite (two passes)."""
+        """Residual error feedback without a dense decode: ``x = g + e`` is encoded, the sent values
+        are subtracted from ``x`` at their (distinct) positions (0 where they travel exactly), and
+        ``e ← x`` unless the bucket is not finite (``e`` then stays as it was). No new bucket-sized
+        tensor. Where the flag is known on the host to be True (CPU) ``x`` is formed in ``e`` itself,
+        one dense pass (``e += g``); otherwise in the gradient buffer when it is fp32, then copied to
+        ``e`` if finite (two passes)."""
         if finite_on_host(finite):
             x = residual.add_(grad)
         else:
             x = grad.add_(residual) if grad.dtype == residual.dtype else torch.add(residual, grad.float())
         payload = self.encode(x, bucket)
         positions, sent = self.sent(payload, bucket)
-        at_positions = torch.where(finite, x.index_select(0, positions) - sent, residual.index_select(0, positions))
+        x.index_add_(0, positions, sent.to(x.dtype), alpha=-1)
         if x is not residual:
             assign_if_finite(residual, x, finite)
-        residual.scatter_(0, positions, at_positions)
         return payload
 
 
