@@ -293,13 +293,13 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         self._usage.check(unused)
 
     def _apply_results(self, unused: set[int]) -> None:
-        nonfinite = []
+        finite_flags = []
         for job in self._jobs:
             average, finite = job.running.result
             if self.stream is not None:
                 average.record_stream(torch.cuda.current_stream(self.device))
             if finite is not None:
-                nonfinite.append(~finite)
+                finite_flags.append(finite)
             for name, value in zip(job.bucket.names, job.bucket.views(average)):
                 if self._index[name] in unused:
                     continue  # no rank used it: .grad stays as it was, as with DDP
@@ -310,8 +310,8 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
                     param.grad = value.detach().to(param.dtype)
                 else:
                     param.grad.copy_(value)
-        if nonfinite:
-            self._step_telemetry.nonfinite_buckets = torch.stack(nonfinite).sum()  # no host synchronisation
+        if finite_flags:  # no host synchronisation
+            self._step_telemetry.nonfinite_buckets = len(finite_flags) - torch.stack(finite_flags).sum()
 
     # ------------------------------------------------------------------ public API
 

@@ -217,15 +217,17 @@ def copy_if_shared(tensor: Tensor, others: Payload) -> Tensor:
 
 
 def zero_at(tensor: Tensor, positions: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-    """``tensor`` zeroed in place at ``positions``: int64 indices, a bool mask of its length, or
-    ``(indices, flags)``: the distinct int64 ``indices`` whose bool flag is set (a gather and a
-    scatter of the indices alone, where a mask would take passes over the whole tensor)."""
+    """``tensor`` zeroed in place at ``positions`` of its last dimension (each row of a 2-D one):
+    integer indices, a bool mask of its length, or ``(indices, flags)``: the distinct integer
+    ``indices`` whose bool flag is set (a gather and a scatter of the indices alone, where a mask
+    would take passes over the whole tensor)."""
     if isinstance(positions, tuple):
         indices, flags = positions
-        return tensor.index_put_((indices,), tensor.index_select(0, indices).masked_fill_(flags, 0))
+        tensor[..., indices] = tensor.index_select(-1, indices).masked_fill_(flags, 0)
+        return tensor
     if positions.dtype == torch.bool:
         return tensor.masked_fill_(positions, 0)
-    return tensor.index_fill_(0, positions, 0)
+    return tensor.index_fill_(-1, positions.long(), 0)
 
 
 def local_in_form(estimate: Tensor, form: LocalForm) -> Tensor | None:

@@ -105,11 +105,12 @@ class DGCMemory(Memory):
 
     def __init__(self, **options: float) -> None:
         super().__init__(**options)
-        self._pending_u: dict[int, Tensor] = {}
+        self._pending: dict[int, Tensor] = {}
 
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
         """``v + u`` for the updated ``u``: formed in ``u`` and ``v`` themselves where the bucket is
-        known on the host to be finite (the CPU: no new bucket-sized tensors), else in new ones."""
+        known on the host to be finite (the CPU: no new bucket-sized tensors), else in the two rows
+        of a new ``[2, n]`` tensor, so that one gather and one scatter mask both."""
         g, clip_norm, momentum = grad.float(), self.options["clip_norm"], self.options["momentum"]
         if clip_norm > 0:
             g = g * (clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
@@ -117,9 +118,9 @@ class DGCMemory(Memory):
         if finite is not None and finite_on_host(finite):
             torch.add(g, u, alpha=momentum, out=u)  # g + m·u in one pass
             return v.add_(u)
-        u = torch.add(g, u, alpha=momentum)
-        self._pending_u[bucket.index] = u
-        return v + u
+        new = self._pending[bucket.index] = u.new_empty(2, u.numel())
+        torch.add(g, u, alpha=momentum, out=new[0])
+        return torch.add(v, new[0], out=new[1])
 
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:
         """``local``: the positions sent (``local_form``)."""
@@ -128,5 +129,6 @@ class DGCMemory(Memory):
             zero_at(u, local)
             zero_at(v, local)
             return
-        assign_if_finite(u, zero_at(self._pending_u.pop(bucket.index), local), finite)
-        assign_if_finite(v, zero_at(compensated, local), finite)
+        new = zero_at(self._pending.pop(bucket.index), local)
+        assign_if_finite(u, new[0], finite)
+        assign_if_finite(v, new[1], finite)

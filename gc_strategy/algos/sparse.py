@@ -29,7 +29,7 @@ def scatter(bucket: Bucket, positions: Tensor, values: Tensor, out: Tensor | Non
     """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere (written
     into ``out`` when given)."""
     dense = zeros(bucket, values, out)
-    return dense.scatter_(0, positions, values.to(dense.dtype))
+    return dense.scatter_(0, positions.long(), values.to(dense.dtype))
 
 
 def zeros(bucket: Bucket, values: Tensor, out: Tensor | None) -> Tensor:
@@ -101,9 +101,10 @@ class Sparsifier(_Positional):
         return [flat.index_select(0, indices), indices.to(torch.int32)]
 
     def positions(self, indices: Tensor, bucket: Bucket) -> Tensor:
-        """The bucket's int64 positions of the payload's ``indices`` (of one or more ranks'
-        payloads, concatenated)."""
-        return indices.long()
+        """The bucket's positions of the payload's ``indices`` (of one or more ranks' payloads,
+        concatenated), int32 or int64: gathers and ``index_add_`` take either, so the wire's int32
+        indices are used as they are."""
+        return indices
 
     def values_of(self, payload: Payload, bucket: Bucket) -> Tensor:
         """The sent values of a payload whose last tensor holds the indices."""
@@ -143,7 +144,9 @@ class CapacitySparsifier(Sparsifier):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self._above: int | Tensor = 0
+        #: summed over encodes: the entries above the threshold, and of them those that fit
+        self._counts: int | Tensor = 0
+        self._bounds: dict[tuple[int, torch.device], Tensor] = {}
 
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float | Tensor:
         raise NotImplementedError
@@ -159,8 +162,7 @@ class CapacitySparsifier(Sparsifier):
         indices, sent, above = kernels.select_above(magnitudes, threshold, capacity, self.strict)
         #: this encode's count of entries above the threshold (a 0-d tensor)
         self.above = above
-        self._selected = self._selected + above.clamp_max(capacity)  # what fits is sent
-        self._above = self._above + above
+        self._counts = self._counts + above.clamp_max(self._bounds_of(capacity, above.device))
         self._elements += flat.numel()
         # a slot left over holds an entry below the threshold, finite: times False it is 0
         return [flat.index_select(0, indices).mul_(sent), indices.to(torch.int32)]
@@ -171,14 +173,27 @@ class CapacitySparsifier(Sparsifier):
         values, indices = payload
         return self.positions(indices, bucket), values != 0
 
+    def _bounds_of(self, capacity: int, device: torch.device) -> Tensor:
+        """``[no bound, C]``: clamped by it, a count becomes itself and the part of it that fits,
+        both summed in one more launch (made once per capacity)."""
+        key = (capacity, device)
+        if key not in self._bounds:
+            bounds = self._bounds[key] = torch.full((2,), capacity, dtype=torch.int64, device=device)
+            bounds[0] = torch.iinfo(torch.int64).max
+        return self._bounds[key]
+
     def pop_metrics(self) -> dict[str, float | Tensor]:
-        overflow = self._above - self._selected  # entries above the threshold that did not fit
+        if not self._elements:
+            return {}
+        above, self._selected = self._counts  # what fits is sent
         metrics = super().pop_metrics()
-        if metrics:
-            metrics["overflow"] = overflow
-        self._above = 0
+        metrics["overflow"] = above - self._counts[1]
+        self._counts = 0
         return metrics
 
+
+#: DGC's sample holds at least this many entries above its threshold (see :class:`DGC`)
+SAMPLED_ABOVE = 100
 
 CAPACITY_OF_K = Option(1.3, float, low=1.0, help="payload slots C as a multiple of k (DGC's upper bound 1.3k)")
 
@@ -209,11 +224,17 @@ class Threshold(CapacitySparsifier):
 class DGC(CapacitySparsifier):
     """Deep Gradient Compression's selection (Lin et al., ICLR 2018): estimate the top-δ threshold
     from a random sample of ``|g|`` (``sample_ratio`` of the bucket, at least ``min_sample``
-    elements, all of them for small buckets); while the count of ``|g| ≥ thr`` is outside
-    ``[0.7k, 1.3k]``, scale ``thr`` by 1.3 or 0.7 (``adjust_rounds`` times; the counts stay on the
-    device); send what the first threshold in the window (else the last) selects, at most
-    ``C = ⌈capacity · k⌉`` entries, the largest (:class:`CapacitySparsifier`). Pair it with
-    ``memory='dgc'`` (momentum correction, masking).
+    elements and at least ``SAMPLED_ABOVE / δ``, all of them for small buckets) and send what it
+    selects, at most ``C = ⌈capacity · k⌉`` entries, the largest (:class:`CapacitySparsifier`):
+    the paper's hierarchical selection, a top-k over what the sampled threshold selects when it
+    selects too many. Pair it with ``memory='dgc'`` (momentum correction, masking).
+
+    The count above the threshold is ``k`` within sampling error: the fraction of the bucket above
+    the ``m``-th largest of a random sample has relative spread ``1/√m``, so with ``m ≥ 100`` sampled
+    entries above it the count falls in ``[0.7k, 1.3k]`` with probability about 0.997. GRACE's
+    implementation instead corrects the threshold afterwards, scaling it by 1.3 or 0.7 while the
+    count lies outside that window; ``adjust_rounds`` (default 0) runs that many such rounds, each
+    a pass over the bucket and seven small launches (the counts stay on the device).
 
     Density warm-up (the paper's exponential schedule from 25% to δ): with ``warmup_steps`` > 0 the
     density at step ``s`` is ``0.25 · (δ/0.25)^(s/warmup_steps)`` until ``warmup_steps``.
@@ -223,7 +244,7 @@ class DGC(CapacitySparsifier):
         "density": DENSITY,
         "sample_ratio": Option(0.01, float, low=0.0, high=1.0, low_open=True),
         "min_sample": Option(4096, int, low=1),
-        "adjust_rounds": Option(3, int, low=0),
+        "adjust_rounds": Option(0, int, low=0, help="GRACE's threshold adjustment rounds"),
         "capacity": CAPACITY_OF_K,
         "warmup_steps": Option(0, int, low=0, help="steps of exponential density warm-up (0: off)"),
         "seed": SEED,
@@ -249,14 +270,16 @@ class DGC(CapacitySparsifier):
         n = magnitudes.numel()
         density = self.density_now()
         k = keep_count(density, n)
-        samples = min(n, max(self.options["min_sample"], math.ceil(self.options["sample_ratio"] * n)))
+        least = max(self.options["min_sample"], math.ceil(SAMPLED_ABOVE / density))
+        samples = min(n, max(least, math.ceil(self.options["sample_ratio"] * n)))
         if samples >= n:
             sample = magnitudes
         else:
             generator = self.generator(bucket, magnitudes.device, shared=False)
             positions = torch.randint(n, (samples,), device=magnitudes.device, generator=generator)
             sample = magnitudes.index_select(0, positions)
-        threshold = torch.topk(sample, keep_count(density, samples), sorted=False).values.min()
+        # the k_s-th largest of the sample: its (samples − k_s + 1)-th smallest, in one selection
+        threshold = torch.kthvalue(sample, samples - keep_count(density, samples) + 1).values
         rounds = self.options["adjust_rounds"]
         if kernels.in_host_memory(magnitudes.device):  # a count costs no device wait: stop at the first fit
             for round_ in range(rounds + 1):

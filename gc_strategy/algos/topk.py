@@ -124,7 +124,7 @@ class TopK(Sparsifier):
     def positions(self, indices: Tensor, bucket: Bucket) -> Tensor:
         """In-chunk indices plus their chunk's start: one add over the ranks' indices at once."""
         if not self.options["chunk"]:
-            return indices.long()
+            return indices
         key = (bucket.index, bucket.numel, indices.device)
         if key not in self._offsets:
             full, kept, rest, rest_kept = self._layout(bucket.numel)
@@ -137,4 +137,4 @@ class TopK(Sparsifier):
                 [starts, torch.full((rest_kept,), full * self.options["chunk"], device=indices.device)]
             )
         offsets = self._offsets[key]
-        return (indices.long().view(-1, offsets.numel()) + offsets).view(-1)
+        return (indices.view(-1, offsets.numel()) + offsets).view(-1)  # promoted to int64 by the add

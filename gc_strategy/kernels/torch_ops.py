@@ -29,10 +29,11 @@ def select_above(
     magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The top ``capacity`` of the magnitudes with those not above the threshold keyed −1: one
-    top-k, no size read back (NaN is never below, so it is selected)."""
+    top-k, whose values flag the slots (those not −1), no size read back (NaN is never below, so
+    it is selected)."""
     below = magnitudes <= threshold if strict else magnitudes < threshold
-    positions = torch.topk(magnitudes.masked_fill_(below, -1.0), capacity, sorted=False).indices
-    return positions, below.index_select(0, positions).logical_not_(), magnitudes.numel() - below.sum()
+    keys, positions = torch.topk(magnitudes.masked_fill_(below, -1.0), capacity, sorted=False)
+    return positions, keys != -1.0, magnitudes.numel() - below.sum()
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
