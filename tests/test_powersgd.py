@@ -8,7 +8,7 @@ from compressor_helpers import build, finish
 from torch import nn
 
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
-from gc_strategy.algos.factors import orthogonalize
+from gc_strategy.algos.factors import normalize_columns, orthogonalize
 from gc_strategy.bucket import Bucket
 from gc_strategy.ranks import run_ranks
 
@@ -74,6 +74,22 @@ def test_orthogonalize_gives_orthonormal_columns():
     q = orthogonalize(batch.clone())
     eye = torch.eye(4).expand(3, 4, 4)
     assert torch.allclose(q.transpose(1, 2) @ q, eye, atol=1e-5)
+
+
+def test_a_normalised_q_gives_the_p_of_an_orthonormalised_one():
+    """orth(M · normalise(Q)) = orth(M · orth(Q)), computed in float64, for a warm-started Q = Mᵀ P
+    (columns of very different scales, not orthogonal) and for a Gaussian one; a zero column (a
+    matrix of lower rank in a padded batch) stays zero."""
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(4, 30, 20, generator=g, dtype=torch.float64) * torch.logspace(0, -3, 20, dtype=torch.float64)
+    p = orthogonalize(torch.randn(4, 30, 3, generator=g, dtype=torch.float64))
+    for q in (m.transpose(1, 2) @ p, torch.randn(4, 20, 3, generator=g, dtype=torch.float64)):
+        expected = orthogonalize(m @ orthogonalize(q.clone()))
+        torch.testing.assert_close(orthogonalize(m @ normalize_columns(q)), expected, rtol=0, atol=1e-10)
+    padded = torch.randn(2, 20, 3, generator=g)
+    padded[:, :, 2] = 0
+    assert normalize_columns(padded)[:, :, 2].eq(0).all()
+    torch.testing.assert_close(normalize_columns(padded)[:, :, :2].norm(dim=1), torch.ones(2, 2))
 
 
 def test_rank_clamping_and_the_compression_rule():
