@@ -44,7 +44,9 @@ Semantics, those of ``DistributedDataParallel``:
 - Where the averaged bucket has the parameter's dtype, ``.grad`` becomes a view of it (no copy-out;
   like DDP's ``gradient_as_bucket_view``): the gradients of a bucket share one storage, the
   bucket's own gradient buffer (the exchange writes its average there), which the next backward
-  writes again.
+  writes again. Gradients kept from step to step (``zero_grad(set_to_none=False)``) then
+  accumulate in their bucket, and the next synchronised backward gathers them with no copy at
+  all; gradients set to None arrive as new tensors, each copied into its bucket once.
 """
 
 from __future__ import annotations
@@ -209,7 +211,9 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         if self.ready_order is None:
             self._recorded.append(self.names[index])
         b, slot = self._slot[index]
-        self.views[b][slot].copy_(param.grad)
+        view = self.views[b][slot]
+        if param.grad.data_ptr() != view.data_ptr():  # else it accumulated in its bucket already
+            view.copy_(param.grad)
         self._pending[b] -= 1
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
             self._launch(self._next_launch)

@@ -271,6 +271,37 @@ def test_gradients_become_views_of_the_averaged_buckets_and_still_accumulate():
     assert len(storages) == len(synchronizer.buckets) == 2
 
 
+def test_gradients_kept_between_steps_accumulate_in_their_bucket_with_no_copy():
+    """zero_grad(set_to_none=False): once the buckets are built in the recorded order (after the
+    first step), each gradient accumulates in its bucket (its .grad is the bucket's view), and a
+    synchronised backward copies nothing into the buckets; the gradients equal plain backward's
+    (world size 1). With set_to_none, one copy each."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from op_recorder import OpRecorder
+
+    torch.manual_seed(0)
+    reference, model = SmallCNN(), SmallCNN()
+    model.load_state_dict(reference.state_dict())
+    _synchronizer(model, fusion="groups:2")
+    copies = []
+    for step in range(5):
+        x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+        for m in (reference, model):
+            m.zero_grad(set_to_none=step == 4)
+        reference(x).square().mean().backward()
+        loss = model(x).square().mean()
+        with OpRecorder() as ops:
+            loss.backward()
+        copies.append(ops.launches["copy_"])
+        for a, b in zip(reference.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    tensors = len(list(model.parameters()))
+    assert copies == [tensors, tensors, 0, 0, tensors], copies
+
+
 class EventAllReduce(AllReduce):
     """Records, for each collective, how many gradients were ready when it was issued and whether it
     was marked eager."""
