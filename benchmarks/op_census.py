@@ -9,7 +9,8 @@ left out). One process, world size 1 (the collectives launch nothing), ``bucket_
 - per model (torchvision ResNet-50, ``transformers`` BERT-base): the ops of plain backward, and
   what each compressor with its usual memory adds to them (the mean over ``--steps`` steps after
   the two that record the gradient order and build the buckets), with the ops that make a GPU host
-  wait;
+  wait; and what ``none`` adds where the gradients are kept from step to step, which then
+  accumulate in their buckets;
 - growth with the tensor count: the ops ``none`` and each compressor add for MLPs of 8, 32 and 128
   layers (the last fills two buckets: the first bucket is small, as DDP's), and per bucket the ops
   beyond the one copy per tensor that gathers the gradients: the same at every size where the work
@@ -39,9 +40,12 @@ LAYERS = (8, 32, 128)
 WARMUP = 2
 
 
-def census(model: nn.Module, loss_fn, compressor: str | None, steps: int) -> tuple[float, dict[str, int], int]:
+def census(
+    model: nn.Module, loss_fn, compressor: str | None, steps: int, keep_grads: bool = False
+) -> tuple[float, dict[str, int], int]:
     """Mean kernel-launching ops per step of backward with ``compressor`` synchronising (None: plain
-    backward), the waits seen, and the synchroniser's bucket count."""
+    backward), the waits seen, and the synchroniser's bucket count; the gradients set to None
+    before each backward, or zeroed in place (``keep_grads``)."""
     synchronizer = None
     if compressor is not None:
         memory, options = USUAL.get(compressor, ("none", {}))
@@ -49,7 +53,7 @@ def census(model: nn.Module, loss_fn, compressor: str | None, steps: int) -> tup
         synchronizer = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
     counts, waits = [], {}
     for step in range(WARMUP + steps):
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=not keep_grads)
         loss = loss_fn()
         with OpRecorder() as ops:
             loss.backward()
@@ -101,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"{added[compressor] - added['none']:+.0f} | {waiting} |"
                 )
                 print(lines[-1], f"({time.perf_counter() - started:.1f} s)", flush=True)
+            kept = census(model, loss_fn, "none", args.steps, keep_grads=True)[0]
+            kept -= census(model, loss_fn, None, args.steps, keep_grads=True)[0]
+            lines.append(f"\n`none` with the gradients kept (`zero_grad(set_to_none=False)`) adds {kept:.0f} ops.")
+            print(lines[-1], flush=True)
         lines += [
             f"\n### Growth with the tensor count: MLPs of {', '.join(map(str, LAYERS))} layers\n",
             "| compressor | ops added at " + " / ".join(f"{2 * n}" for n in LAYERS) + " tensors | buckets "
