@@ -193,6 +193,32 @@ def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_betwee
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_sidco_adapts_its_stages_on_cuda_without_a_host_sync():
+    """adapt_every=1: each step applies the count the last one measured (read from pinned memory
+    behind an event) and measures anew, under ``set_sync_debug_mode("error")``; the stage counts
+    are the CPU's, step by step."""
+    from compressor_helpers import bucket, build
+
+    heavy = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).exp()  # one stage selects too many
+    host, device = (build("sidco", density=0.01, stages=1, adapt_every=1) for _ in range(2))
+    on_cuda = Bucket(0, ["p0"], [torch.Size([100_000])], torch.float32, torch.device("cuda"))
+    counts = {"cpu": [], "cuda": []}
+    for step in range(6):
+        host.begin_step(step)
+        host.encode(heavy, bucket(100_000))
+        counts["cpu"].append(host.stage_counts["p0"])
+        device.begin_step(step)
+        g = heavy.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            device.encode(g, on_cuda)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        counts["cuda"].append(device.stage_counts["p0"])
+    assert counts["cuda"] == counts["cpu"] and counts["cpu"][-1] > 1, counts
+
+
 # ---------------------------------------------------------------- no host synchronisation in a step
 from compressor_helpers import STEP_CONFIGS, STEP_OPTIONS  # noqa: E402
 
