@@ -185,9 +185,10 @@ class CapacitySparsifier(Sparsifier):
     def pop_metrics(self) -> dict[str, float | Tensor]:
         if not self._elements:
             return {}
-        above, self._selected = self._counts  # what fits is sent
+        above, selected = self._counts
+        self._selected = selected  # what fits is sent
         metrics = super().pop_metrics()
-        metrics["overflow"] = above - self._counts[1]
+        metrics["overflow"] = above - selected  # entries above the threshold that did not fit
         self._counts = 0
         return metrics
 
