@@ -197,6 +197,30 @@ def test_a_buckets_work_on_the_accelerators_path_does_not_grow_with_its_tensors(
     assert not grown, grown
 
 
+def test_every_compressor_keeps_to_its_launch_budget_on_resnet50():
+    """Along the accelerator's code path, on torchvision's ResNet-50 (161 tensors, 5 buckets of
+    25 MB), each compressor with its usual memory: ``none`` adds at most 200 kernel launches to
+    plain backward, every other compressor at most 150 more than ``none``, PowerSGD and ACP-SGD at
+    most 300 more; and none makes the host wait."""
+    import op_census
+    from compression_costs import model_and_loss
+
+    from gc_strategy import COMPRESSORS, kernels
+
+    over = {}
+    with kernels.forced("torch"):
+        model, loss = model_and_loss("resnet50", batch=2, image_size=32, device=torch.device("cpu"))
+        plain = op_census.census(model, loss, None, 1)[0]
+        added = {}
+        for name in ["none", *[n for n in COMPRESSORS.names() if n != "none"]]:
+            ops, waits, _ = op_census.census(model, loss, name, 1)
+            added[name] = ops - plain
+            budget = 200 if name == "none" else added["none"] + (300 if name in ("powersgd", "acpsgd") else 150)
+            if added[name] > budget or waits:
+                over[name] = (added[name], budget, dict(waits))
+    assert not over, over
+
+
 def test_the_step_overhead_times_torch_s_hooks_and_bf16_autocast_beside_the_synchroniser():
     """Under bf16 autocast on the CPU, DDP with torch's fp16, bf16 and PowerSGD hooks and a
     compressor each get a row with a step time, beside plain training."""
