@@ -179,7 +179,7 @@ class CapacitySparsifier(Sparsifier):
         key = (capacity, device)
         if key not in self._bounds:
             bounds = self._bounds[key] = torch.full((2,), capacity, dtype=torch.int64, device=device)
-            bounds[0] = torch.iinfo(torch.int64).max
+            bounds[:1].fill_(torch.iinfo(torch.int64).max)  # a fill: an item assignment would copy from the host
         return self._bounds[key]
 
     def pop_metrics(self) -> dict[str, float | Tensor]:
@@ -279,8 +279,9 @@ class DGC(CapacitySparsifier):
             generator = self.generator(bucket, magnitudes.device, shared=False)
             positions = torch.randint(n, (samples,), device=magnitudes.device, generator=generator)
             sample = magnitudes.index_select(0, positions)
-        # the k_s-th largest of the sample: its (samples − k_s + 1)-th smallest, in one selection
-        threshold = torch.kthvalue(sample, samples - keep_count(density, samples) + 1).values
+        # the k_s-th largest of the sample: the last of its top k_s, sorted (a view: no reduction
+        # after the selection; CUDA's kthvalue would select in one block)
+        threshold = torch.topk(sample, keep_count(density, samples)).values[-1]
         rounds = self.options["adjust_rounds"]
         if kernels.in_host_memory(magnitudes.device):  # a count costs no device wait: stop at the first fit
             for round_ in range(rounds + 1):
