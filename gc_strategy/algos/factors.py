@@ -22,16 +22,21 @@ def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
     All of it is batched: ``4(r − 1)`` small ``bmm`` and ``r`` norms for the whole batch, however
     many matrices, where a QR per batch runs one solver call per matrix.
     """
-    tiny = torch.finfo(matrices.dtype).tiny
     for i in range(matrices.shape[2]):
         col = matrices[:, :, i : i + 1]
         if i:
             done = matrices[:, :, :i]
             for _ in range(2):  # col ← col − D (Dᵀ col): two launches
                 col.baddbmm_(done, torch.bmm(done.transpose(1, 2), col), alpha=-1)
-        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        col /= norm + epsilon if epsilon > 0 else norm.clamp_min(tiny)
+        col /= _column_divisors(col, epsilon)
     return matrices
+
+
+def _column_divisors(matrices: Tensor, epsilon: float) -> Tensor:
+    """``‖col‖ + ε`` of each column of a batch ``[b, n, r]``; with ``ε = 0`` the norm, at least the
+    dtype's smallest normal number, so that a zero column divided by it stays zero."""
+    norms = torch.linalg.vector_norm(matrices, dim=1, keepdim=True)
+    return norms + epsilon if epsilon > 0 else norms.clamp_min(torch.finfo(matrices.dtype).tiny)
 
 
 def normalize_columns(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
@@ -46,8 +51,7 @@ def normalize_columns(matrices: Tensor, epsilon: float = 0.0) -> Tensor:
     scale. A warm-started ``Q = Mᵀ P`` with ``P`` orthonormal has nearly orthogonal columns of
     scales ``σ_i``; normalised, they condition ``M Q`` as well as orthonormal ones would.
     """
-    norms = torch.linalg.vector_norm(matrices, dim=1, keepdim=True)
-    return matrices / (norms + epsilon if epsilon > 0 else norms.clamp_min(torch.finfo(matrices.dtype).tiny))
+    return matrices / _column_divisors(matrices, epsilon)
 
 
 #: CPU only: per (factor, batch shape, rank), whether the product is faster with the factor on the left
