@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one call on one borrowed NVIDIA GPU, about 5 to 6 minutes, offline, with only torch,
+# The GPU check: one call on one borrowed NVIDIA GPU, at most 5 minutes, offline, with only torch,
 # torchvision, lightning, triton, cupy and pytest installed (gc_strategy runs from this checkout).
 #
 #   bash benchmarks/gpu_check.sh            # writes $OUT/gpu_check.md (or ./gpu_check.md)
@@ -7,23 +7,32 @@
 #
 # 1. the CUDA tests: every compressor on a CUDA bucket against the CPU, the Triton kernels, and a
 #    synchronised step of every compressor and memory under torch.cuda.set_sync_debug_mode("error");
-# 2. the time each configuration adds to a step over plain training, next to torch DDP alone and
-#    with its fp16, bf16 and PowerSGD hooks, interleaved in one process: ResNet-50 (batch 64) in
-#    fp32 (every compressor) and under bf16 autocast, BERT-base (batch 32) in fp32, and each
-#    configuration's CUDA runtime calls per step: launches, copies and host synchronisations
-#    (benchmarks/step_overhead.py, --calls);
+# 2. the time each configuration adds to a step over plain training, next to a second copy of plain
+#    training (the control) and torch DDP alone and with its fp16, bf16 and PowerSGD hooks,
+#    interleaved in one process: ResNet-50 (batch 64) in fp32 (every compressor) and under bf16
+#    autocast, BERT-base (batch 32) in fp32 (benchmarks/step_overhead.py); in fp32 also a trace of
+#    two steps of each configuration: the device's busy and idle time, the side stream's, the
+#    synchroniser's host time and the CUDA runtime calls (--profile, benchmarks/step_profile.py);
 # 3. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
 #    buckets, with each one's top kernels (benchmarks/compression_costs.py --profile).
-# Each part has its own time limit, so that one that hangs still leaves the others' results.
+# Each part has its own time limit, cut to what is left of the check's 290 s, so that one that
+# hangs still leaves the others' results and the check ends within its 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report="${OUT:-.}/gpu_check.md"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python=python3
 
+budget=290
 part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in the report
     local title=$1 seconds=$2
     shift 2
+    local left=$((budget - SECONDS))
+    ((seconds > left)) && seconds=$left
+    if ((seconds < 10)); then
+        echo "## $title: not run, the check's $budget s are spent" >>"$report"
+        return
+    fi
     echo "## $title" >>"$report"
     echo >>"$report"
     echo "\`$*\`" >>"$report"
@@ -52,14 +61,13 @@ compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual q
 every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+residual onebit+residual signsgd signum terngrad natural)
 part "CUDA tests" 90 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-part "Time added to a ResNet-50 step (batch 64, fp32)" 120 $python benchmarks/step_overhead.py \
-    --rounds 3 --steps 8 --warmup 12 --compressors "${every[@]}"
-part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 75 $python benchmarks/step_overhead.py \
-    --autocast bf16 --rounds 3 --steps 10 --warmup 12 --compressors "${compressors[@]}"
-part "Time added to a BERT-base step (batch 32, fp32)" 75 $python benchmarks/step_overhead.py \
-    --model bert-base --batch 32 --rounds 2 --steps 8 --warmup 12 --compressors "${compressors[@]}"
-part "CUDA runtime calls per ResNet-50 step (fp32; read the second table)" 60 $python benchmarks/step_overhead.py \
-    --rounds 1 --steps 1 --warmup 12 --calls --compressors "${compressors[@]}"
+part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 110 \
+    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 45 --profile \
+    --compressors "${every[@]}"
+part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 60 $python benchmarks/step_overhead.py \
+    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 25 --compressors "${compressors[@]}"
+part "Time added to a BERT-base step (batch 32, fp32)" 60 $python benchmarks/step_overhead.py \
+    --model bert-base --batch 32 --rounds 6 --steps 4 --warmup 12 --seconds 25 --compressors "${compressors[@]}"
 part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \
     --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3 --profile
 echo "report: $report"

@@ -11,9 +11,11 @@ stream (CUDA), and any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY`` wi
 options. One process holds every configuration (same initial weights); they run interleaved round by round (A B C ...
 A B C ...) so that clock and thermal drift hit all alike; a step is timed from its start to the
 end of the optimizer step (``torch.cuda.synchronize`` on a GPU). Reported: median step time, its
-ratio to ``plain``, and the exposed time (median minus plain's). On a GPU, ``--calls`` also counts
-the CUDA runtime calls of a step under torch's profiler (CUPTI sees every thread): kernel launches,
-copies and fills, and host synchronisations (``*Synchronize`` and blocking ``cudaMemcpy``).
+ratio to ``plain``, and the exposed time (median minus plain's); ``plain, control`` is a second
+copy of plain training, so its exposed time is the noise of the measurement. On a GPU,
+``--profile`` then traces two steps of each configuration under torch's profiler
+(:mod:`step_profile`): the device's busy and idle time within the step, the side stream's time,
+the synchroniser's host time, and the CUDA runtime calls (launches, copies, host synchronisations).
 
     python benchmarks/step_overhead.py --rounds 10 --steps 20                     # ResNet-50 on the GPU
     python benchmarks/step_overhead.py --device cpu --model resnet18 --image-size 32 --batch 32 \
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import collections
 import copy
 import functools
 import importlib
@@ -42,12 +43,12 @@ import tarfile
 import tempfile
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from cli import add_device_option, integer_at_least
+from step_profile import profile_steps, table
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -59,6 +60,7 @@ from gc_strategy import build_components
 #: name -> (compressor, memory, fusion, side stream); None: no synchroniser
 CONFIGS = {
     "plain": None,
+    "plain, control": None,
     "ddp": None,
     "ddp fp16 hook": None,
     "ddp bf16 hook": None,
@@ -150,30 +152,6 @@ def compressor_config(spec: str) -> tuple[str, tuple]:
     return f"gc {spec}", (compressor, memory or "none", "bucket_mb:25", True, options)
 
 
-def runtime_calls(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
-    """CUDA runtime calls per step of ``step``: kernel launches (Triton's and cuBLAS' through the
-    driver API too), copies and fills, and the calls that make the host wait for the device."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-    counts: collections.Counter = collections.Counter()
-    for event in prof.key_averages():
-        name = event.key
-        if not name.startswith("cu"):
-            continue
-        if "Synchronize" in name or name == "cudaMemcpy":
-            counts["host syncs"] += event.count
-        elif "Launch" in name:
-            counts["kernel launches"] += event.count
-        elif "Memcpy" in name or "Memset" in name:
-            counts["copies and fills"] += event.count
-    torch.cuda.synchronize()
-    return {kind: counts[kind] / steps for kind in ("kernel launches", "copies and fills", "host syncs")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(parser)
@@ -184,6 +162,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=integer_at_least(1), default=10)
     parser.add_argument("--steps", type=integer_at_least(1), default=20)
     parser.add_argument("--warmup", type=integer_at_least(0), default=10)
+    parser.add_argument(
+        "--seconds", type=integer_at_least(0), default=0, help="start no round after this many seconds (0: no limit)"
+    )
     parser.add_argument(
         "--configs",
         nargs="*",
@@ -197,14 +178,14 @@ def main() -> None:
         metavar="NAME[+MEMORY][:OPTION=INTEGER,...]",
         help="more synchronised configurations, e.g. topk+residual qsgd topk+residual:chunk=256",
     )
-    parser.add_argument("--calls", action="store_true", help="count CUDA runtime calls per step (GPU only)")
+    parser.add_argument("--profile", action="store_true", help="trace two steps of each configuration (GPU only)")
     parser.add_argument("--against", metavar="REV", help="also run the synchronised configurations at git REV")
     parser.add_argument(
         "--autocast", choices=["none", "bf16"], default="none", help="run the forward under bf16 autocast"
     )
     args = parser.parse_args()
-    if args.calls and args.device != "cuda":
-        parser.error("--calls counts CUDA runtime calls; it needs --device cuda")
+    if args.profile and args.device != "cuda":
+        parser.error("--profile traces the device's work; it needs --device cuda")
     if args.configs is None:
         args.configs = [name for name in CONFIGS if args.device == "cuda" or "compute stream" not in name]
     configs = {name: CONFIGS[name] for name in args.configs}
@@ -250,19 +231,25 @@ def main() -> None:
         synchronize()
         return time.perf_counter() - start
 
+    host: dict[str, list[float]] = {name: [] for name, (_, _, keep) in runs.items() if keep is not None}
     for model, optimizer, _ in runs.values():
         for _ in range(args.warmup):
             step(model, optimizer)
-    for _ in range(args.rounds):
-        for name, (model, optimizer, _) in runs.items():
-            times[name] += [step(model, optimizer) for _ in range(args.steps)]
+    started, rounds = time.perf_counter(), 0
+    while rounds < args.rounds and not (args.seconds and time.perf_counter() - started > args.seconds):
+        rounds += 1
+        for name, (model, optimizer, keep) in runs.items():
+            for _ in range(args.steps):
+                times[name].append(step(model, optimizer))
+                if keep is not None:  # the synchroniser's host time in this step
+                    host[name].append(keep.telemetry.last.encode_s + keep.telemetry.last.decode_s)
     plain = statistics.median(times["plain"]) if "plain" in times else None
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
     inputs = "128 tokens" if args.model == "bert-base" else f"{args.image_size}x{args.image_size}"
     print(
         f"\n{args.model}, {inputs}, batch {args.batch}, autocast {args.autocast}, {device}, "
         f"torch {torch.__version__}; "
-        f"{args.rounds} rounds x {args.steps} steps\n"
+        f"{rounds} rounds x {args.steps} steps\n"
     )
     print("| configuration | median step (ms) | / plain | exposed (ms) |")
     print("|---|---|---|---|")
@@ -271,13 +258,11 @@ def main() -> None:
         ratio = f"{median / plain:.3f}" if plain else "-"
         exposed = f"{1000 * (median - plain):.2f}" if plain else "-"
         print(f"| {name} | {1000 * median:.2f} | {ratio} | {exposed} |")
-    if args.calls:
-        calls = {name: runtime_calls(functools.partial(train, *runs[name][:2])) for name in configs}
-        print("\nCUDA runtime calls per step (mean of 3 steps under torch's profiler)\n")
-        print("| configuration | kernel launches | copies and fills | host syncs |")
-        print("|---|---|---|---|")
-        for name, counts in calls.items():
-            print(f"| {name} | {' | '.join(f'{value:.0f}' for value in counts.values())} |")
+    if args.profile:
+        profiles = profile_steps({name: functools.partial(train, *runs[name][:2]) for name in configs})
+        host_ms = {name: 1000 * statistics.median(samples) for name, samples in host.items()}
+        print("\nTwo steps of each under torch's profiler, medians in ms (see benchmarks/step_profile.py)\n")
+        print(table(profiles, host_ms))
     dist.destroy_process_group()
 
 
