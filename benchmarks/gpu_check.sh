@@ -13,7 +13,9 @@
 #    autocast, BERT-base (batch 32) in fp32 (benchmarks/step_overhead.py); in fp32 also a trace of
 #    two steps of each configuration: the device's busy and idle time, the side stream's, the
 #    synchroniser's host time and the CUDA runtime calls (--profile, benchmarks/step_profile.py);
-# 3. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
+# 3. the kernel layer's hot operations in each variant, torch, Triton and CuPy's counterparts
+#    (benchmarks/kernel_variants.py);
+# 4. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
 #    buckets, with each one's top kernels (benchmarks/compression_costs.py --profile).
 # Each part has its own time limit, cut to what is left of the check's 290 s, so that one that
 # hangs still leaves the others' results and the check ends within its 5 minutes.
@@ -68,6 +70,8 @@ part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 60 $python bench
     --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 25 --compressors "${compressors[@]}"
 part "Time added to a BERT-base step (batch 32, fp32)" 60 $python benchmarks/step_overhead.py \
     --model bert-base --batch 32 --rounds 6 --steps 4 --warmup 12 --seconds 25 --compressors "${compressors[@]}"
+part "Kernel variants on 25.6 M elements: torch, Triton and CuPy" 25 $python benchmarks/kernel_variants.py \
+    --runs 5 --repeats 10
 part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \
     --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3 --profile
 echo "report: $report"

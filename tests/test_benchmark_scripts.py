@@ -239,3 +239,20 @@ def test_the_step_overhead_times_torch_s_hooks_and_bf16_autocast_beside_the_sync
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for name in [*configs, "gc topk+residual"]:
         assert float(rows[name].split("|")[2]) > 0, rows
+
+
+def test_the_kernel_variants_agree_and_are_timed_side_by_side_on_the_cpu(monkeypatch):
+    """On the CPU the torch and numpy variants of each operation are checked against each other
+    and timed; a variant whose output differs stops the run, naming it."""
+    import kernel_variants
+
+    from gc_strategy.kernels import numpy_ops
+
+    results = kernel_variants.measure(torch.device("cpu"), 4096, 0.01, runs=1, repeats=1)
+    assert len(results) == 4 and all(set(times) == {"torch", "numpy"} for times in results.values())
+    rows = kernel_variants.table(results).splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == list(results)
+    assert all(row.split("|")[-2].strip() in ("torch", "numpy") for row in rows)
+    monkeypatch.setattr(numpy_ops, "pack_bits", lambda codes, bits: torch.zeros(codes.numel() // 8, dtype=torch.uint8))
+    with pytest.raises(SystemExit, match="pack_signs: the numpy variant's output differs"):
+        kernel_variants.measure(torch.device("cpu"), 4096, 0.01, runs=1, repeats=1)
