@@ -8,8 +8,9 @@ bf16``, trains with: no synchronisation at all (``plain``), torch's DistributedD
 gradient synchroniser over fused buckets (``bucket_mb:25``): ``compressor=none`` and
 ``efsignsgd`` + residual memory, each with its exchanges on the side stream and on the compute
 stream (CUDA), and any ``--compressors`` given as ``NAME`` or ``NAME+MEMORY`` with their default
-options. One process holds every configuration (same initial weights); they run interleaved round by round (A B C ...
-A B C ...) so that clock and thermal drift hit all alike; a step is timed from its start to the
+options. One process holds every configuration (same initial weights); they run interleaved round by round, in
+a new order each round (A B C ... C A B ...), so that clock and thermal drift hit all alike and no
+configuration always follows the same one; a step is timed from its start to the
 end of the optimizer step (``torch.cuda.synchronize`` on a GPU). Reported: median step time, its
 ratio to ``plain``, and the exposed time (median minus plain's); ``plain, control`` is a second
 copy of plain training, so its exposed time is the noise of the measurement. On a GPU,
@@ -35,6 +36,7 @@ import functools
 import importlib
 import io
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -152,6 +154,29 @@ def compressor_config(spec: str) -> tuple[str, tuple]:
     return f"gc {spec}", (compressor, memory or "none", "bucket_mb:25", True, options)
 
 
+def exposure_table(times: dict[str, list[list[float]]]) -> str:
+    """Per configuration (``times``: seconds of each step, by round): the median step, its ratio
+    to plain's and the exposed time (the difference of the medians), and the range of the
+    exposed time over the rounds (each round's median against plain's in that round)."""
+    plain = [statistics.median(steps) for steps in times["plain"]] if "plain" in times else None
+    lines = [
+        "| configuration | median step (ms) | / plain | exposed (ms) | rounds' range (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rounds in times.items():
+        median = statistics.median(step for steps in rounds for step in steps)
+        if plain is None:
+            lines.append(f"| {name} | {1000 * median:.2f} | - | - | - |")
+            continue
+        overall = statistics.median(step for steps in times["plain"] for step in steps)
+        per_round = [1000 * (statistics.median(steps) - base) for steps, base in zip(rounds, plain)]
+        lines.append(
+            f"| {name} | {1000 * median:.2f} | {median / overall:.3f} | {1000 * (median - overall):.2f} | "
+            f"{min(per_round):.2f} to {max(per_round):.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(parser)
@@ -214,7 +239,7 @@ def main() -> None:
             if roles is not None:
                 configs[f"{args.against}: {name}"] = roles
                 runs[f"{args.against}: {name}"] = build(name, roles, reference, at_rev)
-    times: dict[str, list[float]] = {name: [] for name in configs}
+    times: dict[str, list[list[float]]] = {name: [] for name in configs}
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
 
     def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -237,27 +262,24 @@ def main() -> None:
             step(model, optimizer)
     started, rounds = time.perf_counter(), 0
     while rounds < args.rounds and not (args.seconds and time.perf_counter() - started > args.seconds):
+        order = list(runs)
+        random.Random(rounds).shuffle(order)  # no configuration always follows the same one
         rounds += 1
-        for name, (model, optimizer, keep) in runs.items():
+        for name in order:
+            model, optimizer, keep = runs[name]
+            times[name].append([])
             for _ in range(args.steps):
-                times[name].append(step(model, optimizer))
+                times[name][-1].append(step(model, optimizer))
                 if keep is not None:  # the synchroniser's host time in this step
                     host[name].append(keep.telemetry.last.encode_s + keep.telemetry.last.decode_s)
-    plain = statistics.median(times["plain"]) if "plain" in times else None
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
     inputs = "128 tokens" if args.model == "bert-base" else f"{args.image_size}x{args.image_size}"
     print(
         f"\n{args.model}, {inputs}, batch {args.batch}, autocast {args.autocast}, {device}, "
         f"torch {torch.__version__}; "
-        f"{rounds} rounds x {args.steps} steps\n"
+        f"{rounds} rounds x {args.steps} steps, in a new order each round\n"
     )
-    print("| configuration | median step (ms) | / plain | exposed (ms) |")
-    print("|---|---|---|---|")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        ratio = f"{median / plain:.3f}" if plain else "-"
-        exposed = f"{1000 * (median - plain):.2f}" if plain else "-"
-        print(f"| {name} | {1000 * median:.2f} | {ratio} | {exposed} |")
+    print(exposure_table(times))
     if args.profile:
         profiles = profile_steps({name: functools.partial(train, *runs[name][:2]) for name in configs})
         host_ms = {name: 1000 * statistics.median(samples) for name, samples in host.items()}

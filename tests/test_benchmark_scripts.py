@@ -256,3 +256,14 @@ def test_the_kernel_variants_agree_and_are_timed_side_by_side_on_the_cpu(monkeyp
     monkeypatch.setattr(numpy_ops, "pack_bits", lambda codes, bits: torch.zeros(codes.numel() // 8, dtype=torch.uint8))
     with pytest.raises(SystemExit, match="pack_signs: the numpy variant's output differs"):
         kernel_variants.measure(torch.device("cpu"), 4096, 0.01, runs=1, repeats=1)
+
+
+def test_the_exposed_time_is_the_difference_of_medians_and_its_range_is_per_round():
+    """Two rounds: plain takes 10 and 20 ms, a configuration 15 and 21 ms: exposed 3 ms (medians
+    18 against 15), per round 5 and 1 ms."""
+    from step_overhead import exposure_table
+
+    times = {"plain": [[0.010, 0.010], [0.020, 0.020]], "gc x": [[0.015, 0.015], [0.021, 0.021]]}
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in exposure_table(times).splitlines()[2:]}
+    assert [cell.strip() for cell in rows["gc x"]] == ["18.00", "1.200", "3.00", "1.00 to 5.00"]
+    assert [cell.strip() for cell in rows["plain"]] == ["15.00", "1.000", "0.00", "0.00 to 0.00"]
