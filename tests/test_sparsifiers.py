@@ -40,10 +40,20 @@ def test_topk_keeps_the_k_largest_magnitudes(case, density):
 
 
 def _sent_set(values, indices, n):
-    """The positions whose slots carry a value (fillers carry 0), checked distinct."""
-    assert indices.unique().numel() == indices.numel()
+    """The positions whose slots carry a value (fillers carry 0, at any position), checked distinct."""
+    carried = indices.long()[values != 0]
+    assert carried.unique().numel() == carried.numel()
     sent = torch.zeros(n, dtype=torch.bool)
-    sent[indices.long()[values != 0]] = True
+    sent[carried] = True
+    return sent
+
+
+def _largest_of_the_first(magnitudes, above, capacity):
+    """The sent set of a capacity sparsifier that overflows, written out: of the positions above
+    the threshold in bucket order, the first ``2C``; of them, the ``C`` with the largest magnitudes."""
+    first = above.nonzero().view(-1)[: 2 * capacity]
+    sent = torch.zeros(magnitudes.numel(), dtype=torch.bool)
+    sent[first[magnitudes[first].topk(capacity).indices]] = True
     return sent
 
 
@@ -58,8 +68,8 @@ def test_threshold_sends_the_entries_above_tau_that_fit_its_capacity():
     values, indices = compressor.encode(g, bucket(999))
     assert values.numel() == indices.numel() == 100
     sent = _sent_set(values, indices, 999)
-    largest = g.abs().sort(descending=True).indices[:100]
-    assert torch.equal(sent.nonzero().view(-1), largest.sort().values)  # the largest of those above τ
+    assert torch.equal(sent, _largest_of_the_first(g.abs(), above, 100))  # not the largest 100 of all 600
+    assert not torch.equal(sent, _sent_set(*g.abs().topk(100), 999))
     assert torch.equal(values[values != 0], g[indices.long()][values != 0])
     metrics = compressor.pop_metrics()
     assert int(metrics["overflow"]) == int(above.sum()) - 100
@@ -70,7 +80,7 @@ def test_threshold_sends_the_entries_above_tau_that_fit_its_capacity():
 def test_dgc_sends_a_threshold_set_of_about_k_within_its_capacity(n):
     """Plain reference: the threshold is the k_s-th largest of the same sample (the compressor's
     seed; at least max(4096, 100/δ) entries, the whole bucket when that is all of it); the sent set
-    is exactly |g| >= thr when it fits C = ceil(1.3 k) slots, else the C largest of it."""
+    is exactly |g| >= thr when it fits C = ceil(1.3 k) slots, else the C largest of its first 2C."""
     g = torch.randn(n) * torch.rand(n)  # heavier tails than a Gaussian
     compressor = build("dgc", density=0.01)
     b = bucket(n)
@@ -87,8 +97,7 @@ def test_dgc_sends_a_threshold_set_of_about_k_within_its_capacity(n):
     threshold = float(sample.topk(_k(0.01, samples)).values.min())
     above = g.abs() >= threshold
     count = int(above.sum())
-    largest = g.abs().topk(capacity)
-    expected = above if count <= capacity else _sent_set(largest.values, largest.indices, n)
+    expected = above if count <= capacity else _largest_of_the_first(g.abs(), above, capacity)
     assert 0.7 * k <= count <= 1.3 * k
     assert torch.equal(_sent_set(values, indices, n), expected)
     assert torch.equal(values[values != 0], g[indices.long()][values != 0])
@@ -428,3 +437,23 @@ def test_dgc_threshold_rounds_on_the_accelerators_path_equal_the_hosts():
         assert float(on_device) == float(on_host), seed
         moved += float(on_host) != float(unadjusted.threshold(magnitudes.clone(), b))
     assert moved >= 2, moved  # the rounds were exercised
+
+
+def test_a_capacity_payloads_repeated_fillers_change_nothing_on_the_accelerators_path():
+    """Under the torch variants a capacity payload's slots left over hold position 0, repeated,
+    and here position 0 is also sent: the decode is ``g`` where ``|g| > τ`` and 0 elsewhere, and
+    masking what was sent (DGC's memory: both rows of a ``[2, n]`` tensor) zeroes exactly there."""
+    from gc_strategy.algos.base import zero_at
+
+    g = torch.randn(1000)
+    g[0] = 5.0
+    above = g.abs() > 2.0  # about 46 entries, 200 slots
+    compressor = build("threshold", threshold=2.0, capacity=0.2)
+    b = bucket(1000)
+    with kernels.forced("torch"):
+        payload = compressor.encode(g, b)
+        assert int((payload[1] == 0).sum()) > 100 and bool(above[0])
+        assert torch.equal(compressor.decode(payload, b), torch.where(above, g, torch.zeros_like(g)))
+        state = torch.randn(2, 1000)
+        masked = zero_at(state.clone(), compressor.sent_positions(payload, b))
+    assert torch.equal(masked, torch.where(above, torch.zeros_like(state), state))

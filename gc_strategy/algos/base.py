@@ -218,13 +218,14 @@ def copy_if_shared(tensor: Tensor, others: Payload) -> Tensor:
 
 def zero_at(tensor: Tensor, positions: Tensor | tuple[Tensor, Tensor]) -> Tensor:
     """``tensor`` zeroed in place at ``positions`` of its last dimension (each row of a 2-D one):
-    integer indices, a bool mask of its length, or ``(indices, flags)``: the distinct integer
-    ``indices`` whose bool flag is set (a gather and a scatter of the indices alone, where a mask
-    would take passes over the whole tensor)."""
+    integer indices, a bool mask of its length, or ``(indices, flags)``: the integer ``indices``
+    whose bool flag is set (a gather and a scatter of the indices alone, where a mask would take
+    passes over the whole tensor). Flagged indices are distinct; unflagged ones may repeat any
+    index, so each flagged entry is subtracted from itself (``x − x = 0`` for finite ``x``) and
+    the unflagged add 0."""
     if isinstance(positions, tuple):
         indices, flags = positions
-        tensor[..., indices] = tensor.index_select(-1, indices).masked_fill_(flags, 0)
-        return tensor
+        return tensor.index_add_(-1, indices, tensor.index_select(-1, indices) * flags, alpha=-1)
     if positions.dtype == torch.bool:
         return tensor.masked_fill_(positions, 0)
     return tensor.index_fill_(-1, positions.long(), 0)

@@ -26,15 +26,21 @@ SEED = Option(0, int, low=0, help="seed of the random draws (mixed with step, bu
 
 
 def scatter(bucket: Bucket, positions: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
-    """The dense vector with ``values`` at the (distinct) ``positions``, zeros elsewhere (written
-    into ``out`` when given)."""
+    """The dense vector with ``values`` at ``positions``, zeros elsewhere (written into ``out`` when
+    given). A position may repeat where all but one of its values are 0 (a capacity payload's
+    slots left over): the values are added, so those zeros change nothing."""
     dense = zeros(bucket, values, out)
-    return dense.scatter_(0, positions.long(), values.to(dense.dtype))
+    return dense.index_add_(0, positions, values.to(dense.dtype))
 
 
 def zeros(bucket: Bucket, values: Tensor, out: Tensor | None) -> Tensor:
     """``out`` zeroed, or a new zero vector of the bucket's length in the dtype of ``values``."""
     return out.zero_() if out is not None else torch.zeros(bucket.numel, dtype=values.dtype, device=values.device)
+
+
+def joined(tensors: list[Tensor]) -> Tensor:
+    """The tensors concatenated; a single one as it is (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def keep_count(density: float, n: int) -> int:
@@ -114,8 +120,8 @@ class Sparsifier(_Positional):
         return self.positions(payload[-1], bucket), self.values_of(payload, bucket)
 
     def aggregate(self, gathered: list[Payload], bucket: Bucket, out: Tensor | None = None) -> Tensor:
-        values = torch.cat([self.values_of(p, bucket) for p in gathered])
-        indices = self.positions(torch.cat([p[-1] for p in gathered]), bucket)
+        values = joined([self.values_of(p, bucket) for p in gathered])
+        indices = self.positions(joined([p[-1] for p in gathered]), bucket)
         total = zeros(bucket, values, out)
         return total.index_add_(0, indices, values.to(total.dtype), alpha=1 / len(gathered))
 
@@ -129,9 +135,10 @@ class Sparsifier(_Positional):
 
 class CapacitySparsifier(Sparsifier):
     """Entries of ``|g|`` at or above a threshold (``above`` it where ``strict``), in a payload of
-    fixed capacity ``C``: the ``C`` largest of them (:func:`~gc_strategy.kernels.select_above`).
-    Slots left over carry other positions with the value 0; entries above the threshold that do not
-    fit stay in the error-feedback memory, counted as ``overflow``.
+    fixed capacity ``C``: all of them where they fit, else the ``C`` largest of the first ``2C``
+    of them in bucket order (:func:`~gc_strategy.kernels.select_above`). Slots left over carry a
+    position (possibly repeated) with the value 0; entries above the threshold that are not sent
+    stay in the error-feedback memory, counted as ``overflow``.
 
     Why: the size of a threshold's selection is known only on the device. Reading it on the host
     (``nonzero``, then a length exchange) makes the host wait for the device in every bucket of
@@ -142,11 +149,16 @@ class CapacitySparsifier(Sparsifier):
 
     strict = False
 
+    #: encodes whose counts are kept apart before they are summed into one
+    KEPT_COUNTS = 64
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        #: summed over encodes: the entries above the threshold, and of them those that fit
-        self._counts: int | Tensor = 0
+        #: per encode since the last metrics: the entries above the threshold, and of them those that fit
+        self._counts: list[Tensor] = []
         self._bounds: dict[tuple[int, torch.device], Tensor] = {}
+        #: per bucket, the slots of its last encode that carry a selected entry
+        self._flags: dict[int, Tensor] = {}
 
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float | Tensor:
         raise NotImplementedError
@@ -162,20 +174,23 @@ class CapacitySparsifier(Sparsifier):
         indices, sent, above = kernels.select_above(magnitudes, threshold, capacity, self.strict)
         #: this encode's count of entries above the threshold (a 0-d tensor)
         self.above = above
-        self._counts = self._counts + above.clamp_max(self._bounds_of(capacity, above.device))
+        self._flags[bucket.index] = sent
+        self._counts.append(above.clamp_max(self._bounds_of(capacity, above.device)))
+        if len(self._counts) > self.KEPT_COUNTS:  # metrics not read for a while
+            self._counts = [torch.stack(self._counts).sum(0)]
         self._elements += flat.numel()
-        # a slot left over holds an entry below the threshold, finite: times False it is 0
+        # a slot left over sends 0 (its position's entry times False; NaN where that entry is not
+        # finite, and the bucket's entries above the threshold then hold it too)
         return [flat.index_select(0, indices).mul_(sent), indices.to(torch.int32)]
 
     def sent_positions(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
-        """The slots' positions, each flagged where it carries a selected entry (a nonzero value; a
-        zero sent is a zero kept, alike for a memory that masks what was sent)."""
-        values, indices = payload
-        return self.positions(indices, bucket), values != 0
+        """The slots' positions, each flagged where this bucket's last encode put a selected entry
+        (the selection's mask, as DGC's masking reads it: also where the entry sent is 0)."""
+        return self.positions(payload[-1], bucket), self._flags[bucket.index]
 
     def _bounds_of(self, capacity: int, device: torch.device) -> Tensor:
-        """``[no bound, C]``: clamped by it, a count becomes itself and the part of it that fits,
-        both summed in one more launch (made once per capacity)."""
+        """``[no bound, C]``: clamped by it, a count becomes itself and the part of it that fits
+        (made once per capacity)."""
         key = (capacity, device)
         if key not in self._bounds:
             bounds = self._bounds[key] = torch.full((2,), capacity, dtype=torch.int64, device=device)
@@ -185,11 +200,11 @@ class CapacitySparsifier(Sparsifier):
     def pop_metrics(self) -> dict[str, float | Tensor]:
         if not self._elements:
             return {}
-        above, selected = self._counts
+        above, selected = torch.stack(self._counts).sum(0)
         self._selected = selected  # what fits is sent
         metrics = super().pop_metrics()
-        metrics["overflow"] = above - selected  # entries above the threshold that did not fit
-        self._counts = 0
+        metrics["overflow"] = above - selected  # entries above the threshold that were not sent
+        self._counts = []
         return metrics
 
 

@@ -63,10 +63,11 @@ def select_above(
     magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A fixed-capacity selection of the entries ``>= threshold`` (``>`` when ``strict``) or NaN:
-    ``capacity`` distinct int64 positions, the largest such entries first in priority and other
-    positions in the slots left over; a bool per slot, True where it holds such an entry; and
-    their count, a 0-d tensor (never read on the host off the host). ``magnitudes`` may be
-    overwritten."""
+    ``capacity`` int64 positions, all such entries where they fit, else the largest of the first
+    ``CANDIDATES · capacity`` of them in bucket order; a bool per slot, True where it holds such
+    an entry (those positions are distinct; the slots left over hold other positions, which may
+    repeat); and their count, a 0-d tensor (never read on the host off the host). ``magnitudes``
+    may be overwritten."""
     return _module(magnitudes).select_above(magnitudes, threshold, capacity, strict)
 
 

@@ -57,14 +57,16 @@ def select_above(
     magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One pass finds the entries above the threshold (their count is free on the host). More than
-    ``capacity``: the largest of them (``argpartition`` among them, NaN largest); fewer: the first
-    positions not among them fill the slots left over (a full top-k would cost ten times more)."""
+    ``capacity``: the largest of the first ``CANDIDATES · capacity`` of them, as the torch variant
+    (``argpartition`` among them, NaN largest); fewer: the first positions not among them fill the
+    slots left over (a full top-k would cost ten times more)."""
     selected = positions_at_least(magnitudes, threshold, strict)
     count = selected.numel()
     if count > capacity:
-        values = np.nan_to_num(magnitudes.numpy()[selected.numpy()], nan=np.inf)
-        keep = np.argpartition(values, count - capacity)[count - capacity :]
-        return selected[torch.from_numpy(keep)], torch.ones(capacity, dtype=torch.bool), torch.tensor(count)
+        candidates = selected[: torch_ops.CANDIDATES * capacity]
+        values = np.nan_to_num(magnitudes.numpy()[candidates.numpy()], nan=np.inf)
+        keep = np.argpartition(values, values.size - capacity)[values.size - capacity :]
+        return candidates[torch.from_numpy(keep)], torch.ones(capacity, dtype=torch.bool), torch.tensor(count)
     others = np.setdiff1d(np.arange(capacity + count), selected.numpy(), assume_unique=True)[: capacity - count]
     sent = torch.zeros(capacity, dtype=torch.bool)
     sent[:count] = True

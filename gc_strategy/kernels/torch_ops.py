@@ -25,15 +25,45 @@ def top_k(magnitudes: Tensor, k: int) -> Tensor:
     return torch.topk(magnitudes, min(k, magnitudes.numel()), sorted=False).indices
 
 
+#: a capacity selection looks at the first ``CANDIDATES · capacity`` entries above the threshold
+CANDIDATES = 2
+#: ``torch.nonzero_static`` runs on CUDA from torch 2.6 (on the CPU from 2.1)
+STATIC_COMPACTION_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
+
+
+def compacts(magnitudes: Tensor) -> bool:
+    """Whether ``torch.nonzero_static`` compacts ``magnitudes`` with this torch (on CUDA it takes
+    fewer than 2³¹ elements)."""
+    device = magnitudes.device
+    return device.type == "cpu" or (device.type == "cuda" and STATIC_COMPACTION_ON_CUDA and magnitudes.numel() < 2**31)
+
+
 def select_above(
     magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The top ``capacity`` of the magnitudes with those not above the threshold keyed −1: one
-    top-k, whose values flag the slots (those not −1), no size read back (NaN is never below, so
-    it is selected)."""
+    """The entries not below the threshold (NaN is never below), compacted in bucket order into
+    ``S = min(n, CANDIDATES · capacity)`` candidates by ``nonzero_static`` (a scan of the mask,
+    no size read back), then the top ``capacity`` of the candidates' magnitudes, those past the
+    count keyed −1: a top-k over ``S`` entries, not over the bucket. The slots whose key is −1
+    (unflagged) hold position 0, repeated. Where ``nonzero_static`` does not run (torch < 2.6 on
+    CUDA, or 2³¹ elements there), one top-k over the whole bucket, its entries below keyed −1."""
     below = magnitudes <= threshold if strict else magnitudes < threshold
-    keys, positions = torch.topk(magnitudes.masked_fill_(below, -1.0), capacity, sorted=False)
-    return positions, keys != -1.0, magnitudes.numel() - below.sum()
+    if not compacts(magnitudes):
+        keys, positions = torch.topk(magnitudes.masked_fill_(below, -1.0), capacity, sorted=False)
+        return positions, keys != -1.0, magnitudes.numel() - below.sum()
+    above = below.logical_not_()
+    size = min(magnitudes.numel(), CANDIDATES * capacity)
+    candidates = torch.nonzero_static(above, size=size, fill_value=0).view(-1)
+    count = above.sum()
+    keys = magnitudes.index_select(0, candidates).masked_fill_(_slots(size, magnitudes.device) >= count, -1.0)
+    keys, chosen = torch.topk(keys, capacity, sorted=False)
+    return candidates.index_select(0, chosen), keys != -1.0, count
+
+
+@functools.cache
+def _slots(size: int, device: torch.device) -> Tensor:
+    """``0, 1, …, size − 1`` (made once per size and device)."""
+    return torch.arange(size, device=device)
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
