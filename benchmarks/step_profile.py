@@ -21,7 +21,10 @@ from its start to the ``torch.cuda.synchronize`` that ends it, this module repor
 from __future__ import annotations
 
 import collections
+import json
+import os
 import statistics
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,7 +41,7 @@ class Event(NamedTuple):
 
     kind: str
     name: str
-    stream: int
+    stream: str
     start: int
     end: int
 
@@ -91,8 +94,8 @@ def host_call(name: str) -> str | None:
 def summarize(events: list[Event], start: int, end: int, closing_syncs: int = 0) -> StepProfile:
     """The profile of the step that ran from ``start`` to ``end`` (ns) among ``events``; the host
     synchronisations counted leave out ``closing_syncs``, those that end the step."""
-    per_stream: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-    names: dict[int, list[tuple[str, int, int]]] = collections.defaultdict(list)
+    per_stream: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    names: dict[str, list[tuple[str, int, int]]] = collections.defaultdict(list)
     calls: collections.Counter = collections.Counter()
     for event in events:
         if event.kind in DEVICE_WORK:
@@ -127,12 +130,22 @@ def summarize(events: list[Event], start: int, end: int, closing_syncs: int = 0)
 
 
 def events_of(profiler) -> list[Event]:
-    """The activities a finished ``torch.profiler.profile`` recorded, with user annotations as
-    kind ``"user_annotation"`` (the step marks)."""
-    return [
-        Event(e.activity_type(), e.name(), e.device_resource_id(), e.start_ns(), e.start_ns() + e.duration_ns())
-        for e in profiler.profiler.kineto_results.events()
-    ]
+    """The activities a finished ``torch.profiler.profile`` recorded, read from its Chrome trace,
+    whose categories are kineto's activity types in every torch this project supports (the
+    profiler's Python events name their activity types only in newer ones)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as file:
+            trace = json.load(file)
+    events = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        start, end = round(1000 * float(e["ts"])), round(1000 * (float(e["ts"]) + float(e.get("dur", 0))))
+        stream = e.get("args", {}).get("stream", e.get("tid", ""))
+        events.append(Event(e.get("cat", ""), e.get("name", ""), str(stream), start, end))
+    return events
 
 
 STEP_MARK = "step_profile: step"

@@ -26,19 +26,19 @@ def test_a_step_splits_into_device_work_idle_time_and_side_streams():
     (1 ms of it while the compute stream is idle); work outside the step is left out; the host
     launched three kernels, copied once, synchronised twice (one of them ends the step)."""
     events = [
-        Event("kernel", "conv", 7, 1 * MS, 5 * MS),
-        Event("kernel", "conv", 7, 6 * MS, 9 * MS),
-        Event("kernel", "topk", 13, 4 * MS, 6 * MS),
-        Event("gpu_memcpy", "Memcpy DtoD", 13, 6 * MS, 7 * MS),
-        Event("kernel", "next step", 7, 11 * MS, 12 * MS),
-        Event("cuda_runtime", "cudaLaunchKernel", 0, 0, 1),
-        Event("cuda_runtime", "cudaLaunchKernel", 0, 2 * MS, 2 * MS + 1),
-        Event("cuda_driver", "cuLaunchKernel", 0, 3 * MS, 3 * MS + 1),
-        Event("cuda_runtime", "cudaMemcpyAsync", 0, 3 * MS, 3 * MS + 1),
-        Event("cuda_runtime", "cudaStreamSynchronize", 0, 4 * MS, 5 * MS),
-        Event("cuda_runtime", "cudaDeviceSynchronize", 0, 9 * MS, 10 * MS),
-        Event("cuda_runtime", "cudaLaunchKernel", 0, 11 * MS, 11 * MS + 1),
-        Event("cpu_op", "aten::add", 0, 2 * MS, 3 * MS),
+        Event("kernel", "conv", "7", 1 * MS, 5 * MS),
+        Event("kernel", "conv", "7", 6 * MS, 9 * MS),
+        Event("kernel", "topk", "13", 4 * MS, 6 * MS),
+        Event("gpu_memcpy", "Memcpy DtoD", "13", 6 * MS, 7 * MS),
+        Event("kernel", "next step", "7", 11 * MS, 12 * MS),
+        Event("cuda_runtime", "cudaLaunchKernel", "", 0, 1),
+        Event("cuda_runtime", "cudaLaunchKernel", "", 2 * MS, 2 * MS + 1),
+        Event("cuda_driver", "cuLaunchKernel", "", 3 * MS, 3 * MS + 1),
+        Event("cuda_runtime", "cudaMemcpyAsync", "", 3 * MS, 3 * MS + 1),
+        Event("cuda_runtime", "cudaStreamSynchronize", "", 4 * MS, 5 * MS),
+        Event("cuda_runtime", "cudaDeviceSynchronize", "", 9 * MS, 10 * MS),
+        Event("cuda_runtime", "cudaLaunchKernel", "", 11 * MS, 11 * MS + 1),
+        Event("cpu_op", "aten::add", "", 2 * MS, 3 * MS),
     ]
     p = summarize(events, 0, 10 * MS, closing_syncs=1)
     assert (p.step_ms, p.busy_ms, p.idle_ms) == (10, 8, 2)
