@@ -68,12 +68,27 @@ def test_threshold_sends_the_entries_above_tau_that_fit_its_capacity():
     values, indices = compressor.encode(g, bucket(999))
     assert values.numel() == indices.numel() == 100
     sent = _sent_set(values, indices, 999)
-    assert torch.equal(sent, _largest_of_the_first(g.abs(), above, 100))  # not the largest 100 of all 600
-    assert not torch.equal(sent, _sent_set(*g.abs().topk(100), 999))
+    # the largest of those above τ: the floor (the 150th largest, the whole bucket its sample) lets
+    # 150 through, within the 200 candidates
+    assert torch.equal(sent.nonzero().view(-1), g.abs().topk(100).indices.sort().values)
     assert torch.equal(values[values != 0], g[indices.long()][values != 0])
     metrics = compressor.pop_metrics()
     assert int(metrics["overflow"]) == int(above.sum()) - 100
     assert float(metrics["density_achieved"]) == pytest.approx(100 / 999)
+
+
+@pytest.mark.parametrize("variant", ["numpy", "torch"])
+def test_threshold_sends_the_largest_of_all_when_far_more_than_its_capacity_exceed_tau(variant):
+    """200,000 entries, nearly all above τ = 0.01, 2,000 slots: the sampled floor (about the 3,000th
+    largest, from 6,667 sampled entries) keeps the selection within its 4,000 candidates, so the
+    2,000 sent are the 2,000 largest of all, not the largest of the bucket's first 4,000 above τ;
+    overflow counts every entry above τ not sent."""
+    g = torch.distributions.StudentT(3.0).sample((200_000,))
+    compressor = build("threshold", threshold=0.01, capacity=0.01)
+    with kernels.forced(variant):
+        values, indices = compressor.encode(g, bucket(200_000))
+    assert torch.equal(_sent_set(values, indices, 200_000), _sent_set(*g.abs().topk(2000), 200_000))
+    assert int(compressor.pop_metrics()["overflow"]) == int((g.abs() > 0.01).sum()) - 2000
 
 
 @pytest.mark.parametrize("n", [50, 10_000, 200_001])

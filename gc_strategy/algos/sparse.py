@@ -163,19 +163,45 @@ class CapacitySparsifier(Sparsifier):
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float | Tensor:
         raise NotImplementedError
 
+    def sampled_threshold(self, magnitudes: Tensor, bucket: Bucket, fraction: float, least: int) -> Tensor:
+        """A magnitude that about ``fraction`` of the bucket reaches: the ``⌊fraction · m⌋``-th
+        largest of ``m`` entries drawn at random (``sample_ratio`` of the bucket where the options
+        have one, at least ``least`` and ``SAMPLED_ABOVE / fraction``; all of a small bucket),
+        so that about ``SAMPLED_ABOVE`` sampled entries lie above it and the count above it has a
+        relative spread of about ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018)."""
+        n = magnitudes.numel()
+        least = max(least, math.ceil(SAMPLED_ABOVE / fraction))
+        samples = min(n, max(least, math.ceil(self.options.get("sample_ratio", 0.0) * n)))
+        if samples >= n:
+            sample = magnitudes
+        else:
+            generator = self.generator(bucket, magnitudes.device, shared=False)
+            positions = torch.randint(n, (samples,), device=magnitudes.device, generator=generator)
+            sample = magnitudes.index_select(0, positions)
+        # the last of its sorted top k_s (a view: no reduction after the selection; CUDA's
+        # kthvalue would select in one block)
+        return torch.topk(sample, keep_count(fraction, samples)).values[-1]
+
     def capacity(self, n: int) -> int:
         """``C``, the slots of a bucket of ``n`` elements."""
         raise NotImplementedError
+
+    def demand(self, magnitudes: Tensor) -> Tensor | None:
+        """The count of entries the method selects without a capacity (a 0-d tensor), where that
+        is not the count above the threshold the selection uses; None where it is."""
+        return None
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         magnitudes = self.magnitudes(flat, bucket)
         threshold = self.threshold(magnitudes, bucket)
         capacity = self.capacity(flat.numel())
+        demand = self.demand(magnitudes)
         indices, sent, above = kernels.select_above(magnitudes, threshold, capacity, self.strict)
         #: this encode's count of entries above the threshold (a 0-d tensor)
         self.above = above
         self._flags[bucket.index] = sent
-        self._counts.append(above.clamp_max(self._bounds_of(capacity, above.device)))
+        counts = above if demand is None else torch.stack([demand, above])  # clamped: [demand, sent]
+        self._counts.append(counts.clamp_max(self._bounds_of(capacity, above.device)))
         if len(self._counts) > self.KEPT_COUNTS:  # metrics not read for a while
             self._counts = [torch.stack(self._counts).sum(0)]
         self._elements += flat.numel()
@@ -203,7 +229,9 @@ class CapacitySparsifier(Sparsifier):
         above, selected = torch.stack(self._counts).sum(0)
         self._selected = selected  # what fits is sent
         metrics = super().pop_metrics()
-        metrics["overflow"] = above - selected  # entries above the threshold that were not sent
+        # entries above the threshold that were not sent (the NaN that Threshold's demand leaves
+        # out are sent)
+        metrics["overflow"] = (above - selected).clamp_min_(0)
         self._counts = []
         return metrics
 
@@ -218,16 +246,34 @@ CAPACITY_OF_K = Option(1.3, float, low=1.0, help="payload slots C as a multiple 
 class Threshold(CapacitySparsifier):
     """Hard threshold, as in GRACE except for the boundary: send the entries with ``|g| > τ`` (GRACE
     keeps ``|g| ≥ τ``; the two differ only on ties), at most ``C = ⌈capacity · n⌉`` of them, the
-    largest (:class:`CapacitySparsifier`)."""
+    largest (:class:`CapacitySparsifier`).
+
+    A fixed ``τ`` may let far more than ``C`` entries through (early in training, or a small
+    ``τ``), and the selection ranks only the first ``2C`` of them. So the threshold used is
+    ``max(τ, t)``, ``t`` a sampled estimate of the ``1.5C``-th largest magnitude
+    (:meth:`~CapacitySparsifier.sampled_threshold`): where more than ``1.5C`` exceed ``τ``, about
+    ``1.5C`` exceed ``t``, within the ``2C`` candidates and at least ``C`` with high probability,
+    so the ``C`` sent are the ``C`` largest of all."""
 
     OPTIONS = {
         "threshold": Option(0.01, float, low=0.0, low_open=True, help="τ"),
         "capacity": Option(0.1, float, low=0.0, high=1.0, low_open=True, help="payload slots as a fraction of n"),
+        "seed": SEED,
     }
     strict = True
+    #: the sampled floor aims at this many entries per slot
+    FLOOR_PER_SLOT = 1.5
+    #: entries sampled for the floor at least
+    MIN_SAMPLE = 4096
 
-    def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float:
-        return self.options["threshold"]
+    def threshold(self, magnitudes: Tensor, bucket: Bucket) -> Tensor:
+        fraction = min(1.0, self.FLOOR_PER_SLOT * self.capacity(magnitudes.numel()) / magnitudes.numel())
+        floor = self.sampled_threshold(magnitudes, bucket, fraction, self.MIN_SAMPLE)
+        return floor.clamp_min(self.options["threshold"])
+
+    def demand(self, magnitudes: Tensor) -> Tensor:
+        """The finite entries above ``τ``: what overflow counts against (a NaN is always sent)."""
+        return (magnitudes > self.options["threshold"]).sum()
 
     def capacity(self, n: int) -> int:
         return max(1, math.ceil(self.options["capacity"] * n))
@@ -286,17 +332,7 @@ class DGC(CapacitySparsifier):
         n = magnitudes.numel()
         density = self.density_now()
         k = keep_count(density, n)
-        least = max(self.options["min_sample"], math.ceil(SAMPLED_ABOVE / density))
-        samples = min(n, max(least, math.ceil(self.options["sample_ratio"] * n)))
-        if samples >= n:
-            sample = magnitudes
-        else:
-            generator = self.generator(bucket, magnitudes.device, shared=False)
-            positions = torch.randint(n, (samples,), device=magnitudes.device, generator=generator)
-            sample = magnitudes.index_select(0, positions)
-        # the k_s-th largest of the sample: the last of its top k_s, sorted (a view: no reduction
-        # after the selection; CUDA's kthvalue would select in one block)
-        threshold = torch.topk(sample, keep_count(density, samples)).values[-1]
+        threshold = self.sampled_threshold(magnitudes, bucket, density, self.options["min_sample"])
         rounds = self.options["adjust_rounds"]
         if kernels.in_host_memory(magnitudes.device):  # a count costs no device wait: stop at the first fit
             for round_ in range(rounds + 1):
