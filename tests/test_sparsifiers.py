@@ -290,11 +290,46 @@ def test_sample_on_device_draws_every_subset_equally_often_in_increasing_order()
     draws = 15_000
     counts = Counter()
     for _ in range(draws):
-        chosen = sample_on_device(6, 2, generator, keys)
-        assert chosen.numel() == 2 and bool(chosen[1] > chosen[0]) and 0 <= int(chosen[0]) and int(chosen[1]) < 6
+        chosen, flags = sample_on_device(6, 2, generator, keys)
+        assert chosen.numel() == 2 and bool(flags.all())
+        assert bool(chosen[1] > chosen[0]) and 0 <= int(chosen[0]) and int(chosen[1]) < 6
         counts[tuple(chosen.tolist())] += 1
     expected = draws / 15
     assert len(counts) == 15 and sum((c - expected) ** 2 / expected for c in counts.values()) < 36.1
+
+
+@pytest.mark.parametrize("n, k", [(100_000, 1000), (100_000, 1), (5000, 2500)])
+def test_sample_on_device_takes_the_k_largest_keys_from_its_compacted_candidates(n, k):
+    """Among the keys above ``1 − p`` (about ``k + 8√k + 40`` of them), the draw takes exactly the
+    positions of the ``k`` largest of all ``n`` keys, as a top-k over the whole bucket would (20
+    seeds), every slot flagged."""
+    from gc_strategy.algos.sparse import sample_on_device
+
+    keys = torch.empty(n)
+    for seed in range(20):
+        chosen, flags = sample_on_device(n, k, torch.Generator().manual_seed(seed), keys)
+        assert torch.equal(chosen, keys.topk(k).indices.sort().values) and bool(flags.all())
+
+
+def test_sample_on_device_flags_the_slots_it_could_not_fill(monkeypatch):
+    """Where fewer than ``k`` keys lie above ``1 − p`` (forced here: the keys' draw replaced by 50
+    high keys among 10,000 low ones, k = 200), the slots left over hold position 0 and are not
+    flagged, and randk sends 0 there."""
+    from gc_strategy.algos import sparse
+
+    def few_high(keys, *args, **kwargs):
+        return keys.fill_(0.5).index_fill_(0, torch.arange(0, 10_000, 200), 0.99)
+
+    monkeypatch.setattr(torch.Tensor, "uniform_", few_high)
+    chosen, flags = sparse.sample_on_device(10_000, 200, torch.Generator().manual_seed(0), torch.empty(10_000))
+    assert int(flags.sum()) == 50 and torch.equal(chosen[flags], torch.arange(0, 10_000, 200))
+    assert bool((chosen[~flags] == 0).all())
+    monkeypatch.setattr(sparse, "sample_on_device", lambda n, k, generator, keys: (chosen, flags))
+    compressor = build("randk", density=0.02)
+    g = torch.randn(10_000)
+    with kernels.forced("torch"):
+        (values,) = compressor.encode(g, bucket(10_000))
+    assert torch.equal(values, torch.where(flags, g[chosen], 0.0))
 
 
 def test_randk_on_the_accelerators_path_draws_alike_on_every_rank_and_unbiased():

@@ -18,6 +18,7 @@ from torch import Tensor
 from .. import kernels
 from ..bucket import Bucket, assign_if_finite, finite_on_host
 from ..communicators import Payload
+from ..kernels import torch_ops
 from ..registry import Option
 from .base import COMPRESSORS, Compressor
 
@@ -374,12 +375,32 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Te
     return distinct[keep].long()
 
 
-def sample_on_device(n: int, k: int, generator: torch.Generator, keys: Tensor) -> Tensor:
-    """``k`` distinct positions of ``range(n)`` in increasing order, every k-subset equally likely,
-    with no host wait: the positions of the ``k`` largest of ``n`` iid uniform keys (drawn into
-    ``keys``, ``n`` floats) form a uniform k-subset. One random pass, one top-k and a sort of ``k``."""
+#: the device draw's keys above ``1 − p`` number ``p·n = k + KEYS_MARGIN(k)`` on average
+def keys_margin(k: float) -> float:
+    """Eight standard deviations of a count of about ``k`` and 40 more: a binomial count falls
+    that far below its mean with probability under 1e-15 (Poisson-like small counts included)."""
+    return 8 * math.sqrt(k) + 40
+
+
+def sample_on_device(n: int, k: int, generator: torch.Generator, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """``k`` positions of ``range(n)`` in increasing order, every k-subset equally likely, with no
+    host wait: the positions of the ``k`` largest of ``n`` iid uniform keys (drawn into ``keys``,
+    ``n`` floats) form a uniform k-subset. They are found among the keys above ``1 − p``, where
+    ``p·n = k + keys_margin(k)``: compacted in order into ``size = p·n + keys_margin(p·n)``
+    candidates, a top-k among them, a sort of ``k`` (one random pass, one comparison and a scan
+    over the bucket; a top-k over it would take several passes). With torch < 2.6 on CUDA, a top-k
+    over all the keys. Returns the positions and a flag each: True unless fewer than ``k`` keys
+    exceed ``1 − p`` (probability under 1e-15), where the slots left over hold position 0."""
     keys.uniform_(generator=generator)
-    return torch.topk(keys, k, sorted=False).indices.sort().values
+    expected = min(n, k + keys_margin(k))
+    size = min(n, math.ceil(expected + keys_margin(expected)))
+    if not torch_ops.compacts(keys):
+        every = torch.ones(k, dtype=torch.bool, device=keys.device)
+        return torch.topk(keys, k, sorted=False).indices.sort().values, every
+    drawn = keys >= 1.0 - expected / n
+    candidates, _, chosen, count = torch_ops.top_k_of_compacted(keys, drawn, k, size)
+    chosen = chosen.sort().values  # increasing slots: increasing positions
+    return candidates.index_select(0, chosen), chosen < count
 
 
 @COMPRESSORS.register("randk")
@@ -400,28 +421,30 @@ class RandK(_Positional):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self._drawn: dict[int, tuple[tuple[int, int], Tensor]] = {}  # index -> ((step, numel), positions)
+        #: index -> ((step, numel), positions, their flags on an accelerator)
+        self._drawn: dict[int, tuple[tuple[int, int], Tensor, Tensor | None]] = {}
 
-    def _positions(self, bucket: Bucket, device: torch.device) -> Tensor:
-        """This step's positions for ``bucket``, drawn once per bucket and step and reused by encode
-        and decode (several buckets are in flight at once)."""
-        drawn_for, positions = self._drawn.get(bucket.index, (None, None))
+    def _draw(self, bucket: Bucket, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """This step's positions for ``bucket`` and, on an accelerator, their flags (see
+        :func:`sample_on_device`), drawn once per bucket and step and reused by encode and decode
+        (several buckets are in flight at once)."""
+        drawn_for, positions, flags = self._drawn.get(bucket.index, (None, None, None))
         if drawn_for != (self.step, bucket.numel):
             k = keep_count(self.options["density"], bucket.numel)
+            generator = self.generator(bucket, device, shared=True)
             if kernels.in_host_memory(device):
-                positions = sample_without_replacement(bucket.numel, k, self.generator(bucket, device, shared=True))
+                positions, flags = sample_without_replacement(bucket.numel, k, generator), None
             else:
-                keys = self.workspace("keys", bucket)
-                positions = sample_on_device(bucket.numel, k, self.generator(bucket, device, shared=True), keys)
-            self._drawn[bucket.index] = ((self.step, bucket.numel), positions)
-        return positions
+                positions, flags = sample_on_device(bucket.numel, k, generator, self.workspace("keys", bucket))
+            self._drawn[bucket.index] = ((self.step, bucket.numel), positions, flags)
+        return positions, flags
 
     def check_group(self, group: Any, buckets: list[Bucket]) -> None:
         """Refuse, before any step, ranks whose accelerators draw other positions from the same seed."""
         if not buckets or self.world_size == 1 or kernels.in_host_memory(buckets[0].device):
             return
         largest = max(buckets, key=lambda b: b.numel)
-        drawn = self._positions(largest, largest.device).double()
+        drawn = self._draw(largest, largest.device)[0].double()
         fingerprint = torch.stack([drawn.sum(), drawn.square().sum()])
         every = [torch.empty_like(fingerprint) for _ in range(self.world_size)]
         dist.all_gather(every, fingerprint, group=group)
@@ -434,7 +457,9 @@ class RandK(_Positional):
             )
 
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
-        return [flat.index_select(0, self._positions(bucket, flat.device))]
+        positions, flags = self._draw(bucket, flat.device)
+        values = flat.index_select(0, positions)
+        return [values if flags is None else values.mul_(flags)]  # a slot left over sends 0
 
     def average(self, summed: Payload, bucket: Bucket, world_size: int, out: Tensor | None = None) -> Tensor:
         """The summed values divided by ``W`` before the scatter (k divisions, not n)."""
@@ -444,4 +469,4 @@ class RandK(_Positional):
     def sent(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         (values,) = payload
         scale = bucket.numel / values.numel() if self.options["unbiased"] else 1.0
-        return self._positions(bucket, values.device), values * scale
+        return self._draw(bucket, values.device)[0], values * scale

@@ -51,13 +51,22 @@ def select_above(
     if not compacts(magnitudes):
         keys, positions = torch.topk(magnitudes.masked_fill_(below, -1.0), capacity, sorted=False)
         return positions, keys != -1.0, magnitudes.numel() - below.sum()
-    above = below.logical_not_()
     size = min(magnitudes.numel(), CANDIDATES * capacity)
-    candidates = torch.nonzero_static(above, size=size, fill_value=0).view(-1)
-    count = above.sum()
-    keys = magnitudes.index_select(0, candidates).masked_fill_(_slots(size, magnitudes.device) >= count, -1.0)
-    keys, chosen = torch.topk(keys, capacity, sorted=False)
+    candidates, keys, chosen, count = top_k_of_compacted(magnitudes, below.logical_not_(), capacity, size)
     return candidates.index_select(0, chosen), keys != -1.0, count
+
+
+def top_k_of_compacted(values: Tensor, where: Tensor, k: int, size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Of the positions where the bool ``where`` holds, the first ``size`` in increasing order
+    (compacted by ``nonzero_static``, ``size >= k``; position 0 fills the slots past their
+    count), and among them the ``k`` with the largest ``values`` (those past the count keyed
+    −1): the compacted positions, the top k's keys, their slots among the positions, and the
+    count of positions where ``where`` holds (a 0-d tensor). No size is read back."""
+    candidates = torch.nonzero_static(where, size=size, fill_value=0).view(-1)
+    count = where.sum()
+    keys = values.index_select(0, candidates).masked_fill_(_slots(size, values.device) >= count, -1.0)
+    keys, chosen = torch.topk(keys, k, sorted=False)
+    return candidates, keys, chosen, count
 
 
 @functools.cache
