@@ -48,6 +48,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("step_overhead.py", "--rounds"),
         ("overlap_cost.py", "--runs"),
         ("op_census.py", "--steps"),
+        ("kernel_variants.py", "--repeats"),
     ],
 )
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
@@ -56,7 +57,9 @@ def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
     )
 
 
-@pytest.mark.parametrize("script", ["compression_costs.py", "sidco_estimators.py", "step_overhead.py"])
+@pytest.mark.parametrize(
+    "script", ["compression_costs.py", "sidco_estimators.py", "step_overhead.py", "kernel_variants.py"]
+)
 def test_a_bad_or_missing_device_is_an_argparse_error(script, monkeypatch, capsys):
     assert "argument --device: 'tpu' is invalid; allowed: cuda, cpu" in _run(
         script, monkeypatch, capsys, "--device", "tpu"
@@ -239,6 +242,12 @@ def test_the_step_overhead_times_torch_s_hooks_and_bf16_autocast_beside_the_sync
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for name in [*configs, "gc topk+residual"]:
         assert float(rows[name].split("|")[2]) > 0, rows
+
+
+def test_a_density_outside_0_1_is_refused_by_the_kernel_variants(monkeypatch, capsys):
+    assert "--density 0.0 is invalid; allowed: a number in (0, 1]" in _run(
+        "kernel_variants.py", monkeypatch, capsys, "--density", "0"
+    )
 
 
 def test_the_kernel_variants_agree_and_are_timed_side_by_side_on_the_cpu(monkeypatch):
