@@ -21,7 +21,7 @@ held on the host; the density measured at one adaptation step sets the count fro
 (``adapt_every`` steps later), so that the count of selected entries reaches host memory without
 the host waiting for it (:class:`~gc_strategy.bucket.HostCopy`).
 
-The payload holds ``C = ⌈capacity · k⌉`` slots (:class:`~gc_strategy.algos.sparse.CapacitySparsifier`).
+The payload holds ``C = ⌈capacity · k⌉`` slots (:class:`~gc_strategy.algos.capacity.CapacitySparsifier`).
 Off the host the fit runs on the device end to end, on masks rather than new tensors of the
 exceedances, so their sizes are never read. The host never reads the device, except for the gamma
 estimator's first stage, whose inverse incomplete gamma function comes from scipy.
@@ -40,7 +40,8 @@ from ..bucket import Bucket, HostCopy
 from ..communicators import Payload
 from ..registry import Option
 from .base import COMPRESSORS
-from .sparse import CAPACITY_OF_K, DENSITY, CapacitySparsifier, keep_count
+from .capacity import CAPACITY_OF_K, CapacitySparsifier
+from .sparse import DENSITY, keep_count
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
