@@ -15,6 +15,12 @@ from ..registry import Option
 from .base import COMPRESSORS
 from .sparse import DENSITY, SEED, Sparsifier, keep_count
 
+#: a sampled threshold's sample holds at least this many entries above it
+#: (:meth:`CapacitySparsifier.sampled_threshold`)
+SAMPLED_ABOVE = 100
+
+CAPACITY_OF_K = Option(1.3, float, low=1.0, help="payload slots C as a multiple of k (DGC's upper bound 1.3k)")
+
 
 class CapacitySparsifier(Sparsifier):
     """Entries of ``|g|`` at or above a threshold (``above`` it where ``strict``), in a payload of
@@ -88,8 +94,8 @@ class CapacitySparsifier(Sparsifier):
         if len(self._counts) > self.KEPT_COUNTS:  # metrics not read for a while
             self._counts = [torch.stack(self._counts).sum(0)]
         self._elements += flat.numel()
-        # a slot left over sends 0 (its position's entry times False; NaN where that entry is not
-        # finite, and the bucket's entries above the threshold then hold it too)
+        # a slot left over sends its position's entry times False: 0, or NaN where that entry is
+        # inf or NaN, which lies above the threshold and is sent as well (the bucket is not finite)
         return [flat.index_select(0, indices).mul_(sent), indices.to(torch.int32)]
 
     def sent_positions(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
@@ -117,12 +123,6 @@ class CapacitySparsifier(Sparsifier):
         metrics["overflow"] = (above - selected).clamp_min_(0)
         self._counts = []
         return metrics
-
-
-#: DGC's sample holds at least this many entries above its threshold (see :class:`DGC`)
-SAMPLED_ABOVE = 100
-
-CAPACITY_OF_K = Option(1.3, float, low=1.0, help="payload slots C as a multiple of k (DGC's upper bound 1.3k)")
 
 
 @COMPRESSORS.register("threshold")
