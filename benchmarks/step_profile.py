@@ -20,6 +20,7 @@ from its start to the ``torch.cuda.synchronize`` that ends it, this module repor
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import os
@@ -174,8 +175,24 @@ def profile_steps(
     marks = sorted((e.start, e.end) for e in events if e.kind == "user_annotation" and e.name == STEP_MARK)
     if len(marks) != steps * len(runs):
         raise RuntimeError(f"the profiler recorded {len(marks)} step marks, not {steps * len(runs)}")
-    profiles = [summarize(events, start, end, closing_syncs=int(cuda)) for start, end in marks]
+    per_step = by_step(events, marks)
+    profiles = [summarize(group, start, end, closing_syncs=int(cuda)) for group, (start, end) in zip(per_step, marks)]
     return {name: profiles[i * steps : (i + 1) * steps] for i, name in enumerate(runs)}
+
+
+def by_step(events: list[Event], marks: list[tuple[int, int]]) -> list[list[Event]]:
+    """The device work and host calls that start inside each of the disjoint, sorted ``marks``
+    (the device is idle between steps, so no work of a step starts before its mark); the host's
+    other activities, most of a trace, are left out."""
+    starts = [start for start, _ in marks]
+    groups: list[list[Event]] = [[] for _ in marks]
+    for event in events:
+        if event.kind not in DEVICE_WORK and event.kind not in HOST_CALLS:
+            continue
+        i = bisect.bisect_right(starts, event.start) - 1
+        if i >= 0 and event.start < marks[i][1]:
+            groups[i].append(event)
+    return groups
 
 
 def median_profile(profiles: list[StepProfile]) -> StepProfile:

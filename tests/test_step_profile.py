@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_profile import Event, profile_steps, summarize, table, union_ns  # noqa: E402
+from step_profile import Event, by_step, profile_steps, summarize, table, union_ns  # noqa: E402
 
 MS = 1_000_000  # ns
 
@@ -45,6 +45,21 @@ def test_a_step_splits_into_device_work_idle_time_and_side_streams():
     assert (p.side_ms, p.side_alone_ms) == (3, 1)
     assert (p.launches, p.copies, p.syncs) == (3, 1, 1)
     assert p.top_side == [("topk", 2), ("Memcpy DtoD", 1)]
+
+
+def test_each_event_goes_to_the_step_it_starts_in():
+    """Device work and host calls are grouped by the mark they start in; what starts between or
+    after the marks, and the host's own ops, go nowhere."""
+    marks = [(0, 10), (20, 30)]
+    events = [
+        Event("kernel", "a", "7", 1, 5),
+        Event("cuda_runtime", "cudaLaunchKernel", "", 0, 1),
+        Event("kernel", "between", "7", 12, 14),
+        Event("gpu_memset", "b", "7", 25, 26),
+        Event("cpu_op", "aten::add", "", 21, 22),
+        Event("kernel", "after", "7", 31, 32),
+    ]
+    assert [[e.name for e in group] for group in by_step(events, marks)] == [["a", "cudaLaunchKernel"], ["b"]]
 
 
 def test_profiled_steps_are_told_apart_by_their_marks_on_the_cpu():
