@@ -35,7 +35,6 @@ import copy
 import functools
 import importlib
 import io
-import os
 import random
 import shutil
 import statistics
@@ -221,15 +220,14 @@ def main() -> None:
         except ValueError as error:
             parser.error(f"--compressors {spec}: {error}")
         configs[name] = roles
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(0)
         torch.backends.cudnn.benchmark = True
     else:
         torch.set_num_threads(args.threads)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    # one process: an in-process store, no port to find free (a fixed one may be taken)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     reference, loss_of = model_and_loss(args.model, args.batch, args.image_size, torch.device(args.device))
     runs = {name: build(name, roles, reference) for name, roles in configs.items()}
