@@ -35,6 +35,7 @@ import copy
 import functools
 import importlib
 import io
+import os
 import random
 import shutil
 import statistics
@@ -226,7 +227,10 @@ def main() -> None:
         torch.backends.cudnn.benchmark = True
     else:
         torch.set_num_threads(args.threads)
-    # one process: an in-process store, no port to find free (a fixed one may be taken)
+    # one process: an in-process store, no port to find free (a fixed one may be taken), and gloo on
+    # the loopback interface, with no host name to resolve
+    if not cuda:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     reference, loss_of = model_and_loss(args.model, args.batch, args.image_size, torch.device(args.device))
