@@ -156,7 +156,7 @@ def profile_steps(
     runs: dict[str, Callable[[], None]], steps: int = 2, cuda: bool = True
 ) -> dict[str, list[StepProfile]]:
     """Profile ``steps`` steps of each of ``runs`` (name -> one training step) in one profiler
-    session, a mark spanning each step; on CUDA the device is synchronised around each step
+    trace, a mark spanning each step; on CUDA the device is synchronised around each step
     (``cuda=False``: the host's activities alone)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
