@@ -25,9 +25,9 @@ CAPACITY_OF_K = Option(1.3, float, low=1.0, help="payload slots C as a multiple 
 class CapacitySparsifier(Sparsifier):
     """Entries of ``|g|`` at or above a threshold (``above`` it where ``strict``), in a payload of
     fixed capacity ``C``: all of them where they fit, else the ``C`` largest of the first ``2C``
-    of them in bucket order (:func:`~gc_strategy.kernels.select_above`). Slots left over carry a
-    position (possibly repeated) with the value 0; entries above the threshold that are not sent
-    stay in the error-feedback memory, counted as ``overflow``.
+    of them in bucket order (:func:`~gc_strategy.kernels.select_above`). Slots left over carry
+    distinct positions (possibly ones also sent) with the value 0; entries above the threshold
+    that are not sent stay in the error-feedback memory, counted as ``overflow``.
 
     Why: the size of a threshold's selection is known only on the device. Reading it on the host
     (``nonzero``, then a length exchange) makes the host wait for the device in every bucket of
@@ -38,14 +38,19 @@ class CapacitySparsifier(Sparsifier):
 
     strict = False
 
-    #: encodes whose counts are kept apart before they are summed into one
+    #: encodes whose counts are kept apart before they are summed
     KEPT_COUNTS = 64
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        #: per encode since the last metrics: the entries above the threshold, and of them those that fit
-        self._counts: list[Tensor] = []
+        #: per encode since the last metrics: the entries it selects without a capacity, the entries
+        #: above its threshold (0-d tensors), and its capacity
+        self._counts: list[tuple[Tensor, Tensor, int]] = []
+        #: ``[selected without a capacity, sent]`` summed over encodes before those in ``_counts``
+        self._folded: Tensor | None = None
         self._bounds: dict[tuple[int, torch.device], Tensor] = {}
+        #: the capacities of the last tally's encodes and their device, and their bounds stacked
+        self._stacked_bounds: tuple[tuple, Tensor | None] = ((), None)
         #: per bucket, the slots of its last encode that carry a selected entry
         self._flags: dict[int, Tensor] = {}
 
@@ -89,10 +94,9 @@ class CapacitySparsifier(Sparsifier):
         #: this encode's count of entries above the threshold (a 0-d tensor)
         self.above = above
         self._flags[bucket.index] = sent
-        counts = above if demand is None else torch.stack([demand, above])  # clamped: [demand, sent]
-        self._counts.append(counts.clamp_max(self._bounds_of(capacity, above.device)))
+        self._counts.append((above if demand is None else demand, above, capacity))
         if len(self._counts) > self.KEPT_COUNTS:  # metrics not read for a while
-            self._counts = [torch.stack(self._counts).sum(0)]
+            self._folded = self._tally()
         self._elements += flat.numel()
         # a slot left over sends its position's entry times False: 0, or NaN where that entry is
         # inf or NaN, which lies above the threshold and is sent as well (the bucket is not finite)
@@ -102,6 +106,21 @@ class CapacitySparsifier(Sparsifier):
         """The slots' positions, each flagged where this bucket's last encode put a selected entry
         (the selection's mask, as DGC's masking reads it: also where the entry sent is 0)."""
         return self.positions(payload[-1], bucket), self._flags[bucket.index]
+
+    def _tally(self) -> Tensor:
+        """``[Σ demand, Σ min(above, C)]`` over the encodes counted (``C`` each one's capacity):
+        three launches when the metrics are read (the bounds are stacked again only where the
+        capacities changed), none in an encode."""
+        rows = torch.stack([count for demand, above, _ in self._counts for count in (demand, above)]).view(-1, 2)
+        key = (tuple(capacity for *_, capacity in self._counts), rows.device)
+        if self._stacked_bounds[0] != key:
+            bounds = torch.stack([self._bounds_of(capacity, rows.device) for capacity in key[0]])
+            self._stacked_bounds = (key, bounds)
+        total = torch.minimum(rows, self._stacked_bounds[1]).sum(0)
+        if self._folded is not None:
+            total += self._folded
+        self._counts, self._folded = [], None
+        return total
 
     def _bounds_of(self, capacity: int, device: torch.device) -> Tensor:
         """``[no bound, C]``: clamped by it, a count becomes itself and the part of it that fits
@@ -115,13 +134,12 @@ class CapacitySparsifier(Sparsifier):
     def pop_metrics(self) -> dict[str, float | Tensor]:
         if not self._elements:
             return {}
-        above, selected = torch.stack(self._counts).sum(0)
+        demand, selected = self._tally()
         self._selected = selected  # what fits is sent
         metrics = super().pop_metrics()
         # entries above the threshold that were not sent (the NaN that Threshold's demand leaves
         # out are sent)
-        metrics["overflow"] = (above - selected).clamp_min_(0)
-        self._counts = []
+        metrics["overflow"] = (demand - selected).clamp_min_(0)
         return metrics
 
 

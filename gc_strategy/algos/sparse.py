@@ -168,7 +168,7 @@ def sample_on_device(n: int, k: int, generator: torch.Generator, keys: Tensor) -
     candidates, a top-k among them, a sort of ``k`` (one random pass, one comparison and a scan
     over the bucket; a top-k over it would take several passes). With torch < 2.6 on CUDA, a top-k
     over all the keys. Returns the positions and a flag each: True unless fewer than ``k`` keys
-    exceed ``1 − p`` (probability under 1e-15), where the slots left over hold position 0."""
+    exceed ``1 − p`` (probability under 1e-15), where the slots left over hold other positions."""
     keys.uniform_(generator=generator)
     expected = min(n, k + keys_margin(k))
     size = min(n, math.ceil(expected + keys_margin(expected)))

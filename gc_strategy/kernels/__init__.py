@@ -65,9 +65,9 @@ def select_above(
     """A fixed-capacity selection of the entries ``>= threshold`` (``>`` when ``strict``) or NaN:
     ``capacity`` int64 positions, all such entries where they fit, else the largest of the first
     ``CANDIDATES · capacity`` of them in bucket order; a bool per slot, True where it holds such
-    an entry (those positions are distinct; the slots left over hold other positions, which may
-    repeat); and their count, a 0-d tensor (never read on the host off the host). ``magnitudes``
-    may be overwritten."""
+    an entry (those positions are distinct; the slots left over hold other distinct positions,
+    which may also be among the flagged ones); and their count, a 0-d tensor (never read on the
+    host off the host). ``magnitudes`` may be overwritten."""
     return _module(magnitudes).select_above(magnitudes, threshold, capacity, strict)
 
 

@@ -45,7 +45,7 @@ def select_above(
     ``S = min(n, CANDIDATES · capacity)`` candidates by ``nonzero_static`` (a scan of the mask,
     no size read back), then the top ``capacity`` of the candidates' magnitudes, those past the
     count keyed −1: a top-k over ``S`` entries, not over the bucket. The slots whose key is −1
-    (unflagged) hold position 0, repeated. Where ``nonzero_static`` does not run (torch < 2.6 on
+    (unflagged) hold distinct positions. Where ``nonzero_static`` does not run (torch < 2.6 on
     CUDA, or 2³¹ elements there), one top-k over the whole bucket, its entries below keyed −1."""
     below = magnitudes <= threshold if strict else magnitudes < threshold
     if not compacts(magnitudes):
@@ -58,14 +58,17 @@ def select_above(
 
 def top_k_of_compacted(values: Tensor, where: Tensor, k: int, size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Of the positions where the bool ``where`` holds, the first ``size`` in increasing order
-    (compacted by ``nonzero_static``, ``size >= k``; position 0 fills the slots past their
-    count), and among them the ``k`` with the largest ``values`` (those past the count keyed
-    −1): the compacted positions, the top k's keys, their slots among the positions, and the
-    count of positions where ``where`` holds (a 0-d tensor). No size is read back."""
-    candidates = torch.nonzero_static(where, size=size, fill_value=0).view(-1)
+    (compacted by ``nonzero_static``, ``size >= k``), and among them the ``k`` with the largest
+    ``values`` (those past the count keyed −1): the compacted positions, the top k's keys, their
+    slots among the positions, and the count of positions where ``where`` holds (a 0-d tensor).
+    No size is read back. A slot past the count holds its own number as its position, so the
+    positions left over are distinct: a decode's ``index_add_`` into one repeated position would
+    serialise on its atomics (2.5 M of them, 7 ms on an H200, where ``threshold`` sends little)."""
     count = where.sum()
-    keys = values.index_select(0, candidates).masked_fill_(_slots(size, values.device) >= count, -1.0)
-    keys, chosen = torch.topk(keys, k, sorted=False)
+    slots = _slots(size, values.device)
+    past = slots >= count
+    candidates = torch.where(past, slots, torch.nonzero_static(where, size=size).view(-1))
+    keys, chosen = torch.topk(values.index_select(0, candidates).masked_fill_(past, -1.0), k, sorted=False)
     return candidates, keys, chosen, count
 
 
