@@ -22,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report="${OUT:-.}/gpu_check.md"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # a part cut short keeps its output
 python=python3
 
 budget=290
@@ -63,13 +63,13 @@ compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual q
 every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+residual onebit+residual signsgd signum terngrad natural)
 part "CUDA tests" 90 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 110 \
-    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 45 --profile \
+part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 100 \
+    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 30 --profile \
     --compressors "${every[@]}"
-part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 60 $python benchmarks/step_overhead.py \
-    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 25 --compressors "${compressors[@]}"
-part "Time added to a BERT-base step (batch 32, fp32)" 60 $python benchmarks/step_overhead.py \
-    --model bert-base --batch 32 --rounds 6 --steps 4 --warmup 12 --seconds 25 --compressors "${compressors[@]}"
+part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 50 $python benchmarks/step_overhead.py \
+    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 18 --compressors "${compressors[@]}"
+part "Time added to a BERT-base step (batch 32, fp32)" 55 $python benchmarks/step_overhead.py \
+    --model bert-base --batch 32 --rounds 5 --steps 4 --warmup 12 --seconds 15 --compressors "${compressors[@]}"
 part "Kernel variants on 25.6 M elements: torch, Triton and CuPy" 25 $python benchmarks/kernel_variants.py \
     --runs 5 --repeats 10
 part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \

@@ -133,8 +133,16 @@ def seconds_per_call(function: Callable[[], object], synchronize: Callable[[], N
     return statistics.median(samples)
 
 
-def measure(device: torch.device, n: int, density: float, runs: int, repeats: int) -> dict[str, dict[str, float]]:
-    """operation -> variant -> seconds per call (the variants this device has)."""
+def measure(
+    device: torch.device,
+    n: int,
+    density: float,
+    runs: int,
+    repeats: int,
+    measured: Callable[[str, dict[str, float]], object] = lambda op, times: None,
+) -> dict[str, dict[str, float]]:
+    """operation -> variant -> seconds per call (the variants this device has); ``measured`` is
+    called with each operation's times as soon as they are taken."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results: dict[str, dict[str, float]] = {}
     for op, (make, variants, agree) in variants_of(device, density).items():
@@ -147,16 +155,21 @@ def measure(device: torch.device, n: int, density: float, runs: int, repeats: in
             if not agree(function(x), reference):
                 raise SystemExit(f"{op}: the {variant} variant's output differs from the torch variant's")
             results[op][variant] = seconds_per_call(functools.partial(function, x), synchronize, runs, repeats)
+        measured(op, results[op])
     return results
 
 
+VARIANTS = ("torch", "numpy", "triton", "cupy")
+HEADER = f"| operation | {' | '.join(VARIANTS)} | fastest |\n|---|" + "---|" * (len(VARIANTS) + 1)
+
+
+def row(op: str, times: dict[str, float]) -> str:
+    cells = [f"{1000 * times[v]:.3f}" if v in times else "-" for v in VARIANTS]
+    return f"| {op} | {' | '.join(cells)} | {min(times, key=times.get)} |"
+
+
 def table(results: dict[str, dict[str, float]]) -> str:
-    variants = ("torch", "numpy", "triton", "cupy")
-    lines = [f"| operation | {' | '.join(variants)} | fastest |", "|---|" + "---|" * (len(variants) + 1)]
-    for op, times in results.items():
-        cells = [f"{1000 * times[v]:.3f}" if v in times else "-" for v in variants]
-        lines.append(f"| {op} | {' | '.join(cells)} | {min(times, key=times.get)} |")
-    return "\n".join(lines)
+    return "\n".join([HEADER, *(row(op, times) for op, times in results.items())])
 
 
 def main() -> None:
@@ -171,7 +184,6 @@ def main() -> None:
         parser.error(f"--density {args.density} is invalid; allowed: a number in (0, 1]")
     device = torch.device(args.device)
     torch.manual_seed(0)
-    results = measure(device, args.elements, args.density, args.runs, args.repeats)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     cupy = cupy_module()
     print(
@@ -179,7 +191,8 @@ def main() -> None:
         f"CuPy {cupy.__version__ if cupy else 'absent'}; ms per call, median of {args.runs} runs "
         f"of {args.repeats} calls\n"
     )
-    print(table(results))
+    print(HEADER, flush=True)  # each row as it is measured: a part cut at its time limit keeps them
+    measure(device, args.elements, args.density, args.runs, args.repeats, lambda op, t: print(row(op, t), flush=True))
 
 
 if __name__ == "__main__":

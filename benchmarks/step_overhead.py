@@ -177,6 +177,11 @@ def exposure_table(times: dict[str, list[list[float]]]) -> str:
     return "\n".join(lines)
 
 
+def progress(line: str) -> None:
+    """A line on stderr at once: where a run cut at its time limit had got to."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(parser)
@@ -259,9 +264,11 @@ def main() -> None:
         return time.perf_counter() - start
 
     host: dict[str, list[float]] = {name: [] for name, (_, _, keep) in runs.items() if keep is not None}
+    started = time.perf_counter()
     for model, optimizer, _ in runs.values():
         for _ in range(args.warmup):
             step(model, optimizer)
+    progress(f"{len(runs)} configurations warmed up ({args.warmup} steps each) in {time.perf_counter() - started:.1f} s")
     started, rounds = time.perf_counter(), 0
     while rounds < args.rounds and not (args.seconds and time.perf_counter() - started > args.seconds):
         order = list(runs)
@@ -274,6 +281,7 @@ def main() -> None:
                 times[name][-1].append(step(model, optimizer))
                 if keep is not None:  # the synchroniser's host time in this step
                     host[name].append(keep.telemetry.last.encode_s + keep.telemetry.last.decode_s)
+    progress(f"{rounds} rounds in {time.perf_counter() - started:.1f} s")
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
     inputs = "128 tokens" if args.model == "bert-base" else f"{args.image_size}x{args.image_size}"
     print(
