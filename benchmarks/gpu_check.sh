@@ -16,7 +16,7 @@
 # 3. the kernel layer's hot operations in each variant, torch, Triton and CuPy's counterparts
 #    (benchmarks/kernel_variants.py);
 # 4. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
-#    buckets, with each one's top kernels (benchmarks/compression_costs.py --profile).
+#    buckets (benchmarks/compression_costs.py; the side stream's top kernels are in part 2's trace).
 # Each part has its own time limit, cut to what is left of the check's 290 s, so that one that
 # hangs still leaves the others' results and the check ends within its 5 minutes.
 set -uo pipefail
@@ -61,17 +61,17 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
 
 compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual qsgd powersgd acpsgd)
 every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+residual onebit+residual signsgd signum terngrad natural)
-part "CUDA tests" 90 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
+part "CUDA tests" 70 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
-part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 100 \
-    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 30 --profile \
+part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 95 \
+    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 20 --profile \
     --compressors "${every[@]}"
-part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 50 $python benchmarks/step_overhead.py \
-    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 18 --compressors "${compressors[@]}"
+part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 55 $python benchmarks/step_overhead.py \
+    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 12 --compressors "${compressors[@]}"
 part "Time added to a BERT-base step (batch 32, fp32)" 55 $python benchmarks/step_overhead.py \
-    --model bert-base --batch 32 --rounds 5 --steps 4 --warmup 12 --seconds 15 --compressors "${compressors[@]}"
+    --model bert-base --batch 32 --rounds 5 --steps 4 --warmup 12 --seconds 10 --compressors "${compressors[@]}"
 part "Kernel variants on 25.6 M elements: torch, Triton and CuPy" 25 $python benchmarks/kernel_variants.py \
     --runs 5 --repeats 10
-part "Compression costs on ResNet-50's gradients" 40 $python benchmarks/compression_costs.py \
-    --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3 --profile
+part "Compression costs on ResNet-50's gradients" 45 $python benchmarks/compression_costs.py \
+    --device cuda --models resnet50 --plans single bucket_mb:25 --runs 3
 echo "report: $report"
