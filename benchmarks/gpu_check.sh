@@ -18,7 +18,9 @@
 # 4. compression costs of every compressor on ResNet-50's gradients in one bucket and in 25 MB
 #    buckets (benchmarks/compression_costs.py; the side stream's top kernels are in part 2's trace).
 # Each part has its own time limit, cut to what is left of the check's 290 s, so that one that
-# hangs still leaves the others' results and the check ends within its 5 minutes.
+# hangs still leaves the others' results and the check ends within its 5 minutes. The step timings
+# start no round after their --seconds (warm-up included), and one cut at its limit still reports
+# the rounds it completed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report="${OUT:-.}/gpu_check.md"
@@ -41,7 +43,7 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
     echo >>"$report"
     echo '```' >>"$report"
     local started=$SECONDS
-    timeout "$seconds" "$@" 2>&1 | tail -n 400 >>"$report"
+    timeout -k 10 "$seconds" "$@" 2>&1 | tail -n 400 >>"$report"  # TERM, then KILL 10 s on
     local status=${PIPESTATUS[0]}
     echo '```' >>"$report"
     echo "exit status $status after $((SECONDS - started)) s (limit $seconds s)" >>"$report"
@@ -64,12 +66,12 @@ every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+resi
 part "CUDA tests" 70 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
 part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 95 \
-    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 20 --profile \
+    $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 65 --profile \
     --compressors "${every[@]}"
 part "Time added to a ResNet-50 step (batch 64, bf16 autocast)" 55 $python benchmarks/step_overhead.py \
-    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 12 --compressors "${compressors[@]}"
+    --autocast bf16 --rounds 8 --steps 4 --warmup 12 --seconds 40 --compressors "${compressors[@]}"
 part "Time added to a BERT-base step (batch 32, fp32)" 55 $python benchmarks/step_overhead.py \
-    --model bert-base --batch 32 --rounds 5 --steps 4 --warmup 12 --seconds 10 --compressors "${compressors[@]}"
+    --model bert-base --batch 32 --rounds 5 --steps 4 --warmup 12 --seconds 40 --compressors "${compressors[@]}"
 part "Kernel variants on 25.6 M elements: torch, Triton and CuPy" 25 $python benchmarks/kernel_variants.py \
     --runs 5 --repeats 10
 part "Compression costs on ResNet-50's gradients" 45 $python benchmarks/compression_costs.py \

@@ -38,6 +38,7 @@ import io
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -177,6 +178,14 @@ def exposure_table(times: dict[str, list[list[float]]]) -> str:
     return "\n".join(lines)
 
 
+class Stopped(Exception):
+    """Raised by SIGTERM in the warm-up or the rounds."""
+
+
+def stop(signum: int, frame: object) -> None:
+    raise Stopped
+
+
 def progress(line: str) -> None:
     """A line on stderr at once: where a run cut at its time limit had got to."""
     print(line, file=sys.stderr, flush=True)
@@ -193,7 +202,10 @@ def main() -> None:
     parser.add_argument("--steps", type=integer_at_least(1), default=20)
     parser.add_argument("--warmup", type=integer_at_least(0), default=10)
     parser.add_argument(
-        "--seconds", type=integer_at_least(0), default=0, help="start no round after this many seconds (0: no limit)"
+        "--seconds",
+        type=integer_at_least(0),
+        default=0,
+        help="start no round after this many seconds from the start, warm-up included (0: no limit; one round runs)",
     )
     parser.add_argument(
         "--configs",
@@ -214,6 +226,7 @@ def main() -> None:
         "--autocast", choices=["none", "bf16"], default="none", help="run the forward under bf16 autocast"
     )
     args = parser.parse_args()
+    begun = time.perf_counter()
     if args.profile and args.device != "cuda":
         parser.error("--profile traces the device's work; it needs --device cuda")
     if args.configs is None:
@@ -264,24 +277,34 @@ def main() -> None:
         return time.perf_counter() - start
 
     host: dict[str, list[float]] = {name: [] for name, (_, _, keep) in runs.items() if keep is not None}
-    started = time.perf_counter()
-    for model, optimizer, _ in runs.values():
-        for _ in range(args.warmup):
-            step(model, optimizer)
-    progress(f"{len(runs)} configurations warmed up ({args.warmup} steps each) in {time.perf_counter() - started:.1f} s")
-    started, rounds = time.perf_counter(), 0
-    while rounds < args.rounds and not (args.seconds and time.perf_counter() - started > args.seconds):
-        order = list(runs)
-        random.Random(rounds).shuffle(order)  # no configuration always follows the same one
-        rounds += 1
-        for name in order:
-            model, optimizer, keep = runs[name]
-            times[name].append([])
-            for _ in range(args.steps):
-                times[name][-1].append(step(model, optimizer))
-                if keep is not None:  # the synchroniser's host time in this step
-                    host[name].append(keep.telemetry.last.encode_s + keep.telemetry.last.decode_s)
-    progress(f"{rounds} rounds in {time.perf_counter() - started:.1f} s")
+    signal.signal(signal.SIGTERM, stop)  # ``timeout``'s: the rounds done are still reported
+    rounds = 0
+    try:
+        started = time.perf_counter()
+        for model, optimizer, _ in runs.values():
+            for _ in range(args.warmup):
+                step(model, optimizer)
+        warmed = time.perf_counter() - started
+        progress(f"{len(runs)} configurations warmed up ({args.warmup} steps each) in {warmed:.1f} s")
+        started = time.perf_counter()
+        while rounds < args.rounds and not (rounds and args.seconds and time.perf_counter() - begun > args.seconds):
+            order = list(runs)
+            random.Random(rounds).shuffle(order)  # no configuration always follows the same one
+            for name in order:
+                model, optimizer, keep = runs[name]
+                times[name].append([])
+                for _ in range(args.steps):
+                    times[name][-1].append(step(model, optimizer))
+                    if keep is not None:  # the synchroniser's host time in this step
+                        host[name].append(keep.telemetry.last.encode_s + keep.telemetry.last.decode_s)
+            rounds += 1
+        progress(f"{rounds} rounds in {time.perf_counter() - started:.1f} s")
+    except Stopped:
+        progress(f"stopped by SIGTERM after {rounds} rounds; the round under way is left out")
+        if not rounds:
+            sys.exit(1)
+        times = {name: samples[:rounds] for name, samples in times.items()}
+        args.profile = False
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
     inputs = "128 tokens" if args.model == "bert-base" else f"{args.image_size}x{args.image_size}"
     print(

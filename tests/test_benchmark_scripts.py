@@ -3,8 +3,10 @@
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,6 +254,34 @@ def test_the_step_overhead_times_torch_s_hooks_and_bf16_autocast_beside_the_sync
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for name in [*configs, "gc topk+residual"]:
         assert float(rows[name].split("|")[2]) > 0, rows
+
+
+def test_the_step_overhead_stopped_by_sigterm_reports_the_rounds_it_completed():
+    """``timeout``'s SIGTERM in the rounds: the table of the rounds done is printed, the one under
+    way left out (a part of the GPU check cut at its limit keeps its measurement)."""
+    process = subprocess.Popen(
+        [sys.executable, "step_overhead.py", "--device", "cpu", "--model", "resnet18", "--image-size", "16"]
+        + ["--batch", "2", "--rounds", "100000", "--steps", "1", "--warmup", "1", "--configs", "plain", "ddp"],
+        cwd=BENCHMARKS,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ONE_PROCESS_ENV,
+    )
+    try:
+        for line in process.stderr:  # past any warnings
+            if "warmed up" in line:
+                break
+        time.sleep(2)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and "stopped by SIGTERM after" in stderr, stderr[-3000:]
+    rounds = int(stderr.split("stopped by SIGTERM after ")[1].split()[0])
+    assert rounds >= 1 and f"{rounds} rounds x 1 steps" in stdout
+    rows = {line.split("|")[1].strip() for line in stdout.splitlines() if line.startswith("| ")}
+    assert {"plain", "ddp"} <= rows
 
 
 def test_a_density_outside_0_1_is_refused_by_the_kernel_variants(monkeypatch, capsys):
