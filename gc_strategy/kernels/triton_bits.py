@@ -61,15 +61,16 @@ if triton is not None:
 
     @triton.jit
     def _pack_kernel(codes_ptr, out_ptr, n, BITS: tl.constexpr, SIGNS: tl.constexpr, BLOCK: tl.constexpr):
+        """A ``[BLOCK, 8 / BITS]`` tile of codes, contiguous in memory (one coalesced load, where a
+        load per code of each byte strides by ``8 / BITS`` elements), summed into bytes along its
+        rows after the shifts (the codes' bits are disjoint: the sum is their OR)."""
         per_byte: tl.constexpr = 8 // BITS
         byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        packed = tl.zeros([BLOCK], dtype=tl.int32)
-        for j in tl.static_range(per_byte):
-            index = byte * per_byte + j
-            value = tl.load(codes_ptr + index, mask=index < n, other=0)
-            code = (value >= 0).to(tl.int32) if SIGNS else value.to(tl.int32)
-            code = tl.where(index < n, code, 0)
-            packed = packed | (code << (j * BITS))
+        slot = tl.arange(0, per_byte)
+        index = byte[:, None] * per_byte + slot[None, :]
+        value = tl.load(codes_ptr + index, mask=index < n, other=0)
+        code = (value >= 0).to(tl.int32) if SIGNS else value.to(tl.int32)
+        packed = tl.sum(tl.where(index < n, code, 0) << (slot[None, :] * BITS), axis=1)
         tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < (n + per_byte - 1) // per_byte)
 
     @triton.jit
