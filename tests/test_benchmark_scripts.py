@@ -6,6 +6,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -268,15 +269,27 @@ def test_the_step_overhead_stopped_by_sigterm_reports_the_rounds_it_completed():
         text=True,
         env=ONE_PROCESS_ENV,
     )
-    try:
-        for line in process.stderr:  # past any warnings
+    lines: list[str] = []
+    warmed = threading.Event()
+
+    def read_stderr() -> None:
+        for line in process.stderr:
+            lines.append(line)
             if "warmed up" in line:
-                break
+                warmed.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert warmed.wait(timeout=120), "".join(lines)[-3000:]
         time.sleep(2)
         process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=120)
+        process.wait(timeout=120)  # its table is printed at the end: well within a pipe's buffer
+        stdout = process.stdout.read()
+        reader.join(timeout=10)
     finally:
         process.kill()
+    stderr = "".join(lines)
     assert process.returncode == 0 and "stopped by SIGTERM after" in stderr, stderr[-3000:]
     rounds = int(stderr.split("stopped by SIGTERM after ")[1].split()[0])
     assert rounds >= 1 and f"{rounds} rounds x 1 steps" in stdout

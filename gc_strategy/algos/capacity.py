@@ -57,15 +57,16 @@ class CapacitySparsifier(Sparsifier):
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> float | Tensor:
         raise NotImplementedError
 
-    def sampled_threshold(self, magnitudes: Tensor, bucket: Bucket, fraction: float, least: int) -> Tensor:
+    def sampled_threshold(
+        self, magnitudes: Tensor, bucket: Bucket, fraction: float, least: int, ratio: float = 0.0
+    ) -> Tensor:
         """A magnitude that about ``fraction`` of the bucket reaches: the ``⌊fraction · m⌋``-th
-        largest of ``m`` entries drawn at random (``sample_ratio`` of the bucket where the options
-        have one, at least ``least`` and ``SAMPLED_ABOVE / fraction``; all of a small bucket),
-        so that about ``SAMPLED_ABOVE`` sampled entries lie above it and the count above it has a
-        relative spread of about ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018)."""
+        largest of ``m`` entries drawn at random (``ratio`` of the bucket, at least ``least`` and
+        ``SAMPLED_ABOVE / fraction``; all of a small bucket), so that about ``SAMPLED_ABOVE``
+        sampled entries lie above it and the count above it has a relative spread of about ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018)."""
         n = magnitudes.numel()
         least = max(least, math.ceil(SAMPLED_ABOVE / fraction))
-        samples = min(n, max(least, math.ceil(self.options.get("sample_ratio", 0.0) * n)))
+        samples = min(n, max(least, math.ceil(ratio * n)))
         if samples >= n:
             sample = magnitudes
         else:
@@ -233,7 +234,9 @@ class DGC(CapacitySparsifier):
         n = magnitudes.numel()
         density = self.density_now()
         k = keep_count(density, n)
-        threshold = self.sampled_threshold(magnitudes, bucket, density, self.options["min_sample"])
+        threshold = self.sampled_threshold(
+            magnitudes, bucket, density, self.options["min_sample"], self.options["sample_ratio"]
+        )
         rounds = self.options["adjust_rounds"]
         if kernels.in_host_memory(magnitudes.device):  # a count costs no device wait: stop at the first fit
             for round_ in range(rounds + 1):
