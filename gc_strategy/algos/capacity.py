@@ -63,7 +63,8 @@ class CapacitySparsifier(Sparsifier):
         """A magnitude that about ``fraction`` of the bucket reaches: the ``⌊fraction · m⌋``-th
         largest of ``m`` entries drawn at random (``ratio`` of the bucket, at least ``least`` and
         ``SAMPLED_ABOVE / fraction``; all of a small bucket), so that about ``SAMPLED_ABOVE``
-        sampled entries lie above it and the count above it has a relative spread of about ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018)."""
+        sampled entries lie above it and the count above it has a relative spread of about
+        ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018)."""
         n = magnitudes.numel()
         least = max(least, math.ceil(SAMPLED_ABOVE / fraction))
         samples = min(n, max(least, math.ceil(ratio * n)))
