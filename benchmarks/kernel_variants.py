@@ -24,7 +24,7 @@ import torch
 from cli import add_device_option, integer_at_least
 from torch import Tensor
 
-from gc_strategy.kernels import numpy_ops, torch_ops, triton_bits
+from gc_strategy.kernels import numpy_ops, torch_ops, triton_bits, triton_select
 
 #: an operation's variants: name -> (function of the input, or None where it has none here)
 Variants = dict[str, Callable[[Tensor], Tensor] | None]
@@ -65,6 +65,13 @@ def variants_of(device: torch.device, density: float) -> dict[str, tuple[Callabl
         return magnitudes[positions]
 
     same = torch.equal
+    chunk = 256
+
+    def chunks_input(n: int) -> Tensor:  # the whole chunks of |x|, as rows
+        return signs_input(n - n % chunk).abs_().view(-1, chunk)
+
+    def same_rows(a: Tensor, b: Tensor) -> bool:  # the same columns of each row, in any order
+        return torch.equal(a.sort(1).values, b.sort(1).values)
 
     def same_values(a: Tensor, b: Tensor) -> bool:  # the same k values, in any order
         return torch.equal(a.sort().values, b.sort().values)
@@ -105,6 +112,16 @@ def variants_of(device: torch.device, density: float) -> dict[str, tuple[Callabl
                 "cupy": cupy_top_k if cp else None,
             },
             same_values,
+        ),
+        f"chunk_top_k, {k_of(chunk)} of each {chunk}": (
+            chunks_input,
+            {
+                "torch": lambda m: torch_ops.chunk_top_k(m, k_of(chunk)),
+                "numpy": None,
+                "triton": (lambda m: triton_select.chunk_top_k(m, k_of(chunk))) if triton else None,
+                "cupy": None,
+            },
+            same_rows,
         ),
         "all_finite": (
             signs_input,

@@ -95,6 +95,53 @@ def test_pack_signs_equals_the_comparison(kernels, n):
     assert torch.equal(kernels.pack_bits(values >= 0, 1).cpu(), _reference_pack(values.cpu() >= 0, 1))
 
 
+@pytest.mark.parametrize("chunk, kept", [(1, 1), (7, 3), (64, 6), (256, 2), (1000, 16), (4096, 5)])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_chunk_top_k_keeps_the_largest_of_each_row(kernels, chunk, kept, ties):
+    """Against ``torch.topk`` per row: the same multiset of values (with ties, torch may take
+    other columns of equal value), ``kept`` distinct columns per row; a row's NaN is taken first,
+    as torch ranks it, and the rows past a program's tile are done too (37 rows)."""
+    from gc_strategy.kernels import triton_select
+
+    g = torch.Generator().manual_seed(chunk * kept)
+    magnitudes = torch.randint(0, 4, (37, chunk), generator=g).float() if ties else torch.rand(37, chunk, generator=g)
+    magnitudes[5, chunk // 2] = float("nan")
+    chosen = triton_select.chunk_top_k(magnitudes.to(kernels.device), kept).cpu()
+    assert chosen.shape == (37, kept) and chosen.dtype == torch.int64
+    assert bool((chosen.sort(1).values.diff(dim=1) > 0).all())
+    taken = magnitudes.gather(1, chosen).nan_to_num(nan=float("inf")).sort(1).values
+    expected = magnitudes.topk(kept, dim=1).values.nan_to_num(nan=float("inf")).sort(1).values
+    assert torch.equal(taken, expected)
+    assert int(chosen[5, 0]) == chunk // 2
+
+
+@pytest.mark.parametrize("value_bits", [0, 2])
+def test_chunked_topk_through_the_kernel_equals_the_torch_code(kernels, value_bits):
+    """``topk`` in chunks of 256 (the last one short), its values as they are or in SparseLoCo's
+    2 bits: the payload and the decode through the kernel equal those of ``torch.topk``'s rows."""
+    from gc_strategy import kernels as layer
+    from gc_strategy.algos import COMPRESSORS
+    from gc_strategy.bucket import Bucket
+
+    bucket = Bucket(0, ["a", "b"], [torch.Size([40, 250]), torch.Size([77])], torch.float32, kernels.device)
+    g = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(value_bits)).to(kernels.device)
+    results = []
+    for variant in ("triton", "torch"):
+        compressor = COMPRESSORS.build("topk", density=0.01, chunk=256, value_bits=value_bits)
+        with layer.forced(variant):
+            payload = compressor.encode(g.clone(), bucket)
+            results.append(([p.cpu() for p in payload], compressor.decode(payload, bucket).cpu()))
+    (fused, fused_decode), (plain, plain_decode) = results
+    assert torch.equal(fused_decode, plain_decode) and int(fused_decode.count_nonzero()) > 0
+    # the kernel's columns come in decreasing magnitude, torch's in any order: the same set per chunk
+    rows = 10_077 // 256
+
+    def per_chunk(indices):
+        return indices[: rows * 2].view(rows, 2).sort(1).values
+
+    assert torch.equal(per_chunk(fused[-1]), per_chunk(plain[-1]))
+
+
 def test_the_torch_code_is_used_on_the_cpu_without_the_interpreter():
     from gc_strategy.kernels import triton_bits
 

@@ -23,7 +23,8 @@ class TopK(Sparsifier):
     Chunked (``chunk = C > 0``, SparseLoCo's form: Sarfi et al. 2025): the bucket is cut into
     chunks of ``C`` consecutive elements (the last one shorter when ``C`` does not divide ``n``),
     and each chunk of ``c`` elements sends its ``max(1, ⌊δc⌋)`` entries of largest ``|g|``. Why:
-    one batched top-k per bucket over small rows instead of a selection over all of it, and
+    one batched top-k per bucket over small rows (:func:`~gc_strategy.kernels.chunk_top_k`: one
+    pass over the bucket on CUDA) instead of a selection over all of it, and
     in-chunk indices of 1 byte (``C ≤ 256``) or 2 (``C ≤ 32768``) instead of 4.
 
     Quantized values (``value_bits = b`` in 1, 2, 4, 8; SparseLoCo sends 2): each kept value ``v``
@@ -109,7 +110,7 @@ class TopK(Sparsifier):
         magnitudes = self.magnitudes(flat, bucket)
         values, indices = [], []
         if full:
-            top = torch.topk(magnitudes[: full * chunk].view(full, chunk), kept, dim=1, sorted=False).indices
+            top = kernels.chunk_top_k(magnitudes[: full * chunk].view(full, chunk), kept)
             values.append(flat[: full * chunk].view(full, chunk).gather(1, top).view(-1))
             indices.append(top.view(-1))
         if rest:

@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from . import numpy_ops, torch_ops, triton_bits
+from . import numpy_ops, torch_ops, triton_bits, triton_select
 from .dispatch import VARIANTS, forced, in_host_memory, uses_triton, variant_for
 
 __all__ = [
     "VARIANTS",
     "all_finite",
     "assign_if_finite",
+    "chunk_top_k",
     "exceedances",
     "fill_where_zero",
     "forced",
@@ -36,6 +37,7 @@ __all__ = [
     "sum_per_tensor",
     "top_k",
     "triton_bits",
+    "triton_select",
     "uniform_",
     "unpack_bits",
     "uses_triton",
@@ -75,6 +77,15 @@ def top_k(magnitudes: Tensor, k: int) -> Tensor:
     """int64 positions of the ``k`` largest ``magnitudes`` (NaN largest, as ``torch.topk`` orders
     it; among equal values any), in no particular order."""
     return _module(magnitudes).top_k(magnitudes, k)
+
+
+def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
+    """int64 columns ``[rows, k]`` of the ``k`` largest of each row of the 2-d, non-negative
+    ``magnitudes`` (NaN largest), distinct, in no particular order: a top-k per chunk. One variant
+    on the host and without Triton: torch's batched top-k."""
+    if variant_for(magnitudes, triton=triton_select.fits(magnitudes.shape[1], k)) == "triton":
+        return triton_select.chunk_top_k(magnitudes, k)
+    return torch_ops.chunk_top_k(magnitudes, k)
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:

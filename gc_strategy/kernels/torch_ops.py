@@ -25,6 +25,10 @@ def top_k(magnitudes: Tensor, k: int) -> Tensor:
     return torch.topk(magnitudes, min(k, magnitudes.numel()), sorted=False).indices
 
 
+def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
+    return torch.topk(magnitudes, k, dim=1, sorted=False).indices
+
+
 #: a capacity selection looks at the first ``CANDIDATES · capacity`` entries above the threshold
 CANDIDATES = 2
 #: ``torch.nonzero_static`` runs on CUDA from torch 2.6 (on the CPU from 2.1)
