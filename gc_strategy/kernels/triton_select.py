@@ -7,7 +7,7 @@ here loads a tile of whole rows once into registers and takes its ``k`` largest 
 along the rows, each chosen entry then keyed below every magnitude: one pass over the bucket.
 
 Ties go to the lowest column (``torch.topk`` takes any of them); NaN ranks with +inf, above every
-finite magnitude (``torch.topk`` ranks NaN above +inf too). Tests run the kernel on the CPU under
+finite magnitude (``torch.topk`` ranks NaN above +inf). Tests run the kernel on the CPU under
 ``TRITON_INTERPRET=1`` against ``torch.topk``.
 """
 
