@@ -132,3 +132,24 @@ def test_nothing_selected_is_a_valid_payload():
     compressor = build("sidco", density=0.001, adapt_every=0)
     values, indices = compressor.encode(torch.zeros(1000), bucket(1000))
     assert values.numel() == indices.numel() == 2 and not values.any()  # the capacity, nothing in it
+
+
+def test_a_host_copy_that_has_landed_is_read_without_a_host_synchronisation():
+    """SIDCo reads its count a step after the copy was queued: the event is asked first, and only
+    a copy still on its way makes the host wait on it."""
+    from gc_strategy.bucket import HostCopy
+
+    class Event:
+        def __init__(self, landed: bool) -> None:
+            self.landed, self.waited = landed, False
+
+        def query(self) -> bool:
+            return self.landed
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    for landed in (True, False):
+        copy = HostCopy(torch.tensor(7))
+        copy._event = Event(landed)
+        assert int(copy.value()) == 7 and copy._event.waited is not landed
