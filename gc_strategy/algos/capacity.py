@@ -112,15 +112,16 @@ class CapacitySparsifier(Sparsifier):
     def _tally(self) -> Tensor:
         """``[Σ demand, Σ min(above, C)]`` over the encodes counted (``C`` each one's capacity):
         three launches when the metrics are read (the bounds are stacked again only where the
-        capacities changed), none in an encode."""
-        rows = torch.stack([count for demand, above, _ in self._counts for count in (demand, above)]).view(-1, 2)
-        key = (tuple(capacity for *_, capacity in self._counts), rows.device)
-        if self._stacked_bounds[0] != key:
-            bounds = torch.stack([self._bounds_of(capacity, rows.device) for capacity in key[0]])
-            self._stacked_bounds = (key, bounds)
-        total = torch.minimum(rows, self._stacked_bounds[1]).sum(0)
-        if self._folded is not None:
-            total += self._folded
+        capacities changed), none in an encode. At least one encode is counted."""
+        total = self._folded
+        if self._counts:  # none where the last encode folded them
+            rows = torch.stack([count for demand, above, _ in self._counts for count in (demand, above)]).view(-1, 2)
+            key = (tuple(capacity for *_, capacity in self._counts), rows.device)
+            if self._stacked_bounds[0] != key:
+                bounds = torch.stack([self._bounds_of(capacity, rows.device) for capacity in key[0]])
+                self._stacked_bounds = (key, bounds)
+            counted = torch.minimum(rows, self._stacked_bounds[1]).sum(0)
+            total = counted if total is None else total + counted
         self._counts, self._folded = [], None
         return total
 
