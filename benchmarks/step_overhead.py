@@ -278,7 +278,7 @@ def main() -> None:
 
     host: dict[str, list[float]] = {name: [] for name, (_, _, keep) in runs.items() if keep is not None}
     signal.signal(signal.SIGTERM, stop)  # ``timeout``'s: the rounds done are still reported
-    rounds = 0
+    rounds, profile = 0, args.profile
     try:
         started = time.perf_counter()
         for model, optimizer, _ in runs.values():
@@ -304,7 +304,7 @@ def main() -> None:
         if not rounds:
             sys.exit(1)
         times = {name: samples[:rounds] for name, samples in times.items()}
-        args.profile = False
+        profile = False  # no time left to trace
     device = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} thread(s)"
     inputs = "128 tokens" if args.model == "bert-base" else f"{args.image_size}x{args.image_size}"
     print(
@@ -313,7 +313,7 @@ def main() -> None:
         f"{rounds} rounds x {args.steps} steps, in a new order each round\n"
     )
     print(exposure_table(times))
-    if args.profile:
+    if profile:
         profiles = profile_steps({name: functools.partial(train, *runs[name][:2]) for name in configs})
         host_ms = {name: 1000 * statistics.median(samples) for name, samples in host.items()}
         print("\nTwo steps of each under torch's profiler, medians in ms (see benchmarks/step_profile.py)\n")

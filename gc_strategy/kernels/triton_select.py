@@ -18,9 +18,6 @@ from torch import Tensor
 
 from .triton_bits import triton
 
-if triton is not None:
-    import triton.language as tl
-
 #: the most entries a chunk keeps here (an argmax over its row each)
 MOST_KEPT = 16
 #: the longest chunk (its row, padded to a power of two, lies in one program's registers)
@@ -30,11 +27,13 @@ TILE = 4096
 
 
 def fits(chunk: int, k: int) -> bool:
-    """Whether chunks of ``chunk`` elements keeping ``k`` each take the kernel."""
-    return triton is not None and chunk <= LONGEST and k <= MOST_KEPT
+    """Whether chunks of ``chunk`` elements keeping ``k`` each take the kernel (where Triton runs:
+    the dispatch asks)."""
+    return chunk <= LONGEST and k <= MOST_KEPT
 
 
 if triton is not None:
+    import triton.language as tl
 
     @triton.jit
     def _chunk_top_k_kernel(
