@@ -2,11 +2,12 @@
 counterparts where CuPy has one.
 
 The kernel layer (``gc_strategy/kernels``) runs plain torch everywhere, numpy on the CPU where it
-pays and one-pass Triton kernels on CUDA. CuPy (a CUDA C route: its array functions, or kernels
-written in CUDA C) is measured here beside them: a CuPy variant belongs in the layer only where it
-beats the others on the card. Every variant's output is checked against the torch variant's
-before it is timed (an operation whose variants disagree stops the run). Times: the median over
-``--runs`` of the mean of ``--repeats`` calls, the device synchronised around each run.
+pays, one-pass Triton kernels on CUDA, and CuPy's kernels where they beat the others on the card
+(its variant of packing signs, timed here as the layer runs it). CuPy's counterparts of the other
+operations are measured beside them, to find where else a CuPy variant would pay. Every variant's
+output is checked against the torch variant's before it is timed (an operation whose variants
+disagree stops the run). Times: the median over ``--runs`` of the mean of ``--repeats`` calls,
+the device synchronised around each run.
 
     python benchmarks/kernel_variants.py                      # CUDA, ResNet-50's 25.6 M elements
     python benchmarks/kernel_variants.py --device cpu --elements 1000000
@@ -24,26 +25,15 @@ import torch
 from cli import add_device_option, integer_at_least
 from torch import Tensor
 
-from gc_strategy.kernels import numpy_ops, torch_ops, triton_bits, triton_select
+from gc_strategy.kernels import cupy_ops, numpy_ops, torch_ops, triton_bits, triton_select
 
 #: an operation's variants: name -> (function of the input, or None where it has none here)
 Variants = dict[str, Callable[[Tensor], Tensor] | None]
 
 
-def cupy_module():
-    """CuPy, or None where it is not installed or finds no GPU."""
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-        return cupy
-    except Exception:  # ImportError, or CuPy's CUDA errors without a driver
-        return None
-
-
 def variants_of(device: torch.device, density: float) -> dict[str, tuple[Callable[[int], Tensor], Variants, Callable]]:
     """name -> (input of ``n`` elements, the variants, how to compare two outputs)."""
-    cp = cupy_module() if device.type == "cuda" else None
+    cp = cupy_ops.cupy() if device.type == "cuda" else None
     host = device.type == "cpu"
     triton = device.type == "cuda" and triton_bits.usable(torch.empty(1, device=device))
 
@@ -83,11 +73,7 @@ def variants_of(device: torch.device, density: float) -> dict[str, tuple[Callabl
                 "torch": lambda x: torch_ops.pack_bits(x >= 0, 1),
                 "numpy": (lambda x: numpy_ops.pack_bits(x >= 0, 1)) if host else None,
                 "triton": triton_bits.pack_signs if triton else None,
-                "cupy": (
-                    (lambda x: torch.from_dlpack(cp.packbits(cp.from_dlpack(x >= 0), bitorder="little")))
-                    if cp
-                    else None
-                ),
+                "cupy": cupy_ops.pack_signs if cp else None,
             },
             same,
         ),
@@ -202,7 +188,7 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    cupy = cupy_module()
+    cupy = cupy_ops.cupy()
     print(
         f"\n{args.elements:,} elements, {where}, torch {torch.__version__}, "
         f"CuPy {cupy.__version__ if cupy else 'absent'}; ms per call, median of {args.runs} runs "

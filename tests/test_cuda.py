@@ -130,6 +130,24 @@ def test_all_finite_on_cuda_finds_every_inf_and_nan():
             assert bool(all_finite(flat)) == (bad is None), (dtype, bad)
 
 
+def test_cupy_packs_signs_on_torchs_stream_in_torchs_memory():
+    """The default variant of ``pack_signs`` where CuPy is installed: the torch variant's bytes,
+    on a side stream, with nothing taken from CuPy's own memory pool."""
+    cupy = pytest.importorskip("cupy")
+    from gc_strategy import kernels
+    from gc_strategy.kernels import torch_ops
+
+    values = torch.randn(25_557_035, device="cuda")
+    values[:3] = torch.tensor([-0.0, float("nan"), 0.0])
+    pool = cupy.get_default_memory_pool().used_bytes()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert kernels.variant_for(values, triton=True, cupy=True) == "cupy"
+        packed, expected = kernels.pack_signs(values), torch_ops.pack_bits(values >= 0, 1)
+        assert torch.equal(packed, expected)
+    assert cupy.get_default_memory_pool().used_bytes() == pool
+
+
 def test_chunked_topk_on_cuda_equals_the_cpu():
     g = _gradients(1)[0]
     decoded = []

@@ -37,7 +37,7 @@ def test_the_dispatch_picks_numpy_on_the_host_unless_forced():
         assert kernels.variant_for(x) == "torch" and not kernels.in_host_memory(x)
         assert not kernels.in_host_memory(torch.device("cpu"))
     assert kernels.variant_for(x) == "numpy"
-    with pytest.raises(ValueError, match="kernel variant 'cuda' is invalid; allowed: triton, numpy, torch"):
+    with pytest.raises(ValueError, match="kernel variant 'cuda' is invalid; allowed: triton, cupy, numpy, torch"):
         with kernels.forced("cuda"):
             pass
 
@@ -119,6 +119,38 @@ def test_pack_and_unpack_bits(variant, bits, n):
         assert torch.equal(kernels.unpack_bits(packed, bits, n), codes)
         signs = kernels.pack_signs(_vector(n))
     assert torch.equal(signs, kernels.pack_bits(_vector(n) >= 0, 1))
+
+
+@pytest.mark.parametrize("variant", ["numpy", "torch", "cupy"])
+@pytest.mark.parametrize("n", [1, 8, 13, 1001])
+def test_pack_signs_sets_bit_j_of_byte_i_for_element_8i_plus_j_at_least_0(variant, n):
+    """Against the wire format computed plainly; -0.0 counts as ``>= 0``, NaN does not. Forced
+    ``"cupy"`` on the CPU runs the CuPy variant's code through numpy."""
+    values = _vector(n, seed=n)
+    special = torch.tensor([-0.0, 0.0, float("nan"), -1.0, 1.0])[:n]
+    values[: len(special)] = special
+    plain = [sum(int(values[i + j] >= 0) << j for j in range(8) if i + j < n) for i in range(0, n, 8)]
+    with kernels.forced(variant):
+        assert kernels.variant_for(values, triton=True, cupy=True) == variant
+        packed = kernels.pack_signs(values)
+    assert packed.dtype == torch.uint8 and packed.tolist() == plain
+
+
+def test_forced_cupy_runs_the_cupy_variant_where_an_operation_has_one_and_torch_elsewhere():
+    x = torch.zeros(3)
+    with kernels.forced("cupy"):
+        assert kernels.variant_for(x, cupy=True) == "cupy"
+        assert kernels.variant_for(x, triton=True) == "torch"
+        assert not kernels.in_host_memory(x)
+    assert kernels.variant_for(x, triton=True, cupy=True) == "numpy"  # the host keeps its own variant
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum", "onebit", "efsignsgd"])
+def test_sign_compressors_through_the_cupy_variant_equal_the_torch_variant(name):
+    """Every step's average and state, bit for bit: the packed signs are the same bytes."""
+    for (a, state_a, _), (b, state_b, _) in zip(_steps(name, "cupy"), _steps(name, "torch")):
+        assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan())
+        assert all(torch.equal(state_a[key], state_b[key]) for key in state_a)
 
 
 @pytest.mark.parametrize("variant", CPU_VARIANTS)

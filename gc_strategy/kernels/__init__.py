@@ -1,8 +1,9 @@
 """One kernel layer: the compressors' hot operations, each behind one dispatch on its tensor.
 
 Every operation has a plain-torch variant (:mod:`.torch_ops`: every device, the reference), and
-where it pays a CPU variant through numpy (:mod:`.numpy_ops`) or a one-pass Triton kernel on CUDA
-(:mod:`.triton_bits`). :func:`~.dispatch.variant_for` picks one, and :func:`~.dispatch.forced`
+where it pays a CPU variant through numpy (:mod:`.numpy_ops`), a one-pass Triton kernel on CUDA
+(:mod:`.triton_bits`, :mod:`.triton_select`) or CuPy's kernel where that was the fastest measured
+(:mod:`.cupy_ops`). :func:`~.dispatch.variant_for` picks one, and :func:`~.dispatch.forced`
 makes every operation take one, so that the accelerator's code runs on the CPU in CI
 (``tests/test_kernels.py`` checks every variant against the torch one). The algorithm files call
 these functions and read as their math.
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from . import numpy_ops, torch_ops, triton_bits, triton_select
+from . import cupy_ops, numpy_ops, torch_ops, triton_bits, triton_select
 from .dispatch import VARIANTS, forced, in_host_memory, uses_triton, variant_for
 
 __all__ = [
@@ -103,7 +104,10 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 
 def pack_signs(values: Tensor) -> Tensor:
     """``pack_bits(values >= 0, 1)``: one bit per element, set for ``values_i >= 0``."""
-    if variant_for(values, triton=True) == "triton":
+    variant = variant_for(values, triton=True, cupy=True)
+    if variant == "cupy":
+        return cupy_ops.pack_signs(values)
+    if variant == "triton":
         return triton_bits.pack_signs(values)
     return pack_bits(values >= 0, 1)
 
