@@ -58,7 +58,7 @@ def _on_torch(tensor: Tensor) -> Iterator[None]:
 
     def allocate(size: int):
         block = torch.empty(size, dtype=torch.uint8, device=device)
-        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(block.data_ptr(), size, block), 0)
+        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(block.data_ptr(), size, block, device.index), 0)
 
     current = torch.cuda.current_stream(device)
     if hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14, through the CUDA stream protocol
