@@ -160,6 +160,7 @@ def exposure_table(times: dict[str, list[list[float]]]) -> str:
     to plain's and the exposed time (the difference of the medians), and the range of the
     exposed time over the rounds (each round's median against plain's in that round)."""
     plain = [statistics.median(steps) for steps in times["plain"]] if "plain" in times else None
+    overall = statistics.median(step for steps in times["plain"] for step in steps) if plain is not None else None
     lines = [
         "| configuration | median step (ms) | / plain | exposed (ms) | rounds' range (ms) |",
         "|---|---|---|---|---|",
@@ -169,7 +170,6 @@ def exposure_table(times: dict[str, list[list[float]]]) -> str:
         if plain is None:
             lines.append(f"| {name} | {1000 * median:.2f} | - | - | - |")
             continue
-        overall = statistics.median(step for steps in times["plain"] for step in steps)
         per_round = [1000 * (statistics.median(steps) - base) for steps, base in zip(rounds, plain)]
         lines.append(
             f"| {name} | {1000 * median:.2f} | {median / overall:.3f} | {1000 * (median - overall):.2f} | "
