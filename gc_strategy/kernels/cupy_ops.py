@@ -61,7 +61,7 @@ def _on_torch(tensor: Tensor) -> Iterator[None]:
         return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(block.data_ptr(), size, block, device.index), 0)
 
     current = torch.cuda.current_stream(device)
-    if hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14, through the CUDA stream protocol
+    if hasattr(cp.cuda.Stream, "from_external") and hasattr(current, "__cuda_stream__"):  # the CUDA stream protocol
         stream = cp.cuda.Stream.from_external(current)
     else:
         stream = cp.cuda.ExternalStream(current.cuda_stream, device.index)
