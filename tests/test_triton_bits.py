@@ -366,3 +366,90 @@ def test_mean_of_levels_equals_the_mean_of_the_decodes(kernels, name, options, r
         rtol=1e-6,
         atol=1e-6 * float(expected.abs().max()),
     )
+
+
+def _sent_forms(n, device):
+    """The forms in which DGC's memory receives the positions sent, each with the bool mask it means:
+    int64 and int32 indices, a bool mask of the bucket, and (indices, flags) whose unflagged slots
+    repeat a flagged position and an unsent one."""
+    g = torch.Generator().manual_seed(n)
+    chosen = torch.randperm(n, generator=g)[: n // 10]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[chosen] = True
+    indices = torch.cat([chosen, chosen[:3], torch.randperm(n, generator=g)[:5]])
+    flags = torch.cat([torch.ones(chosen.numel(), dtype=torch.bool), torch.zeros(8, dtype=torch.bool)])
+    forms = {
+        "int64": chosen,
+        "int32": chosen.int(),
+        "mask": mask,
+        "flagged": (indices, flags),
+    }
+    moved = {
+        name: tuple(t.to(device) for t in form) if isinstance(form, tuple) else form.to(device)
+        for name, form in forms.items()
+    }
+    return moved, mask
+
+
+@pytest.mark.parametrize("form", ["int64", "int32", "mask", "flagged"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_dgc_memory_kernels_follow_the_momentum_recursion(kernels, form, grad_dtype):
+    """Four steps of DGC's memory through the Triton kernels against its math computed plainly:
+    ``u ← m u + g``, ``v ← v + u``, the compressor's input ``v``, then ``u`` and ``v`` zeroed where
+    sent; at the third step the gradient holds an inf and a NaN: the input carries them, and ``u``
+    and ``v`` stay as they were (nothing zeroed either)."""
+    from gc_strategy.algos import MEMORIES
+    from gc_strategy.bucket import Bucket
+
+    n, m = 4099, 0.9
+    bucket = Bucket(0, ["w"], [torch.Size([n])], torch.float32, kernels.device)
+    memory = MEMORIES.build("dgc", momentum=m)
+    forms, mask = _sent_forms(n, kernels.device)
+    u, v = torch.zeros(n), torch.zeros(n)
+    for step in range(4):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step)).to(grad_dtype)
+        if step == 2:
+            g[5], g[9] = float("inf"), float("nan")
+        finite = torch.isfinite(g).all()
+        expected = v + (m * u + g.float())
+        compensated = memory.compensate(g.to(kernels.device), bucket, finite.to(kernels.device))
+        assert compensated is not memory.buffer("v", bucket)  # not the host's in-place path
+        memory.update(compensated, forms[form], bucket, finite.to(kernels.device))
+        torch.testing.assert_close(compensated.cpu(), expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+        if finite:
+            u, v = (m * u + g.float()) * ~mask, expected * ~mask
+        torch.testing.assert_close(memory.buffer("u", bucket).cpu(), u, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(memory.buffer("v", bucket).cpu(), v, rtol=1e-6, atol=1e-6)
+    assert not memory._pending  # the torch code's [2, n] tensors were not made
+
+
+def test_dgc_with_its_memory_through_the_kernels_equals_the_torch_code(kernels, monkeypatch):
+    """Three steps of ``dgc`` with its memory, exchanged through the Triton kernels and through the
+    torch code: the same positions sent and the same averages and memories, to fp32 rounding."""
+    from gc_strategy.algos import COMPRESSORS, MEMORIES
+    from gc_strategy.communicators import COMMUNICATORS
+    from gc_strategy.kernels import forced, triton_memory
+
+    calls = []
+    step_kernel = triton_memory.momentum_step
+    monkeypatch.setattr(triton_memory, "momentum_step", lambda *args: (calls.append(1), step_kernel(*args))[1])
+
+    bucket = _sign_bucket(kernels.device)
+    runs = {}
+    for variant in ("triton", "torch"):
+        compressor, memory = COMPRESSORS.build("dgc", density=0.05), MEMORIES.build("dgc")
+        communicator = COMMUNICATORS.build("allgather")
+        communicator.bind(None)
+        runs[variant] = []
+        with forced(variant):
+            for step in range(3):
+                grad = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(step)).to(kernels.device)
+                average, finite = finish(memory.exchange(compressor, grad, bucket, communicator))
+                assert bool(finite)
+                state = [memory.buffer(name, bucket).cpu().clone() for name in ("u", "v")]
+                runs[variant].append((average.cpu().clone(), *state))
+        assert len(calls) == 3  # the kernel ran in each step of the first run, not in the second
+    for triton_run, torch_run in zip(runs["triton"], runs["torch"]):
+        assert torch.equal(triton_run[0] != 0, torch_run[0] != 0)  # the same positions sent
+        for a, b in zip(triton_run, torch_run):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

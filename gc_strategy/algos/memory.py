@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..bucket import Bucket, all_finite, assign_if_finite, finite_on_host
 from ..communicators import Communicator, Exchange
+from ..kernels import triton_memory
 from ..registry import Option
 from .base import MEMORIES, Compressor, Memory, zero_at
 
@@ -109,12 +111,18 @@ class DGCMemory(Memory):
 
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
         """``v + u`` for the updated ``u``: formed in ``u`` and ``v`` themselves where the bucket is
-        known on the host to be finite (the CPU: no new bucket-sized tensors), else in the two rows
-        of a new ``[2, n]`` tensor, so that one gather and one scatter mask both."""
-        g, clip_norm, momentum = grad.float(), self.options["clip_norm"], self.options["momentum"]
+        known on the host to be finite (the CPU: no new bucket-sized tensors); with Triton, in one
+        pass that updates ``u`` and ``v`` where the device finds the bucket finite and returns the sum
+        in a new tensor (:func:`~gc_strategy.kernels.triton_memory.momentum_step`); else in the two
+        rows of a new ``[2, n]`` tensor, so that one gather and one scatter mask both."""
+        g, clip_norm, momentum = grad, self.options["clip_norm"], self.options["momentum"]
         if clip_norm > 0:
+            g = grad.float()
             g = g * (clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
         u, v = self.buffer("u", bucket), self.buffer("v", bucket)
+        if finite is not None and kernels.uses_triton(u):  # the kernel reads g in any float dtype
+            return triton_memory.momentum_step(g, u, v, momentum, finite)
+        g = g.float()
         if finite is not None and finite_on_host(finite):
             torch.add(g, u, alpha=momentum, out=u)  # g + m·u in one pass
             return v.add_(u)
@@ -128,7 +136,9 @@ class DGCMemory(Memory):
         if compensated is v:  # formed in place (finite, on the CPU)
             zero_at(u, local)
             zero_at(v, local)
-            return
-        new = zero_at(self._pending.pop(bucket.index), local)
-        assign_if_finite(u, new[0], finite)
-        assign_if_finite(v, new[1], finite)
+        elif bucket.index in self._pending:
+            new = zero_at(self._pending.pop(bucket.index), local)
+            assign_if_finite(u, new[0], finite)
+            assign_if_finite(v, new[1], finite)
+        else:  # formed by the Triton kernel
+            triton_memory.zero_sent(u, v, local, finite)

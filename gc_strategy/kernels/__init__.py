@@ -2,8 +2,8 @@
 
 Every operation has a plain-torch variant (:mod:`.torch_ops`: every device, the reference), and
 where it pays a CPU variant through numpy (:mod:`.numpy_ops`), a one-pass Triton kernel on CUDA
-(:mod:`.triton_bits`, :mod:`.triton_select`) or CuPy's kernel where that was the fastest measured
-(:mod:`.cupy_ops`). :func:`~.dispatch.variant_for` picks one, and :func:`~.dispatch.forced`
+(:mod:`.triton_bits`, :mod:`.triton_select`, :mod:`.triton_memory`) or CuPy's kernel where that was
+the fastest measured (:mod:`.cupy_ops`). :func:`~.dispatch.variant_for` picks one, and :func:`~.dispatch.forced`
 makes every operation take one, so that the accelerator's code runs on the CPU in CI
 (``tests/test_kernels.py`` checks every variant against the torch one). The algorithm files call
 these functions and read as their math.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from . import cupy_ops, numpy_ops, torch_ops, triton_bits, triton_select
+from . import cupy_ops, numpy_ops, torch_ops, triton_bits, triton_memory, triton_select
 from .dispatch import VARIANTS, forced, in_host_memory, uses_triton, variant_for
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "sum_per_tensor",
     "top_k",
     "triton_bits",
+    "triton_memory",
     "triton_select",
     "uniform_",
     "unpack_bits",
