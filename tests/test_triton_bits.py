@@ -453,3 +453,38 @@ def test_dgc_with_its_memory_through_the_kernels_equals_the_torch_code(kernels, 
         assert torch.equal(triton_run[0] != 0, torch_run[0] != 0)  # the same positions sent
         for a, b in zip(triton_run, torch_run):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("on_device", [True, False], ids=["tensor threshold", "float threshold"])
+@pytest.mark.parametrize(
+    "n, threshold, capacity",
+    [(5000, 1.5, 2000), (5000, 0.5, 2000), (5000, 0.5, 300), (70, 0.0, 50), (3000, 9.0, 10)],
+    ids=["room to spare", "overflow", "overflow past the candidates", "every entry a candidate", "none above"],
+)
+def test_select_above_through_the_kernels_equals_the_torch_code(
+    kernels, monkeypatch, strict, on_device, n, threshold, capacity
+):
+    """The same positions, flags and count as the torch variant (the same top-k of the same keys),
+    with a NaN and entries equal to the threshold among the magnitudes."""
+    from gc_strategy.kernels import forced, select_above, triton_select
+
+    calls, selection = [], triton_select.select_above
+    monkeypatch.setattr(triton_select, "select_above", lambda *args: (calls.append(1), selection(*args))[1])
+
+    magnitudes = torch.randn(n, generator=torch.Generator().manual_seed(n)).abs()
+    magnitudes[7] = float("nan")
+    magnitudes[11:14] = threshold
+    magnitudes = magnitudes.to(kernels.device)
+    limit = torch.tensor(threshold, device=kernels.device) if on_device else threshold
+    found = {}
+    for variant in ("triton", "torch"):
+        with forced(variant):
+            found[variant] = select_above(magnitudes.clone(), limit, capacity, strict)
+    assert len(calls) == 1  # the kernels ran under forced("triton"), not under forced("torch")
+    for mine, theirs in zip(found["triton"], found["torch"]):
+        assert torch.equal(mine.cpu(), theirs.cpu())
+    positions, sent, count = (t.cpu() for t in found["triton"])
+    plain = magnitudes.cpu()
+    above = torch.isnan(plain) | (plain > threshold if strict else plain >= threshold)
+    assert int(count) == int(above.sum()) and bool(above[positions[sent]].all())

@@ -72,6 +72,8 @@ def select_above(
     an entry (those positions are distinct; the slots left over hold other distinct positions,
     which may also be among the flagged ones); and their count, a 0-d tensor (never read on the
     host off the host). ``magnitudes`` may be overwritten."""
+    if variant_for(magnitudes, triton=torch_ops.compacts(magnitudes)) == "triton":
+        return triton_select.select_above(magnitudes, threshold, capacity, strict)
     return _module(magnitudes).select_above(magnitudes, threshold, capacity, strict)
 
 

@@ -1,14 +1,25 @@
-"""Triton kernel of the chunked top-k (:func:`gc_strategy.kernels.chunk_top_k`) for CUDA tensors.
+"""Triton kernels of the selections for CUDA tensors: the chunked top-k
+(:func:`gc_strategy.kernels.chunk_top_k`) and the fixed-capacity selection above a threshold
+(:func:`gc_strategy.kernels.select_above`).
 
 ``torch.topk`` over the rows of a ``[rows, C]`` view runs one selection per row, several passes
 over it (on an H200, 1.2 ms a step for ResNet-50's gradients in chunks of 256, where one read of
 them takes 0.03 ms). Where a chunk keeps few entries (SparseLoCo's: 2 of 256 at 1%), each program
 here loads a tile of whole rows once into registers and takes its ``k`` largest by ``k`` argmaxes
 along the rows, each chosen entry then keyed below every magnitude: one pass over the bucket.
-
 Ties go to the lowest column (``torch.topk`` takes any of them); NaN ranks with +inf, above every
-finite magnitude (``torch.topk`` ranks NaN above +inf). Tests run the kernel on the CPU under
-``TRITON_INTERPRET=1`` against ``torch.topk``.
+finite magnitude (``torch.topk`` ranks NaN above +inf).
+
+The selection above a threshold is the torch variant's math (:func:`.torch_ops.select_above`:
+compaction by ``nonzero_static``, a top-k over the candidates) in six launches where the torch code
+makes eleven: one kernel writes the mask of the entries not below the threshold (a comparison and
+its negation in torch), one forms the candidates and their keys from the compacted positions (a
+comparison with the count, a ``where``, a gather and a fill), one reads the chosen slots' positions
+and flags (a gather and a comparison). ``dgc``, ``threshold`` and ``sidco`` run it in every bucket;
+their host time per step was more than twice their device time in the H200 trace
+(docs/benchmarks/gpu_h200.md), so launches saved are the host's time saved.
+
+Tests run the kernels on the CPU under ``TRITON_INTERPRET=1`` against the torch code.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import torch_ops
 from .triton_bits import triton
 
 #: the most entries a chunk keeps here (an argmax over its row each)
@@ -49,6 +61,45 @@ if triton is not None:
             tl.store(out_ptr + row * K + j, best.to(tl.int64), mask=row < rows)
             keys = tl.where(column[None, :] == best[:, None], -2.0, keys)  # below the padding's −1
 
+    @triton.jit
+    def _not_below_kernel(
+        magnitudes_ptr,
+        threshold_ptr,
+        threshold,
+        mask_ptr,
+        n,
+        STRICT: tl.constexpr,
+        ON_DEVICE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = index < n
+        x = tl.load(magnitudes_ptr + index, mask=inside, other=0.0)
+        if ON_DEVICE:
+            threshold = tl.load(threshold_ptr)
+        below = x <= threshold if STRICT else x < threshold  # False for NaN: never below
+        tl.store(mask_ptr + index, (below == 0).to(tl.int1), mask=inside)
+
+    @triton.jit
+    def _candidates_kernel(compacted_ptr, values_ptr, candidates_ptr, keys_ptr, size, BLOCK: tl.constexpr):
+        slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = slot < size
+        position = tl.load(compacted_ptr + slot, mask=inside, other=-1)
+        past = position < 0  # nonzero_static's fill: a slot past the count
+        candidate = tl.where(past, slot, position)
+        key = tl.load(values_ptr + candidate, mask=inside & ~past, other=-1.0)  # −1 past the count
+        tl.store(candidates_ptr + slot, candidate, mask=inside)
+        tl.store(keys_ptr + slot, key, mask=inside)
+
+    @triton.jit
+    def _chosen_kernel(chosen_ptr, keys_ptr, candidates_ptr, positions_ptr, sent_ptr, k, BLOCK: tl.constexpr):
+        slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = slot < k
+        chosen = tl.load(chosen_ptr + slot, mask=inside, other=0)
+        tl.store(positions_ptr + slot, tl.load(candidates_ptr + chosen, mask=inside, other=0), mask=inside)
+        sent = tl.load(keys_ptr + slot, mask=inside, other=-1.0) != -1.0
+        tl.store(sent_ptr + slot, sent.to(tl.int1), mask=inside)
+
 
 def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
     """int64 columns ``[rows, k]`` of the ``k`` largest of each row of the 2-d, non-negative
@@ -62,3 +113,39 @@ def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
         grid = (triton.cdiv(rows, per_program),)
         _chunk_top_k_kernel[grid](magnitudes, out, rows, chunk, K=k, ROWS=per_program, WIDTH=width)
     return out
+
+
+#: elements of a program's block in the selection's kernels
+BLOCK = 1024
+
+
+def select_above(
+    magnitudes: Tensor, threshold: float | Tensor, capacity: int, strict: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`.torch_ops.select_above` where ``nonzero_static`` compacts (:func:`.torch_ops.compacts`),
+    the same results in six launches: ``capacity`` int64 positions, their bool flags, the count."""
+    n, device = magnitudes.numel(), magnitudes.device
+    size = min(n, torch_ops.CANDIDATES * capacity)
+    on_device = isinstance(threshold, Tensor)
+    not_below = torch.empty(n, dtype=torch.bool, device=device)
+    _not_below_kernel[(triton.cdiv(n, BLOCK),)](
+        magnitudes,
+        threshold if on_device else magnitudes,
+        0.0 if on_device else threshold,
+        not_below,
+        n,
+        STRICT=strict,
+        ON_DEVICE=on_device,
+        BLOCK=BLOCK,
+    )
+    compacted = torch.nonzero_static(not_below, size=size).view(-1)
+    candidates = torch.empty(size, dtype=torch.int64, device=device)
+    keys = torch.empty(size, dtype=magnitudes.dtype, device=device)
+    _candidates_kernel[(triton.cdiv(size, BLOCK),)](compacted, magnitudes, candidates, keys, size, BLOCK=BLOCK)
+    top_keys, chosen = torch.topk(keys, capacity, sorted=False)
+    positions = torch.empty(capacity, dtype=torch.int64, device=device)
+    sent = torch.empty(capacity, dtype=torch.bool, device=device)
+    _chosen_kernel[(triton.cdiv(capacity, BLOCK),)](
+        chosen, top_keys, candidates, positions, sent, capacity, BLOCK=BLOCK
+    )
+    return positions, sent, not_below.sum()
