@@ -423,32 +423,42 @@ def test_dgc_memory_kernels_follow_the_momentum_recursion(kernels, form, grad_dt
     assert not memory._pending  # the torch code's [2, n] tensors were not made
 
 
-def test_dgc_with_its_memory_through_the_kernels_equals_the_torch_code(kernels, monkeypatch):
-    """Three steps of ``dgc`` with its memory, exchanged through the Triton kernels and through the
-    torch code: the same positions sent and the same averages and memories, to fp32 rounding."""
+@pytest.mark.parametrize(
+    "name, memory, options",
+    [
+        ("dgc", "dgc", dict(density=0.05)),
+        ("dgc", "residual", dict(density=0.05)),
+        ("threshold", "residual", dict(threshold=0.5, capacity=0.05)),
+        ("sidco", "residual", dict(density=0.05)),
+        ("topk", "residual", dict(density=0.05)),
+        ("topk", "dgc", dict(density=0.05)),
+    ],
+)
+def test_sparsifiers_through_the_kernels_equal_the_torch_code(kernels, monkeypatch, name, memory, options):
+    """Three steps of each sparsifier with a memory, exchanged through the Triton kernels (payload,
+    selection above a threshold, DGC's memory) and through the torch code: the same positions sent
+    and the same averages and memories, to fp32 rounding."""
     from gc_strategy.algos import COMPRESSORS, MEMORIES
     from gc_strategy.communicators import COMMUNICATORS
-    from gc_strategy.kernels import forced, triton_memory
+    from gc_strategy.kernels import forced, triton_select
 
-    calls = []
-    step_kernel = triton_memory.momentum_step
-    monkeypatch.setattr(triton_memory, "momentum_step", lambda *args: (calls.append(1), step_kernel(*args))[1])
-
+    calls, payload = [], triton_select.sparse_payload
+    monkeypatch.setattr(triton_select, "sparse_payload", lambda *args: (calls.append(1), payload(*args))[1])
     bucket = _sign_bucket(kernels.device)
     runs = {}
     for variant in ("triton", "torch"):
-        compressor, memory = COMPRESSORS.build("dgc", density=0.05), MEMORIES.build("dgc")
+        compressor, error_feedback = COMPRESSORS.build(name, **options), MEMORIES.build(memory)
         communicator = COMMUNICATORS.build("allgather")
         communicator.bind(None)
         runs[variant] = []
         with forced(variant):
             for step in range(3):
                 grad = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(step)).to(kernels.device)
-                average, finite = finish(memory.exchange(compressor, grad, bucket, communicator))
+                average, finite = finish(error_feedback.exchange(compressor, grad, bucket, communicator))
                 assert bool(finite)
-                state = [memory.buffer(name, bucket).cpu().clone() for name in ("u", "v")]
+                state = [per_bucket[bucket.index].cpu().clone() for per_bucket in error_feedback.buffers.values()]
                 runs[variant].append((average.cpu().clone(), *state))
-        assert len(calls) == 3  # the kernel ran in each step of the first run, not in the second
+        assert len(calls) == 3  # the kernels ran in each step of the first run, not in the second
     for triton_run, torch_run in zip(runs["triton"], runs["torch"]):
         assert torch.equal(triton_run[0] != 0, torch_run[0] != 0)  # the same positions sent
         for a, b in zip(triton_run, torch_run):
@@ -488,3 +498,27 @@ def test_select_above_through_the_kernels_equals_the_torch_code(
     plain = magnitudes.cpu()
     above = torch.isnan(plain) | (plain > threshold if strict else plain >= threshold)
     assert int(count) == int(above.sum()) and bool(above[positions[sent]].all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flagged", [True, False], ids=["with flags", "without flags"])
+def test_sparse_payload_through_the_kernel_equals_the_torch_code(kernels, dtype, flagged):
+    """The values at the indices (times their flags: 0, −0 for a negative entry, NaN for an inf or
+    NaN one) and the int32 indices, bit for bit as the torch code makes them."""
+    from gc_strategy.kernels import torch_ops, triton_select
+
+    flat = torch.randn(5000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    flat[3], flat[4] = float("inf"), float("nan")
+    indices = torch.cat([torch.tensor([3, 4, 3]), torch.randperm(5000, generator=torch.Generator().manual_seed(2))])
+    sent = None
+    if flagged:
+        sent = torch.rand(indices.numel(), generator=torch.Generator().manual_seed(3)) < 0.5
+        sent[:3] = torch.tensor([True, False, False])
+    moved = [t.to(kernels.device) if t is not None else None for t in (flat, indices, sent)]
+    mine, theirs = triton_select.sparse_payload(*moved), torch_ops.sparse_payload(flat, indices, sent)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int32: torch.int32}
+    for a, b in zip(mine, theirs):  # bit for bit (-0.0 included), NaN where NaN (its bits may differ)
+        a, number = a.cpu(), ~b.isnan() if b.is_floating_point() else torch.ones_like(b, dtype=torch.bool)
+        assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a[number].view(bits[a.dtype]), b[number].view(bits[b.dtype]))
+    assert mine[0].cpu().isnan()[:3].tolist() == ([False, True, True] if flagged else [False, True, False])

@@ -102,7 +102,7 @@ class CapacitySparsifier(Sparsifier):
         self._elements += flat.numel()
         # a slot left over sends its position's entry times False: 0, or NaN where that entry is
         # inf or NaN, which lies above the threshold and is sent as well (the bucket is not finite)
-        return [flat.index_select(0, indices).mul_(sent), indices.to(torch.int32)]
+        return kernels.sparse_payload(flat, indices, sent)
 
     def sent_positions(self, payload: Payload, bucket: Bucket) -> tuple[Tensor, Tensor]:
         """The slots' positions, each flagged where this bucket's last encode put a selected entry

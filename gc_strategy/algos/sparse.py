@@ -105,7 +105,7 @@ class Sparsifier(_Positional):
         indices = self.select(flat, bucket)
         self._selected += indices.numel()
         self._elements += flat.numel()
-        return [flat.index_select(0, indices), indices.to(torch.int32)]
+        return kernels.sparse_payload(flat, indices)
 
     def positions(self, indices: Tensor, bucket: Bucket) -> Tensor:
         """The bucket's positions of the payload's ``indices`` (of one or more ranks' payloads,

@@ -35,6 +35,7 @@ __all__ = [
     "row_max_magnitudes",
     "select_above",
     "select_per_tensor",
+    "sparse_payload",
     "sum_per_tensor",
     "top_k",
     "triton_bits",
@@ -90,6 +91,14 @@ def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
     if variant_for(magnitudes, triton=triton_select.fits(magnitudes.shape[1], k)) == "triton":
         return triton_select.chunk_top_k(magnitudes, k)
     return torch_ops.chunk_top_k(magnitudes, k)
+
+
+def sparse_payload(flat: Tensor, indices: Tensor, sent: Tensor | None = None) -> list[Tensor]:
+    """A sparsifier's payload: ``[flat[indices] · sent, int32 indices]`` (``sent``: a bool per
+    index, where given), in one launch with Triton."""
+    if variant_for(flat, triton=True) == "triton":
+        return triton_select.sparse_payload(flat, indices, sent)
+    return torch_ops.sparse_payload(flat, indices, sent)
 
 
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:

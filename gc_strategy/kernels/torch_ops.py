@@ -83,6 +83,13 @@ def _slots(size: int, device: torch.device) -> Tensor:
     return torch.arange(size, device=device)
 
 
+def sparse_payload(flat: Tensor, indices: Tensor, sent: Tensor | None) -> list[Tensor]:
+    """A sparse payload: the values at ``indices`` (times the bool ``sent`` where given: 0 at a slot
+    not sent, or NaN where its entry is inf or NaN) and the indices as int32, the wire's type."""
+    values = flat.index_select(0, indices)
+    return [values if sent is None else values.mul_(sent), indices.to(torch.int32)]
+
+
 def exceedances(magnitudes: Tensor, threshold: float | Tensor) -> Tensor:
     return magnitudes[magnitudes > threshold]
 

@@ -1,6 +1,7 @@
 """Triton kernels of the selections for CUDA tensors: the chunked top-k
-(:func:`gc_strategy.kernels.chunk_top_k`) and the fixed-capacity selection above a threshold
-(:func:`gc_strategy.kernels.select_above`).
+(:func:`gc_strategy.kernels.chunk_top_k`), the fixed-capacity selection above a threshold
+(:func:`gc_strategy.kernels.select_above`) and the sparse payload
+(:func:`gc_strategy.kernels.sparse_payload`).
 
 ``torch.topk`` over the rows of a ``[rows, C]`` view runs one selection per row, several passes
 over it (on an H200, 1.2 ms a step for ResNet-50's gradients in chunks of 256, where one read of
@@ -17,7 +18,9 @@ its negation in torch), one forms the candidates and their keys from the compact
 comparison with the count, a ``where``, a gather and a fill), one reads the chosen slots' positions
 and flags (a gather and a comparison). ``dgc``, ``threshold`` and ``sidco`` run it in every bucket;
 their host time per step was more than twice their device time in the H200 trace
-(docs/benchmarks/gpu_h200.md), so launches saved are the host's time saved.
+(docs/benchmarks/gpu_h200.md), so launches saved are the host's time saved. A sparsifier's payload
+(the values at the indices sent, times their flags, and the indices as int32) is one more kernel,
+where torch takes a gather, a multiply and a cast.
 
 Tests run the kernels on the CPU under ``TRITON_INTERPRET=1`` against the torch code.
 """
@@ -100,6 +103,19 @@ if triton is not None:
         sent = tl.load(keys_ptr + slot, mask=inside, other=-1.0) != -1.0
         tl.store(sent_ptr + slot, sent.to(tl.int1), mask=inside)
 
+    @triton.jit
+    def _payload_kernel(
+        flat_ptr, indices_ptr, sent_ptr, values_ptr, wire_ptr, k, SENT: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = slot < k
+        index = tl.load(indices_ptr + slot, mask=inside, other=0)
+        value = tl.load(flat_ptr + index, mask=inside, other=0.0)
+        if SENT:  # times the flag in fp32, as torch's mul_: ±0, or NaN for an inf or NaN (exact in any dtype)
+            value = value.to(tl.float32) * tl.load(sent_ptr + slot, mask=inside, other=0).to(tl.float32)
+        tl.store(values_ptr + slot, value.to(values_ptr.dtype.element_ty), mask=inside)
+        tl.store(wire_ptr + slot, index.to(tl.int32), mask=inside)
+
 
 def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
     """int64 columns ``[rows, k]`` of the ``k`` largest of each row of the 2-d, non-negative
@@ -149,3 +165,16 @@ def select_above(
         chosen, top_keys, candidates, positions, sent, capacity, BLOCK=BLOCK
     )
     return positions, sent, not_below.sum()
+
+
+def sparse_payload(flat: Tensor, indices: Tensor, sent: Tensor | None) -> list[Tensor]:
+    """:func:`.torch_ops.sparse_payload` in one launch: the values at the int64 ``indices`` (times
+    the bool ``sent`` where given) and the indices as int32."""
+    k = indices.numel()
+    values = torch.empty(k, dtype=flat.dtype, device=flat.device)
+    wire = torch.empty(k, dtype=torch.int32, device=flat.device)
+    if k:
+        _payload_kernel[(triton.cdiv(k, BLOCK),)](
+            flat, indices, sent if sent is not None else indices, values, wire, k, SENT=sent is not None, BLOCK=BLOCK
+        )
+    return [values, wire]
