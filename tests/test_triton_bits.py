@@ -1,6 +1,11 @@
-"""The Triton bit-format kernels equal the pure-torch code bit for bit: on the CPU under Triton's
-interpreter (``TRITON_INTERPRET=1``), and on a GPU when there is one."""
+"""The Triton kernels equal the pure-torch code: on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``), and on a GPU when there is one. Every kernel launch the interpreted tests
+make is then compiled for an A100 and an H100/H200 by Triton's own compiler, which needs no GPU: the
+code a GPU runs is built in CI, where the interpreter alone would miss what only the compiler refuses
+(a type that differs between the branches of a runtime ``if``, for one)."""
 
+import importlib
+import json
 import os
 import subprocess
 import sys
@@ -31,9 +36,43 @@ def kernels():
     return triton_bits
 
 
-def test_kernels_under_the_interpreter():
+@pytest.fixture(scope="module", autouse=True)
+def recorded_launches():
+    """In the interpreter's child process with ``GC_TRITON_LAUNCHES`` set: every kernel launch, its
+    kernel and the types (constexprs: the values) of its arguments, written there as JSON at the end."""
+    from gc_strategy.kernels import triton_bits
+
+    path = os.environ.get("GC_TRITON_LAUNCHES")
+    if not (triton_bits.INTERPRETED and path):
+        yield
+        return
+    import inspect
+
+    from triton.runtime import interpreter
+    from triton.runtime.jit import mangle_type
+
+    launches, launch = set(), interpreter.GridExecutor.__call__
+
+    def recorded(self, *args, **kwargs):
+        named = inspect.getcallargs(self.fn, *args, **{k: v for k, v in kwargs.items() if k in self.arg_names})
+        types = {name: value if name in self.constexprs else mangle_type(value) for name, value in named.items()}
+        launches.add(json.dumps([self.fn.__module__, self.fn.__name__, types]))
+        return launch(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = recorded
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor.__call__ = launch
+        with open(path, "w") as file:
+            json.dump(sorted(launches), file)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
     """The kernel tests of this file in a child pytest with TRITON_INTERPRET=1 set before Triton is
-    imported (the interpreter cannot be switched on inside a process that imported Triton without it)."""
+    imported (the interpreter cannot be switched on inside a process that imported Triton without
+    it): the child's result and the launches it made."""
     from gc_strategy.kernels import triton_bits
 
     if triton_bits.INTERPRETED:
@@ -42,7 +81,8 @@ def test_kernels_under_the_interpreter():
         # seen with Triton 3.6 (torch 2.11): "only 0-dimensional arrays can be converted to Python
         # scalars" at the per-tensor sums' loop over a block's tensors; compiled, they pass there
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run a loop with runtime bounds (3.8's can)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    path = tmp_path_factory.mktemp("launches") / "launches.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GC_TRITON_LAUNCHES": str(path)}
     done = subprocess.run(
         [
             sys.executable,
@@ -53,15 +93,50 @@ def test_kernels_under_the_interpreter():
             "no:cacheprovider",
             __file__,
             "-k",
-            "not under_the_interpreter and not without_the_interpreter",
+            "not under_the_interpreter and not without_the_interpreter and not compiles_for_the_gpus",
         ],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+    return done, [json.loads(launch) for launch in json.loads(path.read_text())] if path.exists() else []
+
+
+def test_kernels_under_the_interpreter(interpreted):
+    done, _ = interpreted
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
+
+
+@pytest.mark.parametrize("capability", [80, 90], ids=["A100", "H100/H200"])
+def test_every_kernel_launch_compiles_for_the_gpus(interpreted, capability):
+    """Each kernel as the interpreted tests launched it (its argument types, its constexprs) built
+    by Triton's compiler for an A100 (sm_80) and an H100/H200 (sm_90), down to the GPU's binary
+    (``ptxas``), without a GPU; and every kernel of the layer was launched."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, launches = interpreted
+    kernels = set()
+    for module, name, types in launches:
+        kernel = getattr(importlib.import_module(module), name)
+        constant = {param.name for param in kernel.params if param.is_constexpr}
+        signature = {arg: "constexpr" if arg in constant else t for arg, t in types.items()}
+        constexprs = {arg: types[arg] for arg in constant}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32))
+        assert compiled.asm["cubin"]
+        kernels.add(f"{module}.{name}")
+    layer = [
+        f"{module.__name__}.{name}"
+        for module in (
+            importlib.import_module(f"gc_strategy.kernels.{m}")
+            for m in ("triton_bits", "triton_select", "triton_memory")
+        )
+        for name, value in vars(module).items()
+        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel")
+    ]
+    assert layer and set(layer) <= kernels, sorted(set(layer) - kernels)
 
 
 def _reference_pack(codes, bits):
