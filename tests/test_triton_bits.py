@@ -498,6 +498,13 @@ def test_dgc_memory_kernels_follow_the_momentum_recursion(kernels, form, grad_dt
     assert not memory._pending  # the torch code's [2, n] tensors were not made
 
 
+def _counted(monkeypatch, module, name: str) -> list:
+    """``module.name`` replaced by a wrapper that calls it and appends to the list returned."""
+    calls, function = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: (calls.append(1), function(*args))[1])
+    return calls
+
+
 @pytest.mark.parametrize(
     "name, memory, options",
     [
@@ -517,8 +524,7 @@ def test_sparsifiers_through_the_kernels_equal_the_torch_code(kernels, monkeypat
     from gc_strategy.communicators import COMMUNICATORS
     from gc_strategy.kernels import forced, triton_select
 
-    calls, payload = [], triton_select.sparse_payload
-    monkeypatch.setattr(triton_select, "sparse_payload", lambda *args: (calls.append(1), payload(*args))[1])
+    calls = _counted(monkeypatch, triton_select, "sparse_payload")
     bucket = _sign_bucket(kernels.device)
     runs = {}
     for variant in ("triton", "torch"):
@@ -554,8 +560,7 @@ def test_select_above_through_the_kernels_equals_the_torch_code(
     with a NaN and entries equal to the threshold among the magnitudes."""
     from gc_strategy.kernels import forced, select_above, triton_select
 
-    calls, selection = [], triton_select.select_above
-    monkeypatch.setattr(triton_select, "select_above", lambda *args: (calls.append(1), selection(*args))[1])
+    calls = _counted(monkeypatch, triton_select, "select_above")
 
     magnitudes = torch.randn(n, generator=torch.Generator().manual_seed(n)).abs()
     magnitudes[7] = float("nan")

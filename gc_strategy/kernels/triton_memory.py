@@ -25,9 +25,7 @@ import torch
 from torch import Tensor
 
 from .triton_bits import triton
-
-#: elements of a program's block
-BLOCK = 1024
+from .triton_select import BLOCK
 
 if triton is not None:
     import triton.language as tl

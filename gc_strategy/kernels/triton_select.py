@@ -39,6 +39,9 @@ MOST_KEPT = 16
 LONGEST = 4096
 #: elements of a program's tile: whole rows, padded
 TILE = 4096
+#: elements (or slots) of a program's block in the one-dimensional kernels here and in
+#: :mod:`.triton_memory`
+BLOCK = 1024
 
 
 def fits(chunk: int, k: int) -> bool:
@@ -129,10 +132,6 @@ def chunk_top_k(magnitudes: Tensor, k: int) -> Tensor:
         grid = (triton.cdiv(rows, per_program),)
         _chunk_top_k_kernel[grid](magnitudes, out, rows, chunk, K=k, ROWS=per_program, WIDTH=width)
     return out
-
-
-#: elements of a program's block in the selection's kernels
-BLOCK = 1024
 
 
 def select_above(
