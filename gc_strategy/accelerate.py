@@ -43,6 +43,7 @@ node are the ``ParallelismConfig``'s ``dp_shard_size``, else the launcher's ``LO
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -50,10 +51,10 @@ import torch
 from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states
 from .communicators import Communicator
-from .components import build_components
+from .components import DEFAULT_FUSION, build_components, double_momentum
 from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
-from .sharded import MESH_DIMS, require_fsdp2_hook, shard_by_policy
+from .sharded import MESH_DIMS, refuse_replicated_options, shard_by_policy
 from .sync import build_sharded_synchronizer, build_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
@@ -98,7 +99,7 @@ def prepare(
     compressor: str | Compressor = "none",
     memory: str | Memory = "none",
     communicator: str | Communicator = "auto",
-    fusion: str | FusionPlanner = "bucket_mb:25",
+    fusion: str | FusionPlanner = DEFAULT_FUSION,
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
     sync: str | EveryStep | DiLoCo = "every_step",
@@ -124,6 +125,9 @@ def prepare(
     components = build_components(compressor, memory, communicator, fusion, **options)
     sync = parse_sync(sync, components)
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    twice = double_momentum(components, optimizers)
+    if twice is not None:
+        warnings.warn(twice, stacklevel=2)
     if isinstance(sync, DiLoCo) and len(optimizers) != 1:
         raise ValueError(
             f"sync=DiLoCo counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
@@ -132,7 +136,12 @@ def prepare(
     if find_unused_parameters is None:
         find_unused_parameters = getattr(handler, "find_unused_parameters", False)
     if sharded:
-        _check_sharded_options(fusion, hierarchy, find_unused_parameters, broadcast_buffers)
+        refuse_replicated_options(
+            fusion=fusion,
+            hierarchy=hierarchy,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
         mesh = _node_mesh(accelerator)
         model = model.to(accelerator.device)
         _shard(accelerator, model, optimizers, mesh)
@@ -196,20 +205,6 @@ def _sharded(accelerator: Any, sharding: str) -> bool:
     if fsdp2 and sharding == "none":
         raise ValueError("sharding = 'none' is invalid under Accelerate's FSDP2 plugin; allowed: 'auto', 'fsdp'")
     return sharding == "fsdp" or (sharding == "auto" and fsdp2)
-
-
-def _check_sharded_options(fusion: Any, hierarchy: Any, find_unused_parameters: Any, broadcast_buffers: Any) -> None:
-    """Refuse, before any work, what sharded training does not take."""
-    require_fsdp2_hook()
-    refused = (
-        ("fusion", fusion, fusion != "bucket_mb:25", "'bucket_mb:25' (each FSDP2 module's shard is one bucket)"),
-        ("hierarchy", hierarchy, hierarchy != "flat", "'flat' (the mesh's nodes are the hierarchy)"),
-        ("find_unused_parameters", find_unused_parameters, bool(find_unused_parameters), "False (FSDP2 reduces all)"),
-        ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "False (FSDP2 keeps each rank's buffers)"),
-    )
-    for name, value, wrong, allowed in refused:
-        if wrong:
-            raise ValueError(f"sharding='fsdp': option {name} = {value!r} is invalid with sharding; allowed: {allowed}")
 
 
 def _refuse_to_save_shards(models: Any, weights: Any, output_dir: str) -> None:

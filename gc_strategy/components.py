@@ -21,6 +21,8 @@ from .registry import closest, fresh_copy
 
 #: the keywords that choose the roles, which an unknown option may have meant
 ROLE_KEYWORDS = ("compressor", "memory", "communicator", "fusion")
+#: the fusion plan where none is given: buckets of 25 MB, as DDP's
+DEFAULT_FUSION = "bucket_mb:25"
 
 
 @dataclass
@@ -51,7 +53,7 @@ def build_components(
     compressor: str | Compressor = "none",
     memory: str | Memory = "none",
     communicator: str | Communicator = "auto",
-    fusion: str | FusionPlanner = "bucket_mb:25",
+    fusion: str | FusionPlanner = DEFAULT_FUSION,
     **options: Any,
 ) -> Components:
     """Validate everything and build the roles; raises ``ValueError`` with a readable message."""
@@ -122,3 +124,18 @@ def parse_options(spec: str, option: str = "configs") -> dict[str, Any]:
         except (ValueError, SyntaxError):
             options[key.strip()] = value.strip()
     return options
+
+
+def double_momentum(components: Components, optimizers: list[Any]) -> str | None:
+    """A warning where a role applies momentum itself (DGC's memory, signum) and an optimizer has
+    momentum on as well, which would apply it twice; None otherwise."""
+    owner = next((r.name for r in (components.memory, components.compressor) if r.applies_momentum), None)
+    if owner is None:
+        return None
+    for optimizer in optimizers:
+        if any(group.get("momentum", 0) or group.get("betas", (0,))[0] for group in optimizer.param_groups):
+            return (
+                f"'{owner}' applies momentum itself, and the optimizer {type(optimizer).__name__} has momentum "
+                "on as well: momentum is applied twice. Set the optimizer's momentum to 0 (DGC, Lin et al. 2018)."
+            )
+    return None

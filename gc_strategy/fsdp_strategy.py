@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,13 +33,14 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states, state_folder
 from .communicators import Communicator
 from .components import build_components
-from .sharded import MESH_DIMS, fsdp_modules, require_fsdp2_hook, shard_by_policy
-from .strategy import SynchronizerGlue, end_process_group
+from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue
+from .registry import validate_options
+from .sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
+from .strategy import end_process_group
 from .sync import build_sharded_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
-CHECKPOINT_KEY = "gc_strategy"
 START_METHODS = ("popen", "spawn", "fork")
 
 
@@ -79,8 +79,12 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
             (``param_dtype`` for forward and backward, ``reduce_dtype`` for the reductions and the
             shards the compressor receives); None: full precision.
         start_method: ``"popen"`` (as ``ModelParallelStrategy``), ``"spawn"`` or ``"fork"``.
+        log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
+            (``None``: the Trainer's own ``log_every_n_steps``).
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
         **options: options of the chosen compressor / memory / communicator (e.g. ``density=0.01``).
+            ``fusion`` and ``hierarchy``, ``find_unused_parameters`` and ``broadcast_buffers`` are
+            ``gc_fused``'s and are refused here with what sharding does instead.
     """
 
     strategy_name = "gc_fsdp"
@@ -94,11 +98,14 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         shard_modules: tuple[type, ...] | None = None,
         mixed_precision: Any = None,
         start_method: str = "popen",
+        log_every_n_steps: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
         require_fsdp2_hook()
+        replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers")
+        refuse_replicated_options(**{key: options.pop(key) for key in replicated if key in options})
         refuse_misplaced_options(options)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method = {start_method!r} is invalid; allowed: {', '.join(START_METHODS)}")
@@ -108,6 +115,9 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         self.shard_modules = shard_modules
         self.mixed_precision = mixed_precision
         self.start_method = start_method
+        self.log_every_n_steps = validate_options(
+            "GCFSDPStrategy", {"log_every_n_steps": LOG_EVERY}, {"log_every_n_steps": log_every_n_steps}
+        )["log_every_n_steps"]
         self.synchronizer: Synchronizer | None = None
 
     @override
@@ -156,13 +166,6 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         """Shard the model inside each node by the policy (:func:`shard_by_policy`)."""
         policy = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
         shard_by_policy(self.model, self.device_mesh["shard"], self.shard_modules, through_root=False, **policy)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.synchronizer is not None:
-            self.synchronizer.after_optimizer_step()
-        return output
 
     @override
     def teardown(self) -> None:

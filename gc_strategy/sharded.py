@@ -11,12 +11,15 @@ ranks holding shard ``s`` on the other nodes (the mesh's ``"replicate"`` dimensi
 
     ĝ_s = (1/N) Σ_nodes D(C((1/S) Σ_local g_s + e_s))        (e_s: this rank's error feedback)
 
-which, with ``compressor="none"``, is native HSDP's ``(1/W) Σ_ranks g_s``. Each FSDP module's flat
-shard is one bucket of the roles (seen by PowerSGD and ACP-SGD as its parameters' row-shards, each a
-matrix: :func:`row_shards`); its error-feedback and compressor state cover this rank's shard alone,
-``1/S`` of the module. Every rank of a replicate group holds the same shard of the same
-module and runs the same exchanges in the same order (FSDP2's reduce-scatters follow backward's
-order, identical on every rank), so the collectives match.
+which, with ``compressor="none"``, is native HSDP's ``(1/W) Σ_ranks g_s``. Each FSDP module's reduced
+shard is one bucket of the roles, laid out as the shards of the parameters that reduction holds
+(:mod:`gc_strategy.sharded_layout`: FSDP2 leaves out a frozen parameter, and one that got no gradient
+in this step), each a matrix for PowerSGD and ACP-SGD; its error-feedback and compressor state cover
+this rank's shard alone, ``1/S`` of the module, and follow each parameter from reduction to
+reduction. Every rank of a replicate group holds the same shard of the same module and runs the
+same exchanges in the same order (FSDP2's reduce-scatters follow backward's order, identical on
+every rank), so the collectives match, provided that every node uses the same parameters in a step,
+as native HSDP requires too.
 
 The hook runs inside FSDP2's reduce, on its all-reduce stream on an accelerator; it returns once the
 average is written into FSDP2's buffer, which FSDP2 then views as each parameter's sharded gradient.
@@ -32,10 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .bucket import Bucket, join_by_parameter
+from .bucket import Bucket, join_by_parameter, split_by_parameter
 from .communicators import RunningExchange
-from .components import Components
+from .components import DEFAULT_FUSION, Components
 from .gradient_sync_state import resharded
+from .sharded_layout import ReducedParameters
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
 
@@ -104,6 +108,31 @@ def shard_by_policy(
         fully_shard(m, mesh=mesh, **options)
 
 
+def refuse_replicated_options(
+    fusion: Any = DEFAULT_FUSION,
+    hierarchy: Any = "flat",
+    find_unused_parameters: Any = False,
+    broadcast_buffers: Any = False,
+) -> None:
+    """Refuse, before any work, the options of replicated training that sharded training does not
+    take (through ``gc_fsdp`` and Accelerate alike)."""
+    require_fsdp2_hook()
+    refused = (
+        ("fusion", fusion, fusion != DEFAULT_FUSION, f"{DEFAULT_FUSION!r} (each FSDP2 module's shard is one bucket)"),
+        ("hierarchy", hierarchy, hierarchy != "flat", "'flat' (the mesh's nodes are the hierarchy)"),
+        (
+            "find_unused_parameters",
+            find_unused_parameters,
+            bool(find_unused_parameters),
+            "False (each reduction holds the parameters that got a gradient, whatever the option)",
+        ),
+        ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "False (FSDP2 keeps each rank's buffers)"),
+    )
+    for name, value, wrong, allowed in refused:
+        if wrong:
+            raise ValueError(f"option {name} = {value!r} is invalid with sharding; allowed: {allowed}")
+
+
 def check_sharded_model(module: nn.Module, mesh: Any) -> list[tuple[str, nn.Module]]:
     """``module``'s FSDP2 modules, after refusing a torch without FSDP2's hook, a mesh whose
     dimensions are not :data:`MESH_DIMS` and a module that FSDP2 has not sharded."""
@@ -120,27 +149,6 @@ def check_sharded_model(module: nn.Module, mesh: Any) -> list[tuple[str, nn.Modu
             "on it (and on its blocks) first"
         )
     return modules
-
-
-def row_shards(fsdp_module: nn.Module, names: dict[int, str]) -> tuple[list[str], list[torch.Size]]:
-    """The parameters' names and the shapes of their row-shards, in the order FSDP2's reduce-scatter
-    output of ``fsdp_module`` lays them end to end: each parameter's rows are padded with zeros to a
-    multiple of the ``S`` ranks of a node, and this rank holds ``rows / S`` of them (FSDP2's
-    ``padded_sharded_param_size``). ``names`` maps a sharded parameter's ``id`` to its name.
-
-    FSDP2 says the layout only through its parameter group (``FSDPParam``, torch 2.7 to 2.14):
-    PowerSGD needs it to see each row-shard as a matrix."""
-    group = fsdp_module._get_fsdp_state()._fsdp_param_group
-    out_names, shapes = [], []
-    for fsdp_param in group.fsdp_params if group is not None else []:
-        if fsdp_param.fsdp_placement.dim != 0:
-            raise ValueError(
-                f"shard placement = {fsdp_param.fsdp_placement!r} is invalid for a compressor of matrices; "
-                "allowed: Shard(0), FSDP2's default (no shard_placement_fn)"
-            )
-        out_names.append(names[id(fsdp_param.sharded_param)])
-        shapes.append(torch.Size(fsdp_param.padded_sharded_param_size))
-    return out_names, shapes
 
 
 def shard_place(mesh: Any) -> list[int]:
@@ -186,11 +194,17 @@ class ShardedSynchronizer(Synchronizer):
         self.step = 0
         self.telemetry = TelemetryLog()
         self._step_telemetry = StepTelemetry()
+        self.reduced = ReducedParameters(self.modules, {id(p): n for n, p in module.named_parameters()})
         self.buckets: dict[int, Bucket] = {}
-        self._pending: dict[str, Any] | None = None  # a loaded state, applied as each bucket appears
+        #: the roles' per-element state of the parameters outside every bucket (not reduced in the
+        #: last reduction of their unit, or loaded before it): {role: {state name: {parameter: tensor}}}
+        self._idle: dict[str, dict[str, dict[str, Tensor]]] = {"memory": {}, "compressor": {}}
         self.compressor.begin_step(self.step)
         for b, (_, fsdp_module) in enumerate(self.modules):
             fsdp_module.set_all_reduce_hook(self._hook_for(b))
+
+    def _roles(self) -> tuple[tuple[str, Any], ...]:
+        return (("memory", self.memory), ("compressor", self.compressor))
 
     def _hook_for(self, b: int):
         def hook(reduce_output: Tensor) -> None:
@@ -199,23 +213,32 @@ class ShardedSynchronizer(Synchronizer):
         return hook
 
     def _bucket(self, b: int, shard: Tensor) -> Bucket:
-        """FSDP module ``b``'s bucket: its flat shard, seen by a compressor of matrices as the
-        parameters' row-shards (:func:`row_shards`)."""
+        """FSDP module ``b``'s bucket: its flat shard, seen as the shards of the parameters this
+        reduction holds (:class:`~gc_strategy.sharded_layout.ReducedParameters`; row-shards, each a
+        matrix, for a compressor of matrices). Where they are other parameters than last time, the
+        roles' per-element state follows the parameters: a parameter left out keeps its state for
+        the reduction that next holds it."""
+        names, shapes = self.reduced.layout(b, self.compressor.works_on_matrices)
         bucket = self.buckets.get(b)
-        if bucket is None or bucket.numel != shard.numel():
-            name, fsdp_module = self.modules[b]
-            names, shapes = [name or "<root>"], [shard.shape]
-            if self.compressor.works_on_matrices:
-                names, shapes = row_shards(fsdp_module, {id(p): n for n, p in self.module.named_parameters()})
-            bucket = Bucket(b, names, shapes, shard.dtype, shard.device)
-            if bucket.numel != shard.numel():
-                raise RuntimeError(
-                    f"FSDP module {name!r}: the row-shards of its parameters hold {bucket.numel} elements, its "
-                    f"reduced shard {shard.numel()}; this torch lays FSDP2's shards out in another way"
-                )
-            self.buckets[b] = bucket
-            if self._pending is not None:
-                self._load_into(bucket, self._pending)
+        if bucket is not None and bucket.names == names and bucket.shapes == shapes:
+            return bucket
+        bucket = Bucket(b, names, shapes, shard.dtype, shard.device)
+        if bucket.numel != shard.numel():
+            raise RuntimeError(
+                f"FSDP module {self.modules[b][0]!r}: the shards of the parameters it reduces ({', '.join(names)}) "
+                f"hold {bucket.numel} elements, its reduced shard {shard.numel()}; this torch lays FSDP2's shards out "
+                "in another way"
+            )
+        old = self.buckets.get(b)
+        for key, role in self._roles():
+            for state_name, per_bucket in role.buffers.items():
+                idle = self._idle[key].setdefault(state_name, {})
+                if old is not None and b in per_bucket:
+                    idle.update(split_by_parameter([old], {b: per_bucket.pop(b)}))
+            for state_name, idle in self._idle[key].items():
+                taken = {n: idle.pop(n) for n in names if n in idle}
+                role.buffers.setdefault(state_name, {}).update(join_by_parameter([bucket], taken, bucket.device))
+        self.buckets[b] = bucket
         return bucket
 
     def _exchange(self, b: int, shard: Tensor) -> None:
@@ -246,36 +269,44 @@ class ShardedSynchronizer(Synchronizer):
         self.compressor.begin_step(self.step)
 
     def close(self) -> None:
+        self.reduced.close()
         for _, fsdp_module in self.modules:
             fsdp_module.set_all_reduce_hook(None)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's compression state for its shards, on the CPU."""
+        """This rank's compression state for its shards, by parameter, on the CPU."""
         buckets = list(self.buckets.values())
-        on_cpu = {
-            role: {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in r.state_by_parameter(buckets).items()}
-            for role, r in (("memory", self.memory), ("compressor", self.compressor))
-        }
+        on_cpu: dict[str, dict[str, dict[str, Tensor]]] = {}
+        for key, role in self._roles():
+            by_parameter = role.state_by_parameter(buckets)
+            for state_name, idle in self._idle[key].items():
+                by_parameter.setdefault(state_name, {}).update(idle)
+            on_cpu[key] = {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in by_parameter.items() if v}
         extra = self.compressor.extra_state()
-        return {"format": "sharded-1", "step": self.step, "shard": self.place, **on_cpu, "compressor_extra": extra}
+        return {"format": "sharded-2", "step": self.step, "shard": self.place, **on_cpu, "compressor_extra": extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's :meth:`state_dict`; the state of a shard whose bucket FSDP2 has not
-        reduced yet (a resume before the first backward) is applied when it first is."""
+        """Restore this rank's :meth:`state_dict`; each parameter's state goes into the bucket that
+        next holds it (a resume before the first backward: the first reduction of its unit)."""
         check_shard_place(state["shard"], self.place)
         self.step = int(state["step"])
         self.compressor.load_extra_state(state["compressor_extra"])
         self.compressor.begin_step(self.step)
-        self.memory.buffers, self.compressor.buffers = {}, {}
-        self._pending = state
-        for bucket in self.buckets.values():
-            self._load_into(bucket, state)
+        self.buckets = {}
+        for key, role in self._roles():
+            role.buffers = {}
+            self._idle[key] = {name: self._by_parameter(dict(tensors)) for name, tensors in state[key].items()}
 
-    def _load_into(self, bucket: Bucket, state: dict[str, Any]) -> None:
-        for role, values in ((self.memory, state["memory"]), (self.compressor, state["compressor"])):
-            for name, tensors in values.items():
-                role.buffers.setdefault(name, {}).update(join_by_parameter([bucket], tensors, bucket.device))
+    def _by_parameter(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A state saved in format ``sharded-1``, by FSDP module for the flat compressors, split
+        into its parameters' shards (which that format's buckets held, all of them, end to end)."""
+        for b, (name, _) in enumerate(self.modules):
+            flat = tensors.pop(name or "<root>", None)
+            if flat is not None:
+                names, shapes = self.reduced.trainable(b)
+                tensors.update(split_by_parameter([Bucket(b, names, shapes, flat.dtype, flat.device)], {b: flat}))
+        return tensors
 
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Whether the roles keep state: then every rank keeps its own shards' (the same answer on

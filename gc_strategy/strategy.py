@@ -11,7 +11,7 @@ keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -19,7 +19,6 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -30,33 +29,11 @@ from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
+from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue
 from .registry import Option, validate_options
 from .sync import build_synchronizer
 from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
-
-CHECKPOINT_KEY = "gc_strategy"
-
-
-class SynchronizerGlue:
-    """What a Lightning strategy holding a :class:`~gc_strategy.synchronizer.Synchronizer` in
-    ``self.synchronizer`` does with it around the Trainer's loop: accumulation without exchange,
-    and closing it at teardown."""
-
-    synchronizer: Synchronizer | None
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.synchronizer is None:
-            yield
-            return
-        with self.synchronizer.no_sync():
-            yield
-
-    def close_synchronizer(self) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.close()
-            self.synchronizer = None
 
 
 class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
@@ -88,7 +65,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     OPTIONS = {
         "find_unused_parameters": Option(False, bool),
         "broadcast_buffers": Option(True, bool),
-        "log_every_n_steps": Option(None, int, low=1, optional=True),
+        "log_every_n_steps": LOG_EVERY,
         "bucket_cap_mb": Option(None, float, low=0, low_open=True, optional=True),
     }
 
@@ -226,89 +203,11 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         with self._forward_pass():
             return super().predict_step(*args, **kwargs)
 
-    def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
-        self._warn_double_momentum()
-
-    def _warn_double_momentum(self) -> None:
-        """DGC's memory and signum apply momentum themselves; the optimizer's would apply it twice."""
-        c = self.components
-        owner = next((r.name for r in (c.memory, c.compressor) if r.applies_momentum), None)
-        if owner is None:
-            return
-        for optimizer in self.optimizers:
-            if any(group.get("momentum", 0) or group.get("betas", (0,))[0] for group in optimizer.param_groups):
-                rank_zero_warn(
-                    f"'{owner}' applies momentum itself, and the optimizer {type(optimizer).__name__} has momentum "
-                    "on as well: momentum is applied twice. Set the optimizer's momentum to 0 (DGC, Lin et al. 2018)."
-                )
-                return
-
     @override
     def teardown(self) -> None:
         self.close_synchronizer()
         self._pending_state = None  # a checkpoint's state applies only to the run that loaded it
         super().teardown()
-
-    # ---------------------------------------------------------------- telemetry
-    def _trainer(self) -> Any:
-        """The Trainer the LightningModule is attached to, or None: also for a module loaded or
-        connected outside ``fit``, whose ``.trainer`` raises."""
-        module = self.lightning_module
-        return None if module is None else module._trainer
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.synchronizer is not None:
-            self.synchronizer.after_optimizer_step()
-        self._log_telemetry()
-        self._announce_plan()
-        return output
-
-    def _announce_plan(self) -> None:
-        """``fusion="auto"``: once its plan is chosen and verified, print it and log it."""
-        report = self.synchronizer.plan_report if self.synchronizer is not None else None
-        if report is None or report["measured_step_s"] is None or report is self._announced_plan:
-            return
-        self._announced_plan = report
-        verdict = ""
-        if "predicted_bf16_allreduce_s" in report:  # absent from a plan restored from an older checkpoint
-            pays = "pays" if report["compression_pays"] else "does not pay"
-            verdict = f"; bf16 allreduce predicted {report['predicted_bf16_allreduce_s']:.4f} s: compression {pays}"
-        rank_zero_info(
-            f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB) "
-            f"by {report['chosen_by']}: predicted step {report['predicted_step_s']:.4f} s, measured "
-            f"{report['measured_step_s']:.4f} s ({len(report['trials'])} plans tried; "
-            f"profiling {report['profile_s']:.2f} s, "
-            f"search {1000 * report['search_s']:.1f} ms){verdict}"
-        )
-        trainer = self._trainer()
-        if trainer is None or not self.is_global_zero:
-            return
-        metrics = {
-            f"gc/plan_{key}": float(report[key])
-            for key in (
-                "buckets",
-                "predicted_step_s",
-                "measured_step_s",
-                "predicted_fp32_allreduce_s",
-                "predicted_bf16_allreduce_s",
-            )
-            if key in report
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _log_telemetry(self) -> None:
-        trainer = self._trainer()
-        if self.synchronizer is None or trainer is None or not trainer.loggers or not self.is_global_zero:
-            return
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every:
-            return
-        metrics = self.synchronizer.telemetry.last.as_metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
 
     # ---------------------------------------------------------------- checkpoints
     @override

@@ -372,3 +372,12 @@ def test_the_example_runs_under_accelerate_launch(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "test accuracy" in done.stdout and "compressor=dgc" in done.stdout
     assert (tmp_path / "state" / "custom_checkpoint_0.pkl").is_file()
+
+
+def test_double_momentum_is_warned():
+    """DGC's memory applies momentum itself; an optimizer with momentum of its own would apply it twice."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = SmallCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.warns(UserWarning, match="'dgc' applies momentum itself, and the optimizer SGD has momentum on"):
+        gc_accelerate.prepare(accelerator, model, optimizer, compressor="dgc", memory="dgc", density=0.1)

@@ -4,9 +4,11 @@ own ``ModelParallelStrategy`` with FSDP2, with and without gradient accumulation
 sharding policy applies where ``configure_model`` shards nothing; a resume from a sharded checkpoint
 with each rank's error feedback is exact. Across several nodes: tests/test_sharded.py."""
 
+import warnings
+
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from models import ShardedMLP, fit
 
@@ -104,11 +106,56 @@ def test_diloco_over_shards_runs_through_lightning(tmp_path):
         (dict(start_method="thread"), "start_method = 'thread' is invalid; allowed: popen, spawn, fork"),
         (dict(inner_steps=4), r"inner_steps is an option of DiLoCo; pass sync=DiLoCo\(inner_steps=4, ...\)"),
         (dict(compressor="topk", densty=0.1), r"option\(s\) densty are not taken by compressor=topk"),
+        (
+            dict(compressor="topk", fusion="single"),
+            r"option fusion = 'single' is invalid with sharding; allowed: 'bucket_mb:25' \(each FSDP2 module's shard",
+        ),
+        (
+            dict(hierarchy="node"),
+            r"option hierarchy = 'node' is invalid with sharding; allowed: 'flat' \(the mesh's nodes are the hierarchy\)",
+        ),
+        (dict(find_unused_parameters=True), "option find_unused_parameters = True is invalid with sharding"),
+        (dict(log_every_n_steps=0), "log_every_n_steps"),
     ],
 )
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ValueError, match=message):
         GCFSDPStrategy(**options)
+
+
+class _Warnings(Callback):
+    """Records on rank 0 the warnings from set-up to the first step into ``path``."""
+
+    def __init__(self, path):
+        self.path, self.recorder = path, None
+
+    def setup(self, trainer, pl_module, stage):
+        self.recorder = warnings.catch_warnings(record=True)
+        self.caught = self.recorder.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer, pl_module):
+        self.recorder.__exit__(None, None, None)
+        if trainer.global_rank == 0:
+            self.path.write_text("\n".join(str(w.message) for w in self.caught))
+
+
+def test_telemetry_reaches_the_logger_and_double_momentum_is_warned(tmp_path):
+    """As under ``gc_fused``: the ``gc/...`` metrics in the Trainer's logger every step, and a
+    warning where DGC's memory and the optimizer's momentum (SGD, 0.9) would both apply momentum."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = GCFSDPStrategy(compressor="dgc", memory="dgc", density=0.1, start_method="fork", log_every_n_steps=1)
+    caught = tmp_path / "warnings.txt"
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    _fit(tmp_path / "run", "shard", strategy, logger=logger, callbacks=[_Warnings(caught)])
+    assert "'dgc' applies momentum itself, and the optimizer SGD has momentum" in caught.read_text()
+    text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    header = text.splitlines()[0].split(",")
+    assert {"gc/raw_bytes", "gc/sent_bytes", "gc/compression_ratio", "gc/buckets"} <= set(header)
+    rows = [dict(zip(header, line.split(","))) for line in text.splitlines()[1:]]
+    ratios = [float(row["gc/compression_ratio"]) for row in rows if row.get("gc/compression_ratio")]
+    assert ratios and min(ratios) > 1.0
 
 
 def _two_nodes(tmp_path, kind, port):

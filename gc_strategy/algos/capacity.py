@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..bucket import Bucket
-from ..communicators import Payload
+from ..bucket import Bucket, HostCopy
+from ..communicators import Communicator, Payload
 from ..registry import Option
 from .base import COMPRESSORS
 from .sparse import DENSITY, SEED, Sparsifier, keep_count
@@ -60,11 +60,14 @@ class CapacitySparsifier(Sparsifier):
     def sampled_threshold(
         self, magnitudes: Tensor, bucket: Bucket, fraction: float, least: int, ratio: float = 0.0
     ) -> Tensor:
-        """A magnitude that about ``fraction`` of the bucket reaches: the ``⌊fraction · m⌋``-th
+        """A magnitude that about ``fraction`` of the bucket reaches: the ``k_s = ⌊fraction · m⌋``-th
         largest of ``m`` entries drawn at random (``ratio`` of the bucket, at least ``least`` and
         ``SAMPLED_ABOVE / fraction``; all of a small bucket), so that about ``SAMPLED_ABOVE``
         sampled entries lie above it and the count above it has a relative spread of about
-        ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018)."""
+        ``1/√SAMPLED_ABOVE`` (DGC's sampled threshold, Lin et al. 2018). For a selection of what
+        lies strictly above it (``strict``) the ``(k_s + 1)``-th largest, so that ``k_s`` exceed
+        it (the ``k_s``-th itself would leave ``k_s − 1``, none where ``k_s = 1``), or 0 where the
+        sample has no more entries."""
         n = magnitudes.numel()
         least = max(least, math.ceil(SAMPLED_ABOVE / fraction))
         samples = min(n, max(least, math.ceil(ratio * n)))
@@ -76,11 +79,18 @@ class CapacitySparsifier(Sparsifier):
             sample = magnitudes.index_select(0, positions)
         # the last of its sorted top k_s (a view: no reduction after the selection; CUDA's
         # kthvalue would select in one block)
-        return torch.topk(sample, keep_count(fraction, samples)).values[-1]
+        k = keep_count(fraction, samples) + int(self.strict)
+        if k > samples:
+            return sample.new_zeros(())
+        return torch.topk(sample, k).values[-1]
 
     def capacity(self, n: int) -> int:
         """``C``, the slots of a bucket of ``n`` elements."""
         raise NotImplementedError
+
+    def slots(self, bucket: Bucket) -> int:
+        """``C`` for ``bucket``: its :meth:`capacity`, unless a subclass sizes it per bucket."""
+        return self.capacity(bucket.numel)
 
     def demand(self, magnitudes: Tensor) -> Tensor | None:
         """The count of entries the method selects without a capacity (a 0-d tensor), where that
@@ -90,7 +100,7 @@ class CapacitySparsifier(Sparsifier):
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:
         magnitudes = self.magnitudes(flat, bucket)
         threshold = self.threshold(magnitudes, bucket)
-        capacity = self.capacity(flat.numel())
+        capacity = self.slots(bucket)
         demand = self.demand(magnitudes)
         indices, sent, above = kernels.select_above(magnitudes, threshold, capacity, self.strict)
         #: this encode's count of entries above the threshold (a 0-d tensor)
@@ -149,19 +159,39 @@ class CapacitySparsifier(Sparsifier):
 @COMPRESSORS.register("threshold")
 class Threshold(CapacitySparsifier):
     """Hard threshold, as in GRACE except for the boundary: send the entries with ``|g| > τ`` (GRACE
-    keeps ``|g| ≥ τ``; the two differ only on ties), at most ``C = ⌈capacity · n⌉`` of them, the
-    largest (:class:`CapacitySparsifier`).
+    keeps ``|g| ≥ τ``; the two differ only on ties), at most ``C`` of them, the largest
+    (:class:`CapacitySparsifier`).
+
+    ``C`` is ``⌈capacity · n⌉`` where ``capacity`` is given: a bound on the bytes sent. By default
+    it follows what the bucket needs, so that what exceeds ``τ`` goes: it starts at
+    ``⌈0.1 n⌉``, and every ``adapt_every`` steps it is set from the largest count any rank sent
+    at the previous adaptation step, ``m``: ``⌈1.25 m⌉`` where every rank's selection fitted,
+    ``2C`` where one filled its slots (within ``[1, n]``). ``m`` is read from the gathered
+    payloads, the same on every rank (so every rank keeps the same ``C``, which a fixed-size
+    allgather needs), and reaches host memory an adaptation period after it is made, without
+    the host waiting (:class:`~gc_strategy.bucket.HostCopy`, as SIDCo's stage counts). With counts
+    above ``τ`` that vary by a few standard deviations from step to step, the 25% headroom leaves
+    under 1% of them unsent in steady state (``tests/test_threshold_capacity.py``).
 
     A fixed ``τ`` may let far more than ``C`` entries through (early in training, or a small
     ``τ``), and the selection ranks only the first ``2C`` of them. So the threshold used is
-    ``max(τ, t)``, ``t`` a sampled estimate of the ``1.5C``-th largest magnitude
+    ``max(τ, t)``, ``t`` a sampled estimate of the magnitude that ``1.5C`` entries exceed
     (:meth:`~CapacitySparsifier.sampled_threshold`): where more than ``1.5C`` exceed ``τ``, about
     ``1.5C`` exceed ``t``, within the ``2C`` candidates and at least ``C`` with high probability,
     so the ``C`` sent are the ``C`` largest of all."""
 
     OPTIONS = {
         "threshold": Option(0.01, float, low=0.0, low_open=True, help="τ"),
-        "capacity": Option(0.1, float, low=0.0, high=1.0, low_open=True, help="payload slots as a fraction of n"),
+        "capacity": Option(
+            None,
+            float,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            optional=True,
+            help="payload slots as a fraction of n (None: sized from what earlier steps sent)",
+        ),
+        "adapt_every": Option(5, int, low=1, help="steps between adaptations of the slots (capacity=None)"),
         "seed": SEED,
     }
     strict = True
@@ -169,9 +199,21 @@ class Threshold(CapacitySparsifier):
     FLOOR_PER_SLOT = 1.5
     #: entries sampled for the floor at least
     MIN_SAMPLE = 4096
+    #: the slots of a bucket before its first adaptation, as a fraction of its elements
+    INITIAL_CAPACITY = 0.1
+    #: slots per entry sent at the last adaptation step, where every selection fitted
+    HEADROOM = 1.25
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        #: per bucket index: its size and its slots (capacity=None)
+        self._slots: dict[int, tuple[int, int]] = {}
+        #: per bucket index: the largest count sent by a rank at the last adaptation step, and the
+        #: slots it had then
+        self._measured: dict[int, tuple[HostCopy, int]] = {}
 
     def threshold(self, magnitudes: Tensor, bucket: Bucket) -> Tensor:
-        fraction = min(1.0, self.FLOOR_PER_SLOT * self.capacity(magnitudes.numel()) / magnitudes.numel())
+        fraction = min(1.0, self.FLOOR_PER_SLOT * self.slots(bucket) / magnitudes.numel())
         floor = self.sampled_threshold(magnitudes, bucket, fraction, self.MIN_SAMPLE)
         return floor.clamp_min(self.options["threshold"])
 
@@ -180,7 +222,46 @@ class Threshold(CapacitySparsifier):
         return (magnitudes > self.options["threshold"]).sum()
 
     def capacity(self, n: int) -> int:
-        return max(1, math.ceil(self.options["capacity"] * n))
+        fraction = self.options["capacity"]
+        return max(1, math.ceil((self.INITIAL_CAPACITY if fraction is None else fraction) * n))
+
+    def _adapting(self) -> bool:
+        return self.options["capacity"] is None and (self.step + 1) % self.options["adapt_every"] == 0
+
+    def slots(self, bucket: Bucket) -> int:
+        if self.options["capacity"] is not None:
+            return self.capacity(bucket.numel)
+        n, slots = self._slots.get(bucket.index, (None, None))
+        if n != bucket.numel:  # a new bucket (or a new cut of the buckets)
+            slots = self.capacity(bucket.numel)
+            self._measured.pop(bucket.index, None)
+        if self._adapting() and bucket.index in self._measured:
+            count, measured_slots = self._measured.pop(bucket.index)
+            sent = int(count.value())
+            slots = 2 * measured_slots if sent >= measured_slots else math.ceil(self.HEADROOM * sent)
+            slots = min(bucket.numel, max(1, slots))
+        self._slots[bucket.index] = (bucket.numel, slots)
+        return slots
+
+    def combine(
+        self, received: list[Payload], bucket: Bucket, communicator: Communicator, out: Tensor | None = None
+    ) -> Tensor:
+        """The average, and at an adaptation step the largest count a rank sent (its nonzero
+        values: a sent value exceeds ``τ > 0``, a slot left over carries 0)."""
+        if self._adapting() and bucket.index not in self._measured:
+            counts = torch.stack([torch.count_nonzero(self.values_of(payload, bucket)) for payload in received])
+            self._measured[bucket.index] = (HostCopy(counts.max()), self._slots[bucket.index][1])
+        return super().combine(received, bucket, communicator, out)
+
+    def extra_state(self) -> dict:
+        measured = {b: [int(count.value()), slots] for b, (count, slots) in self._measured.items()}
+        return {"slots": {b: list(v) for b, v in self._slots.items()}, "measured": measured}
+
+    def load_extra_state(self, state: dict) -> None:
+        self._slots = {int(b): tuple(v) for b, v in state.get("slots", {}).items()}
+        self._measured = {
+            int(b): (HostCopy(torch.tensor(count)), slots) for b, (count, slots) in state.get("measured", {}).items()
+        }
 
     def target_density(self) -> float:
         return float("nan")  # no target: the density follows the gradients

@@ -1,0 +1,111 @@
+"""What both Lightning strategies (``gc_fused``, ``gc_fsdp``) do with the
+:class:`~gc_strategy.synchronizer.Synchronizer` they hold in ``self.synchronizer``, around the
+Trainer's loop: accumulation without exchange, the synchroniser's step after each optimizer step,
+its ``gc/...`` telemetry to the Trainer's loggers, the fusion plan once chosen, the warning where
+momentum would be applied twice, and closing it at teardown."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from .components import Components, double_momentum
+from .registry import Option
+from .synchronizer import Synchronizer
+
+#: the key of the checkpoint's manifest of the ranks' synchroniser states (:mod:`gc_strategy.checkpoint`)
+CHECKPOINT_KEY = "gc_strategy"
+#: the strategies' option ``log_every_n_steps``
+LOG_EVERY = Option(None, int, low=1, optional=True, help="steps between telemetry logs (None: the Trainer's)")
+
+
+class SynchronizerGlue:
+    """The shared part of the two strategies (see the module's docstring); a mixin before
+    Lightning's strategy class, whose ``optimizer_step`` and ``setup_optimizers`` it extends."""
+
+    synchronizer: Synchronizer | None
+    components: Components
+    #: how often the telemetry goes to the loggers (None: the Trainer's ``log_every_n_steps``)
+    log_every_n_steps: int | None = None
+    _announced_plan: dict[str, Any] | None = None
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.no_sync():
+            yield
+
+    def close_synchronizer(self) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.close()
+            self.synchronizer = None
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)  # type: ignore[misc]
+        message = double_momentum(self.components, self.optimizers)  # type: ignore[attr-defined]
+        if message is not None:
+            rank_zero_warn(message)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        if self.synchronizer is not None:
+            self.synchronizer.after_optimizer_step()
+        self._log_telemetry()
+        self._announce_plan()
+        return output
+
+    def _trainer(self) -> Any:
+        """The Trainer the LightningModule is attached to, or None: also for a module loaded or
+        connected outside ``fit``, whose ``.trainer`` raises."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        return None if module is None else module._trainer
+
+    def _log_telemetry(self) -> None:
+        trainer = self._trainer()
+        if self.synchronizer is None or trainer is None or not trainer.loggers or not self.is_global_zero:  # type: ignore[attr-defined]
+            return
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every:
+            return
+        metrics = self.synchronizer.telemetry.last.as_metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _announce_plan(self) -> None:
+        """``fusion="auto"``: once its plan is chosen and verified, print it and log it."""
+        report = self.synchronizer.plan_report if self.synchronizer is not None else None
+        if report is None or report["measured_step_s"] is None or report is self._announced_plan:
+            return
+        self._announced_plan = report
+        verdict = ""
+        if "predicted_bf16_allreduce_s" in report:  # absent from a plan restored from an older checkpoint
+            pays = "pays" if report["compression_pays"] else "does not pay"
+            verdict = f"; bf16 allreduce predicted {report['predicted_bf16_allreduce_s']:.4f} s: compression {pays}"
+        rank_zero_info(
+            f"fusion=auto chose {report['buckets']} buckets ({', '.join(f'{mb:g}' for mb in report['bucket_mb'])} MB) "
+            f"by {report['chosen_by']}: predicted step {report['predicted_step_s']:.4f} s, measured "
+            f"{report['measured_step_s']:.4f} s ({len(report['trials'])} plans tried; "
+            f"profiling {report['profile_s']:.2f} s, "
+            f"search {1000 * report['search_s']:.1f} ms){verdict}"
+        )
+        trainer = self._trainer()
+        if trainer is None or not self.is_global_zero:  # type: ignore[attr-defined]
+            return
+        metrics = {
+            f"gc/plan_{key}": float(report[key])
+            for key in (
+                "buckets",
+                "predicted_step_s",
+                "measured_step_s",
+                "predicted_fp32_allreduce_s",
+                "predicted_bf16_allreduce_s",
+            )
+            if key in report
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
