@@ -101,7 +101,11 @@ def build_sharded_strategy(cfg: DictConfig, options: dict) -> GCFSDPStrategy:
     replicated_only = {
         "fusion": (fusion_spec(cfg.fusion), "bucket_mb:25", "each FSDP2 module's shard is one bucket"),
         "trainer.hierarchy": (t.hierarchy, "flat", "the nodes shard and compress already"),
-        "trainer.find_unused_parameters": (t.find_unused_parameters, False, "FSDP2 reduces every parameter"),
+        "trainer.find_unused_parameters": (
+            t.find_unused_parameters,
+            False,
+            "each reduction holds the parameters that got a gradient, whatever the option",
+        ),
     }
     for key, (value, default, why) in replicated_only.items():
         if value != default:
@@ -112,6 +116,7 @@ def build_sharded_strategy(cfg: DictConfig, options: dict) -> GCFSDPStrategy:
         communicator=cfg.communicator.name,
         sync=sync_of(cfg.sync.name, _options(cfg.sync)),
         start_method=t.start_method,
+        log_every_n_steps=t.log_every_n_steps,
         **options,
     )
 

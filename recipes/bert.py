@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from gc_strategy.sharded import fsdp_modules
+
 from .images import MissingDataset
 from .text import markov_corpus
 
@@ -37,14 +39,29 @@ class BertMaskedLM(pl.LightningModule):
         super().__init__()
         if size not in SIZES:
             raise ValueError(f"model.size = {size!r} is invalid; allowed: {', '.join(SIZES)}")
-        from transformers import BertConfig, BertForMaskedLM
+        from transformers import BertConfig
 
         self.save_hyperparameters()
         config = BertConfig(vocab_size=vocab_size, max_position_embeddings=max_length, **SIZES[size])
-        self.bert = BertForMaskedLM(config)
+        self.bert = masked_lm_loss(config)
+
+    def configure_model(self) -> None:
+        """Under ``gc_fsdp`` (a device mesh), FSDP2 units as for any transformer: each encoder layer,
+        then the whole model, which holds the embeddings and the prediction head (whose decoder
+        weight is tied to the word embeddings, and so must share their unit). A unit per Linear
+        (the strategy's default policy) would return views (a Linear's output on a batch of
+        sequences), which FSDP2 warns about."""
+        mesh = self.device_mesh
+        if mesh is None or fsdp_modules(self.bert):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.bert.bert.encoder.layer:
+            fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(self.bert, mesh=mesh["shard"])
 
     def _loss(self, batch) -> torch.Tensor:
-        return self.bert(**batch).loss
+        return self.bert(**batch)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -56,6 +73,19 @@ class BertMaskedLM(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def masked_lm_loss(config) -> torch.nn.Module:
+    """``BertForMaskedLM`` whose forward returns the loss alone (its parameters and their names
+    unchanged): the logits it would return beside it are a view, which FSDP2 warns about in the
+    output of a unit."""
+    from transformers import BertForMaskedLM
+
+    class BertMaskedLMLoss(BertForMaskedLM):
+        def forward(self, **batch) -> torch.Tensor:
+            return super().forward(**batch).loss
+
+    return BertMaskedLMLoss(config)
 
 
 class Blocks(Dataset):

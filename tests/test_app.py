@@ -103,6 +103,10 @@ def test_sharding_from_config():
             "fusion = 'groups:4' is invalid with trainer",
         ),
         (["trainer.sharding=fsdp", "trainer.hierarchy=node"], "trainer.hierarchy = 'node' is invalid with trainer.sh"),
+        (
+            ["trainer.sharding=fsdp", "trainer.find_unused_parameters=true"],
+            "(each reduction holds the parameters that got a gradient, whatever the option)",
+        ),
         (["trainer.sharding=ddp"], "trainer.sharding = 'ddp' is invalid; allowed: none, fsdp"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -111,8 +115,9 @@ def test_sharding_from_config():
 
 @pytest.mark.slow
 def test_cli_trains_bert_sharded_inside_the_node(tmp_path):
-    """BERT (tied word embeddings and decoder) through gc_fsdp with top-k: the default sharding
-    policy keeps the tied parameter in one unit, and the sharded checkpoint has each rank's state."""
+    """BERT (tied word embeddings and decoder) through gc_fsdp with top-k: the recipe's units (each
+    encoder layer, then the model with the tied parameter) print no FSDP2 warning of a unit that
+    returns a view, and the sharded checkpoint has each rank's state."""
     run = tmp_path / "run"
     done = _cli(
         tmp_path,
@@ -130,6 +135,7 @@ def test_cli_trains_bert_sharded_inside_the_node(tmp_path):
         f"hydra.run.dir={run}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "returned a view tensor" not in done.stdout + done.stderr
     assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint's folder
     assert sorted(p.name for p in (run / "checkpoints.gc_state" / "last.ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
 
