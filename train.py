@@ -9,6 +9,7 @@ Hydra's run directory, a new one per run.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFSDPStrategy, GC
 from gc_strategy.hierarchy import hierarchy_of
 from gc_strategy.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
+from gc_strategy.registry import closest
 from gc_strategy.sync_modes import sync_of
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.console import StepProgressBar, quiet_harmless_messages
@@ -126,11 +128,16 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
     if recipe not in RECIPES:
         raise ValueError(f"model.recipe = {recipe!r} is invalid; allowed: {', '.join(RECIPES)}")
     if cfg.data.kind != RECIPES[recipe]:
-        raise ValueError(f"model '{recipe}' needs {RECIPES[recipe]} data, but data.kind = {cfg.data.kind!r}")
+        fitting = " or ".join(f"data={name}" for name in data_members(RECIPES[recipe]))
+        raise ValueError(
+            f"model '{recipe}' needs {RECIPES[recipe]} data, but data.kind = {cfg.data.kind!r}; choose {fitting}"
+        )
     model_options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "recipe"}
     data_options = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "kind"}
     if recipe == "resnet":
-        return ResNetClassifier(**model_options), ImageDataModule(seed=seed, **data_options)
+        data = ImageDataModule(seed=seed, **data_options)
+        data.check_present()
+        return ResNetClassifier(**model_options), data
     if recipe == "bert":
         data = MaskedTextDataModule(seed=seed, **data_options)
         data.setup("fit")  # the tokenizer's vocabulary and the block length are the model's
@@ -138,6 +145,12 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
     data = LanguageModelDataModule(seed=seed, **data_options)
     data.setup("fit")  # the vocabulary size is the model's
     return LSTMLanguageModel(vocab_size=data.vocab_size, **model_options), data
+
+
+def data_members(kind: str) -> list[str]:
+    """The members of the ``data`` group of this ``kind`` (``images``, ``text``, ``mlm``)."""
+    folder = Path(__file__).parent / "conf" / "data"
+    return sorted(f.stem for f in folder.glob("*.yaml") if OmegaConf.load(f).get("kind") == kind)
 
 
 def build_lowrank_model(cfg: DictConfig, module: pl.LightningModule) -> list[pl.Callback]:
@@ -181,12 +194,50 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
     raise ValueError(f"logger.kind = {kind!r} is invalid; allowed: wandb, csv, tensorboard")
 
 
+def check_added_keys(cfg: DictConfig, overrides: list[str]) -> None:
+    """Refuse ``+key=value`` overrides that add a key the app does not read (Hydra suggests ``+`` for
+    a key its config lacks, and the run would go on without it). Keys added to a role's group
+    (``+compressor.x=1``) are left to the role, which refuses what it does not take."""
+    for override in overrides:
+        if not override.startswith("+") or override.startswith("++") or "=" not in override:
+            continue
+        key, value = override[1:].split("=", 1)
+        if key.split(".")[0] in ROLE_GROUPS:
+            continue
+        raise ValueError(
+            f"{key} is not an option of train.py ({override} adds a key no one reads){_meant(cfg, key, value)}"
+        )
+
+
+def _meant(cfg: DictConfig, key: str, value: str) -> str:
+    """Where the option ``key`` most likely belongs: the chosen role's option of that name, another
+    role's, or the closest key of the config."""
+    leaf = key.split(".")[-1]
+    for group in ROLE_GROUPS:
+        if leaf in cfg[group] and leaf != "name":
+            return f"; did you mean {group}.{leaf}={value}?"
+    for group, registry in ROLE_GROUPS.items():
+        takers = [name for name in registry.names() if leaf in registry.options(name)]
+        if takers:
+            return f"; {leaf} is an option of {group} {', '.join(takers)}: {group}={takers[0]} {group}.{leaf}={value}"
+    keys = [f"{group}.{k}" if group else k for group, node in _sections(cfg) for k in node]
+    match = closest(key, [k for k in keys if k != key])
+    return f"; did you mean {match}={value}?" if match else ""
+
+
+def _sections(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    top = {k: v for k, v in cfg.items() if not isinstance(v, DictConfig)}
+    return [("", top), *((k, v) for k, v in cfg.items() if isinstance(v, DictConfig))]
+
+
 def check_run(cfg: DictConfig) -> None:
-    """Refuse what would waste or lose the run: an unknown ``checkpoints``, a baseline phase under
-    DiLoCo, and a baseline phase with no timed step in it or none left after it (its steps count
-    within ``trainer.max_steps``)."""
+    """Refuse what would waste or lose the run: an unknown ``checkpoints``, no step to train, a
+    DiLoCo run that never reaches an outer step, a baseline phase under DiLoCo, and a baseline phase
+    with no timed step in it or none left after it (its steps count within ``trainer.max_steps``)."""
     if cfg.checkpoints not in CHECKPOINTS:
         raise ValueError(f"checkpoints = {cfg.checkpoints!r} is invalid; allowed: {', '.join(CHECKPOINTS)}")
+    if cfg.trainer.max_steps < 1:
+        raise ValueError(f"trainer.max_steps = {cfg.trainer.max_steps} is invalid; allowed: an integer >= 1")
     if cfg.trainer.sharding == "fsdp" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
         raise ValueError(
             "trainer.sharding=fsdp keeps one set of roles on one model from start to end; set "
@@ -209,6 +260,11 @@ def check_run(cfg: DictConfig) -> None:
             f"speedup.baseline_steps = {baseline} is invalid with trainer.max_steps = {steps}: the baseline steps "
             f"count within max_steps, and no compressed step would be timed after speedup.warmup_steps = {warmup}; "
             f"allowed: {warmup + 1} to {steps - warmup - 1}, or trainer.max_steps >= {baseline + warmup + 1}"
+        )
+    if cfg.sync.name == "diloco" and cfg.sync.inner_steps > cfg.trainer.max_steps:
+        raise ValueError(
+            f"sync.inner_steps = {cfg.sync.inner_steps} is invalid with trainer.max_steps = {cfg.trainer.max_steps}: "
+            f"no outer step would synchronise the replicas; allowed: at most {cfg.trainer.max_steps}"
         )
 
 
@@ -260,15 +316,24 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_config = HydraConfig.get()
+    output_dir = Path(hydra_config.runtime.output_dir)
     quiet_harmless_messages()
     try:
+        check_added_keys(cfg, list(hydra_config.overrides.task))
         summary = run(cfg, output_dir)
     except (ValueError, MissingDataset) as error:
         print(f"error: {error}", file=sys.stderr)
+        remove_unused_run_folder(output_dir)
         sys.exit(2)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print_summary(cfg, summary, output_dir)
+
+
+def remove_unused_run_folder(output_dir: Path) -> None:
+    """A refused run leaves no folder: remove the run folder where it holds Hydra's record alone."""
+    if output_dir.is_dir() and {p.name for p in output_dir.iterdir()} <= {".hydra"}:
+        shutil.rmtree(output_dir)
 
 
 def print_summary(cfg: DictConfig, summary: dict, output_dir: Path) -> None:

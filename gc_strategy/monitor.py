@@ -6,7 +6,8 @@ Step time is the wall time from ``on_train_batch_start`` to ``on_train_batch_end
 plan) and the summary reports the **measured** speedup: median baseline step time / median
 compressed step time, each phase without its first ``warmup_steps`` steps. With ``fusion=auto`` the
 summary also carries the timeline model's **estimate** (labelled so): the predicted step time of an
-uncompressed fp32 allreduce / its predicted step time for the chosen plan.
+uncompressed fp32 allreduce / its predicted step time for the chosen plan. The summary holds the
+last validation's ``val/...`` metrics beside them, with its step (``val_step``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class ThroughputMonitor(pl.Callback):
         self._configured = None
         self._start = 0.0
         self._seen: tuple[Any, int] = (None, 0)  # the synchroniser and its exchange count after the last step
+        #: the ``val/...`` metrics of the last validation and its step
+        self.validation: dict[str, float] = {}
 
     def _phase(self, step: int) -> str:
         return "baseline" if step < self.baseline_steps else "compressed"
@@ -86,6 +89,12 @@ class ThroughputMonitor(pl.Callback):
             rank_zero_only=True,
         )
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        self.validation = {**metrics, "val_step": trainer.global_step}
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compressed = self.times["compressed"]
         if not compressed:
@@ -95,6 +104,7 @@ class ThroughputMonitor(pl.Callback):
             "step_time_s": median,
             "step_times_s": compressed,
             "throughput_samples_per_s": self.batch_size * trainer.world_size / median,
+            **self.validation,
         }
         if self.telemetry:  # over the timed steps only (not the warm-up, e.g. PowerSGD's start_iter)
             raw, sent = (sum(getattr(t, key) for t in self.telemetry) for key in ("raw_bytes", "sent_bytes"))
@@ -138,7 +148,10 @@ class ThroughputMonitor(pl.Callback):
                 import wandb
 
                 run = logger.experiment
-                run.summary.update({k: v for k, v in summary.items() if k not in ("breakdown", "buckets")})
+                scalars = {k: v for k, v in summary.items() if k not in ("breakdown", "buckets")}
+                run.summary.update(scalars)
+                # an offline run keeps its summary in the binary .wandb file alone: a readable copy
+                (Path(run.dir) / "wandb-summary.json").write_text(json.dumps(scalars, indent=2))
                 if "buckets" in summary:
                     columns = list(summary["buckets"][0])
                     run.log(

@@ -100,6 +100,31 @@ class ImageDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.train_set, self.val_set = self._datasets()
 
+    def check_present(self) -> None:
+        """Raise :class:`MissingDataset` where the data set's files are not there (and are not to be
+        downloaded): before any work, rather than in each rank's set-up."""
+        message = None if self.name == "cifar10" and self.download else self._missing()
+        if message is not None:
+            raise MissingDataset(message)
+
+    def _missing(self) -> str | None:
+        """What is missing of the data set's files, or None."""
+        if self.name == "cifar10":
+            folder = self.data_dir / "cifar-10-batches-py"
+            if not all((folder / f).is_file() for f in (*CIFAR_TRAIN, CIFAR_TEST)):
+                return (
+                    f"CIFAR-10 not found: expected the python batches in {folder} (data.data_dir={self.data_dir}); "
+                    "set data.download=true to fetch them, or use data=synthetic_images"
+                )
+        elif self.name != "synthetic":
+            train_dir, val_dir = self.data_dir / "train", self.data_dir / "val"
+            if not (train_dir.is_dir() and val_dir.is_dir()):
+                return (
+                    f"ImageNet not found: expected class folders in {train_dir} and {val_dir} "
+                    f"(data.data_dir={self.data_dir}); or use data=synthetic_images"
+                )
+        return None
+
     def _datasets(self) -> tuple[Dataset, Dataset]:
         if self.name == "synthetic":
             return (
@@ -108,13 +133,11 @@ class ImageDataModule(pl.LightningDataModule):
             )
         from torchvision import transforms
 
+        missing = self._missing()
+        if missing is not None:
+            raise MissingDataset(missing)
         if self.name == "cifar10":
             folder = self.data_dir / "cifar-10-batches-py"
-            if not all((folder / f).is_file() for f in (*CIFAR_TRAIN, CIFAR_TEST)):
-                raise MissingDataset(
-                    f"CIFAR-10 not found: expected the python batches in {folder} (data.data_dir={self.data_dir}); "
-                    "set data.download=true to fetch them, or use data=synthetic_images"
-                )
             normalize = transforms.Normalize(CIFAR_MEAN, CIFAR_STD)
             train_tf = transforms.Compose(
                 [
@@ -129,11 +152,6 @@ class ImageDataModule(pl.LightningDataModule):
         from torchvision.datasets import ImageFolder
 
         train_dir, val_dir = self.data_dir / "train", self.data_dir / "val"
-        if not (train_dir.is_dir() and val_dir.is_dir()):
-            raise MissingDataset(
-                f"ImageNet not found: expected class folders in {train_dir} and {val_dir} "
-                f"(data.data_dir={self.data_dir}); or use data=synthetic_images"
-            )
         normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
         train_tf = transforms.Compose(
             [

@@ -321,6 +321,12 @@ def test_cli_run_logs_the_speedup_summary_and_saves_a_checkpoint(tmp_path):
     tables = sorted(p.name for p in (wandb_runs[0] / "files" / "media" / "table" / "gc").glob("*.table.json"))
     assert [t.split("_")[0] for t in tables] == ["bucket", "step"]
     assert "W&B run:" in done.stdout and "checkpoints:" in done.stdout
+    # the last validation's figures beside the speedup, in summary.json and the W&B run's readable summary
+    readable = json.loads((wandb_runs[0] / "files" / "wandb-summary.json").read_text())
+    for figures in (summary, readable):
+        assert figures["val_step"] == 12 and 0.0 <= figures["val/acc"] <= 1.0 and figures["val/loss"] > 0
+        assert figures["compression_ratio"] == 2.0
+    assert not (run / "train.log").exists()  # Python's logging goes to the console alone
 
 
 @pytest.mark.slow
@@ -419,7 +425,22 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         (["compressor=topk", "+compressor.densty=0.1"], "option(s) densty are not taken by compressor=topk"),
         (["compressor=topk", "compressor.density=2"], "option 'density' = 2 is invalid; allowed: a number in (0, 1]"),
         (["data=cifar10", "data.data_dir=nowhere"], "CIFAR-10 not found"),
-        (["model=lstm"], "model 'lstm' needs text data"),
+        (
+            ["model=lstm"],
+            "model 'lstm' needs text data, but data.kind = 'images'; choose data=synthetic_text or data=wik",
+        ),
+        (
+            ["compressor=topk", "+rank=4"],
+            "rank is not an option of train.py (+rank=4 adds a key no one reads); rank is an option of compressor "
+            "acpsgd, powersgd: compressor=acpsgd compressor.rank=4",
+        ),
+        (["compressor=powersgd", "+rank=4"], "(+rank=4 adds a key no one reads); did you mean compressor.rank=4?"),
+        (["+trainer.max_step=4"], "trainer.max_step is not an option of train.py (+trainer.max_step=4 adds a key"),
+        (["+trainer.max_step=4"], "did you mean trainer.max_steps=4?"),
+        (
+            ["sync=diloco", "sync.inner_steps=1000"],
+            "sync.inner_steps = 1000 is invalid with trainer.max_steps = 4: no outer step would synchronise",
+        ),
         (["fusion=file"], "fusion.path"),
         (["sync=diloco", "sync.inner_steps=0"], "option 'inner_steps' = 0 is invalid; allowed: an integer in [1, inf)"),
         (["sync=diloco", "speedup.baseline_steps=2"], "set speedup.baseline_steps=0 (is 2)"),
@@ -445,10 +466,18 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
     ],
 )
 def test_bad_input_fails_clearly_before_training(tmp_path, args, message):
+    """The message names the option, the value and what is allowed; the refused run leaves no folder."""
     done = _cli(tmp_path, "trainer.max_steps=4", *args, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert done.returncode != 0
     assert message in done.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_step_to_train_is_refused(tmp_path):
+    done = _cli(tmp_path, "trainer.max_steps=0", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert done.returncode == 2
+    assert "trainer.max_steps = 0 is invalid; allowed: an integer >= 1" in done.stderr
+    assert "checkpoints:" not in done.stdout and not (tmp_path / "run").exists()
 
 
 def test_summary_bytes_and_breakdown_cover_the_timed_steps_only(tmp_path):

@@ -112,7 +112,7 @@ def test_diloco_over_shards_runs_through_lightning(tmp_path):
         ),
         (
             dict(hierarchy="node"),
-            r"option hierarchy = 'node' is invalid with sharding; allowed: 'flat' \(the mesh's nodes are the hierarchy\)",
+            r"option hierarchy = 'node' is invalid with sharding; allowed: 'flat' \(the mesh's nodes are the hier",
         ),
         (dict(find_unused_parameters=True), "option find_unused_parameters = True is invalid with sharding"),
         (dict(log_every_n_steps=0), "log_every_n_steps"),
