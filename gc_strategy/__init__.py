@@ -15,7 +15,7 @@ from .fusion import FusionPlanner, parse_fusion
 from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
 from .presets import sparseloco
-from .sync_modes import DiLoCo, EveryStep
+from .sync_modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode
 from .telemetry import StepTelemetry
 
 #: public names that need Lightning
@@ -44,6 +44,7 @@ __all__ = [
     "COMMUNICATORS",
     "COMPRESSORS",
     "MEMORIES",
+    "SYNC_MODES",
     "Communicator",
     "Components",
     "Compressor",
@@ -55,7 +56,10 @@ __all__ = [
     "GradientSynchronizer",
     "Memory",
     "NodeHierarchy",
+    "Replicated",
+    "Sharded",
     "StepTelemetry",
+    "SyncMode",
     "ThroughputMonitor",
     "build_components",
     "parse_fusion",

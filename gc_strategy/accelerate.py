@@ -55,8 +55,7 @@ from .components import DEFAULT_FUSION, build_components, double_momentum
 from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
 from .sharded import MESH_DIMS, refuse_replicated_options, shard_by_policy
-from .sync import build_sharded_synchronizer, build_synchronizer
-from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
+from .sync_modes import Replicated, Sharded, SyncMode, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
@@ -102,7 +101,7 @@ def prepare(
     fusion: str | FusionPlanner = DEFAULT_FUSION,
     find_unused_parameters: bool | None = None,
     broadcast_buffers: bool | None = None,
-    sync: str | EveryStep | DiLoCo = "every_step",
+    sync: str | SyncMode = "every_step",
     hierarchy: str | NodeHierarchy = "flat",
     sharding: str = "auto",
     **options: Any,
@@ -128,10 +127,8 @@ def prepare(
     twice = double_momentum(components, optimizers)
     if twice is not None:
         warnings.warn(twice, stacklevel=2)
-    if isinstance(sync, DiLoCo) and len(optimizers) != 1:
-        raise ValueError(
-            f"sync=DiLoCo counts the inner steps of one optimizer; {len(optimizers)} were passed to prepare"
-        )
+    if sync.one_optimizer and len(optimizers) != 1:
+        raise ValueError(f"sync={sync!r} counts the steps of one optimizer; {len(optimizers)} were passed to prepare")
     handler = getattr(accelerator, "ddp_handler", None)
     if find_unused_parameters is None:
         find_unused_parameters = getattr(handler, "find_unused_parameters", False)
@@ -145,19 +142,15 @@ def prepare(
         mesh = _node_mesh(accelerator)
         model = model.to(accelerator.device)
         _shard(accelerator, model, optimizers, mesh)
-        synchronizer = build_sharded_synchronizer(model, components, sync, mesh)
+        synchronizer = sync.build(model, components, Sharded(mesh))
     else:
         if broadcast_buffers is None:
             broadcast_buffers = getattr(handler, "broadcast_buffers", True)
         model = model.to(accelerator.device)
-        synchronizer = build_synchronizer(
-            model,
-            components,
-            sync,
-            hierarchy=hierarchy,
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
+        placement = Replicated(
+            hierarchy=hierarchy, broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters
         )
+        synchronizer = sync.build(model, components, placement)
     synchronizer.use_optimizers(optimizers)
     for optimizer in optimizers:
         optimizer.register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_optimizer_step())

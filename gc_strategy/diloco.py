@@ -56,7 +56,7 @@ from .fusion import parse_fusion
 from .fusion.fragments import fragments_to_overlap
 from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy
-from .sync_modes import DiLoCo
+from .registry import Configuration
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_into
 
@@ -111,7 +111,7 @@ class DiLoCoSynchronizer(Synchronizer):
         self,
         module: nn.Module,
         components: Components,
-        config: DiLoCo,
+        config: Configuration,
         broadcast_buffers: bool = True,
         process_group: Any = None,
         hierarchy: str | NodeHierarchy = "flat",

@@ -37,8 +37,7 @@ from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue
 from .registry import validate_options
 from .sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
 from .strategy import end_process_group
-from .sync import build_sharded_synchronizer
-from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
+from .sync_modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 START_METHODS = ("popen", "spawn", "fork")
@@ -94,7 +93,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         compressor: str | Compressor = "none",
         memory: str | Memory = "none",
         communicator: str | Communicator = "auto",
-        sync: str | EveryStep | DiLoCo = "every_step",
+        sync: str | SyncMode = "every_step",
         shard_modules: tuple[type, ...] | None = None,
         mixed_precision: Any = None,
         start_method: str = "popen",
@@ -158,9 +157,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.synchronizer = build_sharded_synchronizer(
-                self.model, self.components.fresh(), self.sync, self.device_mesh
-            )
+            self.synchronizer = self.sync.build(self.model, self.components.fresh(), Sharded(self.device_mesh))
 
     def _shard(self) -> None:
         """Shard the model inside each node by the policy (:func:`shard_by_policy`)."""

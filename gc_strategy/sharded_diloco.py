@@ -31,8 +31,8 @@ from .communicators import RunningExchange
 from .components import Components
 from .diloco import roles_by_dimension
 from .gradient_sync_state import resharded
+from .registry import Configuration
 from .sharded import check_shard_place, check_sharded_model, same_shard, shard_place
-from .sync_modes import DiLoCo
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
 
@@ -56,7 +56,7 @@ class ShardedDiLoCo(Synchronizer):
     """DiLoCo as ``config`` says, over ``module`` already ``fully_shard``-ed over ``mesh["shard"]``
     (see the module's docstring). Call :meth:`after_optimizer_step` after every inner step."""
 
-    def __init__(self, module: nn.Module, components: Components, config: DiLoCo, mesh: Any) -> None:
+    def __init__(self, module: nn.Module, components: Components, config: Configuration, mesh: Any) -> None:
         fsdp = check_sharded_model(module, mesh)
         if config.fragments != 1 or config.overlap_steps != 0:
             raise ValueError(

@@ -31,8 +31,7 @@ from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue
 from .registry import Option, validate_options
-from .sync import build_synchronizer
-from .sync_modes import DiLoCo, EveryStep, parse_sync, refuse_misplaced_options
+from .sync_modes import Replicated, SyncMode, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
 
@@ -75,7 +74,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         memory: str | Memory = "none",
         communicator: str | Communicator = "auto",
         fusion: str | FusionPlanner | None = None,
-        sync: str | EveryStep | DiLoCo = "every_step",
+        sync: str | SyncMode = "every_step",
         hierarchy: str | NodeHierarchy = "flat",
         log_every_n_steps: int | None = None,
         find_unused_parameters: bool = False,
@@ -150,10 +149,10 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         parameters of a converted model). Call it on every rank between the same two steps; the new
         roles start with fresh state, cover the module's current parameters and record the gradient
         order again; ``broadcast_from_rank0`` first copies rank 0's parameters and buffers to all."""
-        if isinstance(self.sync, DiLoCo):
+        if self.sync.fixed_roles:
             raise ValueError(
-                "switch_components (a baseline phase, a Pufferfish conversion) is not supported with sync=DiLoCo: "
-                "the outer parameters and momentum are those of the model and roles DiLoCo started with"
+                "switch_components (a baseline phase, a Pufferfish conversion) is not supported with "
+                f"sync={self.sync!r}: its state is made for the model and roles it started with"
             )
         self.components = components
         if self.synchronizer is not None:
@@ -164,15 +163,13 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         hierarchy = self.hierarchy
         if hierarchy is not None:  # the Trainer's nodes
             hierarchy = hierarchy.launched(self.num_processes, self.node_rank, self.local_rank)
-        return build_synchronizer(
-            self.model,
-            c,
-            self.sync,
+        placement = Replicated(
             hierarchy=hierarchy or "flat",
             broadcast_buffers=self.broadcast_buffers,
             broadcast_from_rank0=broadcast_from_rank0,
             find_unused_parameters=self.find_unused_parameters,
         )
+        return self.sync.build(self.model, c, placement)
 
     # ---------------------------------------------------------------- forward passes
     @contextmanager

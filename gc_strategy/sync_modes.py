@@ -1,24 +1,41 @@
-"""``sync=``: when the replicas synchronise, as small validated configuration objects.
+"""``sync=``: when the replicas synchronise, as registered, validated configuration objects that
+build their own synchroniser.
 
-:class:`EveryStep` averages every optimizer step's gradients (the default); :class:`DiLoCo`
-runs ``inner_steps`` local steps, then a compressed outer step (:mod:`gc_strategy.diloco`). Their
-options, defaults and ranges are declared once, in ``OPTIONS``, and checked as a role's options
-are, before any work, with a message that names the option, the value and what is allowed.
+A sync mode is a :class:`SyncMode` registered by name in :data:`SYNC_MODES`, as the roles are in
+theirs: :class:`EveryStep` averages every optimizer step's gradients (the default); :class:`DiLoCo`
+runs ``inner_steps`` local steps, then a compressed outer step (:mod:`gc_strategy.diloco`). Its
+options, defaults and ranges are declared once, in ``OPTIONS``, and checked as a role's options are,
+before any work, with a message that names the option, the value and what is allowed.
+
+Each mode builds its :class:`~gc_strategy.synchronizer.Synchronizer` for a placement of the model
+(``mode.build(module, components, placement)``, as torchtitan's configurations build their
+objects): :class:`Replicated`, every rank holding the whole model (``gc_fused``, Accelerate's DDP
+path, a plain loop), or :class:`Sharded`, FSDP2 inside each node (``gc_fsdp``, Accelerate's FSDP2
+path). The integrations call ``build`` and the synchroniser's interface, and ask a mode what they
+must know of it through its class attributes (:attr:`SyncMode.fixed_roles`,
+:attr:`SyncMode.one_optimizer`): a mode registered in the user's own code works in every
+integration with no edit to any of them (docs/extending.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .components import Components
+from .diloco import DiLoCoSynchronizer
 from .fusion.plans import AutoPlanner, FilePlanner
+from .gradient_sync import GradientSynchronizer
 from .hierarchy import NodeHierarchy, hierarchy_of
-from .registry import Configuration, Option
+from .registry import Configuration, Option, Registry
+from .sharded import ShardedSynchronizer
+from .sharded_diloco import ShardedDiLoCo
+from .synchronizer import Synchronizer
 
 VECTOR_POLICIES = ("bf16", "fp32", "compressed")
 
@@ -28,14 +45,79 @@ def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> Callable[[list[Tenso
     return partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
-class EveryStep(Configuration):
-    """Average the gradients of every optimizer step (``sync="every_step"``)."""
+@dataclass(frozen=True)
+class Replicated:
+    """Every rank holds the whole model: the synchroniser averages over ``hierarchy`` (``"flat"`` or
+    a :class:`~gc_strategy.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
+    forward where ``broadcast_buffers`` and its parameters at the start where
+    ``broadcast_from_rank0``, and, where ``find_unused_parameters``, takes steps in which a
+    parameter got no gradient (DDP's options)."""
+
+    hierarchy: str | NodeHierarchy = "flat"
+    broadcast_buffers: bool = True
+    broadcast_from_rank0: bool = True
+    find_unused_parameters: bool = False
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """FSDP2 shards the model inside each node of ``mesh``, a ``("replicate", "shard")`` device mesh
+    (:mod:`gc_strategy.sharded`); the model is already ``fully_shard``-ed over ``mesh["shard"]``."""
+
+    mesh: Any
+
+
+class SyncMode(Configuration):
+    """When the replicas synchronise (see the module's docstring). A subclass declares its
+    ``OPTIONS``, refuses roles it cannot serve in :meth:`check` and builds its synchroniser in
+    :meth:`build`; registered with ``@SYNC_MODES.register("name")``, it is ``sync="name"`` (or an
+    instance) in every integration and ``sync=name`` in the app."""
+
+    #: the registered name (set by the registry)
+    name: str
+    #: whether the roles stay those the run started with (no ``switch_components``: a baseline
+    #: phase, a Pufferfish conversion), because the mode's state is made for them
+    fixed_roles = False
+    #: whether the mode counts the steps of one optimizer (an integration then refuses several)
+    one_optimizer = False
 
     def check(self, components: Components) -> None:
-        """Every combination of roles synchronises every step."""
+        """Refuse, before any work, roles the mode cannot serve (none, by default)."""
+
+    def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
+        """The synchroniser of ``module`` with ``components``, placed as ``placement`` says."""
+        raise NotImplementedError
 
 
-class DiLoCo(Configuration):
+#: the sync modes by name
+SYNC_MODES: Registry[SyncMode] = Registry("sync mode")
+
+
+@SYNC_MODES.register("every_step")
+class EveryStep(SyncMode):
+    """Average the gradients of every optimizer step (``sync="every_step"``): as DDP, through the
+    roles (:class:`~gc_strategy.gradient_sync.GradientSynchronizer`), or across nodes over FSDP2's
+    shards (:class:`~gc_strategy.sharded.ShardedSynchronizer`)."""
+
+    def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
+        if isinstance(placement, Sharded):
+            return ShardedSynchronizer(module, components, placement.mesh)
+        c = components
+        return GradientSynchronizer(
+            module,
+            c.compressor,
+            c.memory,
+            c.communicator,
+            c.fusion,
+            broadcast_from_rank0=placement.broadcast_from_rank0,
+            find_unused_parameters=placement.find_unused_parameters,
+            broadcast_buffers=placement.broadcast_buffers,
+            hierarchy=placement.hierarchy,
+        )
+
+
+@SYNC_MODES.register("diloco")
+class DiLoCo(SyncMode):
     """``inner_steps`` local optimizer steps, then the compressed, error-corrected exchange of the
     pseudo-gradient and an outer step (Douillard et al. 2023; Streaming DiLoCo, Douillard et al.
     2025: ``fragments``, ``overlap_steps``, ``mixing``). ``outer_optimizer`` builds the outer
@@ -54,6 +136,8 @@ class DiLoCo(Configuration):
         "vectors": Option("bf16", str, choices=VECTOR_POLICIES),
         "offload": Option(False, bool),
     }
+    fixed_roles = True
+    one_optimizer = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -98,55 +182,65 @@ class DiLoCo(Configuration):
                 "the backward's gradients of the whole model; use a fixed plan (e.g. fusion='bucket_mb:25')"
             )
 
-
-#: the forms ``sync=`` takes
-SYNC_FORMS = "'every_step', EveryStep(), or DiLoCo(inner_steps=..., ...)"
-
-
-def parse_sync(sync: Any, components: Components) -> EveryStep | DiLoCo:
-    """``sync=`` as a configuration object, checked against ``components``."""
-    if sync == "every_step":
-        sync = EveryStep()
-    elif sync == "diloco":
-        raise ValueError(
-            "sync = 'diloco' needs its options; allowed: sync=DiLoCo(inner_steps=..., ...) "
-            "(from gc_strategy import DiLoCo)"
+    def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
+        """Replicated: :class:`~gc_strategy.diloco.DiLoCoSynchronizer` (every replica starts from rank
+        0's values, and the inner steps use whichever parameters they use: ``broadcast_from_rank0``
+        and ``find_unused_parameters`` do not apply); sharded:
+        :class:`~gc_strategy.sharded_diloco.ShardedDiLoCo`."""
+        if isinstance(placement, Sharded):
+            return ShardedDiLoCo(module, components, self, placement.mesh)
+        return DiLoCoSynchronizer(
+            module, components, self, broadcast_buffers=placement.broadcast_buffers, hierarchy=placement.hierarchy
         )
-    elif not isinstance(sync, (EveryStep, DiLoCo)):
-        raise ValueError(f"sync = {sync!r} is invalid; allowed: {SYNC_FORMS}")
+
+
+def parse_sync(sync: Any, components: Components) -> SyncMode:
+    """``sync=`` (a registered name, or a mode) as a mode, checked against ``components``."""
+    if isinstance(sync, str):
+        mode = SYNC_MODES.get(sync)
+        try:
+            sync = mode()
+        except ValueError as error:
+            raise ValueError(
+                f"sync = {sync!r} needs its options ({error}); allowed: sync={mode.__name__}(...) "
+                f"(from gc_strategy import {mode.__name__})"
+            ) from None
+    elif not isinstance(sync, SyncMode):
+        raise ValueError(
+            f"sync = {sync!r} is invalid; allowed: a registered name ({', '.join(SYNC_MODES.names())}) or a SyncMode"
+        )
     sync.check(components)
     return sync
 
 
-#: the names of the sync modes in a flat command-line configuration
-SYNC_MODES = {"every_step": EveryStep, "diloco": DiLoCo}
-
-
-def sync_of(name: str, options: dict[str, Any]) -> EveryStep | DiLoCo:
+def sync_of(name: str, options: dict[str, Any]) -> SyncMode:
     """The sync mode of a flat command-line configuration (``sync=diloco,inner_steps=20``: the
     app's and the benchmarks')."""
-    if name not in SYNC_MODES:
-        raise ValueError(f"sync = {name!r} is invalid; allowed: {', '.join(map(repr, SYNC_MODES))}")
-    return SYNC_MODES[name](**options)
+    return SYNC_MODES.build(name, **options)
 
 
 def from_command_line(options: dict[str, Any]) -> dict[str, Any]:
     """A flat command-line configuration (``compressor=topk,sync=diloco,inner_steps=5,hierarchy=node,
     node_precision=bf16``: the benchmarks' form) as keyword arguments of the strategy: DiLoCo's and
     the hierarchy's options gathered into ``sync=`` and ``hierarchy=`` objects."""
-    rest = {key: value for key, value in options.items() if key not in DiLoCo.OPTIONS}
-    sync = rest.pop("sync", "every_step")
+    sync = options.get("sync", "every_step")
+    declared = SYNC_MODES.options(sync)
+    rest = {key: value for key, value in options.items() if key not in declared and key != "sync"}
     hierarchy = hierarchy_of(rest.pop("hierarchy", "flat"), rest.pop("node_precision", "full"))
-    mode = sync_of(sync, {key: value for key, value in options.items() if key in DiLoCo.OPTIONS})
+    mode = sync_of(sync, {key: value for key, value in options.items() if key in declared})
     return {**rest, "sync": mode, "hierarchy": hierarchy or "flat"}
 
 
 def refuse_misplaced_options(options: dict[str, Any]) -> None:
-    """Refuse an option of DiLoCo's or of the hierarchy's given beside the roles' options, saying
-    where it goes."""
+    """Refuse an option of a sync mode's or of the hierarchy's given beside the roles' options,
+    saying where it goes."""
     for key in options:
-        if key in DiLoCo.OPTIONS:
-            raise ValueError(f"{key} is an option of DiLoCo; pass sync=DiLoCo({key}={options[key]!r}, ...)")
+        for name in SYNC_MODES.names():
+            mode = SYNC_MODES.get(name)
+            if key in mode.OPTIONS:
+                raise ValueError(
+                    f"{key} is an option of {mode.__name__}; pass sync={mode.__name__}({key}={options[key]!r}, ...)"
+                )
         if key == "node_precision" or key in NodeHierarchy.OPTIONS:
             name = "precision" if key == "node_precision" else key
             raise ValueError(

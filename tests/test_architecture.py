@@ -39,7 +39,7 @@ def _imports() -> dict[str, set[str]]:
 
 def test_the_graph_is_read_from_the_sources():
     graph = _imports()
-    assert "gc_strategy.sync" in graph["gc_strategy.strategy"]
+    assert "gc_strategy.sync_modes" in graph["gc_strategy.strategy"]
     assert "gc_strategy.communicators" in graph["gc_strategy.algos.base"]
     assert "gc_strategy.fusion.plans" in graph["gc_strategy.autotune"]
 
@@ -113,10 +113,17 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch
 
 def test_the_integrations_talk_to_the_synchronizer_interface_alone():
     """The Lightning strategy, the Accelerate adapter and the checkpoint code name no concrete
-    synchroniser (as an import, a name or an attribute): ``gc_strategy.sync`` builds one, and
-    they call :class:`gc_strategy.synchronizer.Synchronizer`'s methods."""
-    concrete = {"GradientSynchronizer", "DiLoCoSynchronizer"}
-    for module in ("strategy", "accelerate", "checkpoint"):
+    synchroniser or sync mode (as an import, a name or an attribute): a mode builds its
+    synchroniser, and they call :class:`gc_strategy.synchronizer.Synchronizer`'s methods."""
+    concrete = {
+        "GradientSynchronizer",
+        "DiLoCoSynchronizer",
+        "ShardedSynchronizer",
+        "ShardedDiLoCo",
+        "DiLoCo",
+        "EveryStep",
+    }
+    for module in ("strategy", "fsdp_strategy", "lightning_glue", "accelerate", "checkpoint"):
         named = set()
         for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
             if isinstance(node, ast.Name):

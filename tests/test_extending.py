@@ -1,5 +1,6 @@
 """docs/extending.md: every Python block runs, and its four roles train on 2 gloo ranks."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from gc_strategy.ranks import run_ranks
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
 
+@functools.cache
 def _examples() -> dict:
-    """The page's Python blocks, run in order in one namespace."""
+    """The page's Python blocks, run in order in one namespace, once per process (its sync mode is
+    registered by name, once)."""
     namespace: dict = {}
     for block in re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S):
         exec(compile(block, str(PAGE), "exec"), namespace)
@@ -85,9 +88,9 @@ def _page_roles():
 
 def _every_mode_with_the_pages_roles(rank, world_size):
     """DiLoCo (its vectors exchanged in bf16 by the same custom plan) and the hierarchy, each
-    built by gc_strategy.sync from the page's compressor, memory and planner: what each rank holds
+    built by its sync mode from the page's compressor, memory and planner: what each rank holds
     after a few steps (replicas must agree)."""
-    from gc_strategy.sync import build_synchronizer
+    from gc_strategy.sync_modes import Replicated
 
     held = {}
     for label, mode, hierarchy in (
@@ -96,7 +99,7 @@ def _every_mode_with_the_pages_roles(rank, world_size):
     ):
         torch.manual_seed(0)
         model = SmallCNN()
-        sync = build_synchronizer(model, _page_roles(), mode, hierarchy=hierarchy)
+        sync = mode.build(model, _page_roles(), Replicated(hierarchy=hierarchy))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(4):
             x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))

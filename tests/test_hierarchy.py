@@ -17,7 +17,7 @@ from gc_strategy.checkpoint import load_rank_states, save_rank_states
 from gc_strategy.fusion.timeline import bucket_owners
 from gc_strategy.hierarchy import hierarchy_of
 from gc_strategy.ranks import run_ranks
-from gc_strategy.sync import build_synchronizer
+from gc_strategy.sync_modes import Replicated
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}
 
@@ -38,7 +38,7 @@ def _synchronizer(
     c = build_components(name, memory, "auto", fusion, **{**OPTIONS.get(name, {}), **options})
     if hierarchy == "node":
         hierarchy = NodeHierarchy(precision=node_precision, ranks_per_node=ranks_per_node)
-    return build_synchronizer(model, c, EveryStep(), hierarchy=hierarchy, find_unused_parameters=find_unused_parameters)
+    return EveryStep().build(model, c, Replicated(hierarchy=hierarchy, find_unused_parameters=find_unused_parameters))
 
 
 def _batch(rank, step):
