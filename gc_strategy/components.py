@@ -14,7 +14,10 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
+
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
+from .bucket import Bucket, BucketState
 from .communicators import COMMUNICATORS, Communicator
 from .fusion import FusionPlanner, parse_fusion
 from .registry import closest, fresh_copy
@@ -41,6 +44,28 @@ class Components:
             fresh_copy(self.communicator),
             copy.deepcopy(self.fusion),
         )
+
+    def bind(self, group: Any) -> None:
+        """Attach the roles to the process group their payloads travel in (``None``: the default
+        group): the communicator to the group, the compressor to its size and this rank's place in
+        it. The one place the roles are bound; called again where the group changes."""
+        self.communicator.bind(group)
+        self.compressor.bind(self.communicator.world_size, self.communicator.rank)
+
+    def state_by_parameter(self, buckets: list[Bucket]) -> dict[str, dict[str, dict[str, Tensor]]]:
+        """The memory's and the compressor's per-element state over ``buckets``, by role, state name
+        and parameter name (``{"memory": {...}, "compressor": {...}}``)."""
+        return {key: role.state_by_parameter(buckets) for key, role in self.stateful()}
+
+    def load_state_by_parameter(self, state: dict[str, dict[str, dict[str, Tensor]]], buckets: list[Bucket]) -> None:
+        """Lay :meth:`state_by_parameter`'s state (or another run's, by the same names) out over
+        ``buckets``; a role missing from ``state`` starts empty."""
+        for key, role in self.stateful():
+            role.load_state_by_parameter(state.get(key, {}), buckets)
+
+    def stateful(self) -> tuple[tuple[str, BucketState], ...]:
+        """The roles that keep per-element state, by the key their state is saved under."""
+        return (("memory", self.memory), ("compressor", self.compressor))
 
     def describe(self) -> str:
         return (

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .components import DEFAULT_FUSION
+
 _HOOKS = (
     "gc_fused has no DDP communication hooks: choose a compressor instead (fp16_compress_hook -> "
     "compressor='fp16', bf16_compress_hook -> compressor='bf16', powerSGD_hook -> compressor='powersgd' "
@@ -56,7 +58,7 @@ def refuse_ddp_arguments(options: dict[str, Any]) -> None:
 def fusion_for(fusion: Any, bucket_cap_mb: float | None) -> Any:
     """The fusion plan from ``fusion`` and DDP's ``bucket_cap_mb`` (``None``: not given)."""
     if bucket_cap_mb is None:
-        return "bucket_mb:25" if fusion is None else fusion
+        return DEFAULT_FUSION if fusion is None else fusion
     if fusion is not None:
         raise ValueError(
             f"bucket_cap_mb={bucket_cap_mb:g} and fusion={fusion!r} both set the buckets; give one "

@@ -162,10 +162,8 @@ class DiLoCoSynchronizer(Synchronizer):
         synchronisers, carrying the roles' state over by parameter name from the fragments before
         (``broadcast``: the first synchroniser copies rank 0's parameters and buffers to every rank)."""
         previous = self.synchronizers
-        states = [
-            _merged(s.memory.state_by_parameter(s.buckets) for s in previous),
-            _merged(s.compressor.state_by_parameter(s.buckets) for s in previous),
-        ]
+        by_role = [s.roles.state_by_parameter(s.buckets) for s in previous]
+        states = {key: _merged(state[key] for state in by_role) for key in {k for state in by_role for k in state}}
         sizes = [p.numel() * p.element_size() for _, p in self.named]
         per_fragment = parse_fusion(f"groups:{count}").plan(sizes)
         self.fragments = []
@@ -191,8 +189,7 @@ class DiLoCoSynchronizer(Synchronizer):
                     hierarchy=self.hierarchy,
                 )
                 if previous:
-                    synchronizer.memory.load_state_by_parameter(states[0], synchronizer.buckets)
-                    synchronizer.compressor.load_state_by_parameter(states[1], synchronizer.buckets)
+                    synchronizer.roles.load_state_by_parameter(states, synchronizer.buckets)
                 fragment.synchronizers.append(synchronizer)
                 broadcast = False
             self.fragments.append(fragment)

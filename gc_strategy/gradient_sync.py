@@ -64,6 +64,7 @@ from .autotune import AutoTuner
 from .bucket import Bucket
 from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
+from .components import DEFAULT_FUSION, Components
 from .fusion import AutoPlanner, FilePlanner, FusionPlanner, parse_fusion
 from .gradient_sync_state import any_rank_holds_state, load_state, resharded, state_of
 from .hierarchy import NodeHierarchy, route_for
@@ -116,7 +117,7 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         compressor: Compressor,
         memory: Memory,
         communicator: Communicator,
-        fusion: str | FusionPlanner = "bucket_mb:25",
+        fusion: str | FusionPlanner = DEFAULT_FUSION,
         process_group: Any = None,
         broadcast_from_rank0: bool = True,
         side_stream: bool = True,
@@ -141,8 +142,9 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         self.rank = dist.get_rank(process_group) if initialized else 0
         #: how each bucket travels across ranks (flat, or per node)
         self.route = route_for(hierarchy, process_group, self.world_size)
-        communicator.bind(self.route.group)
-        compressor.bind(communicator.world_size, communicator.rank)
+        #: the roles as one bundle (bound to the route's group)
+        self.roles = Components(compressor, memory, communicator, self.planner)
+        self.roles.bind(self.route.group)
         named = synchronised_parameters(module, parameters)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]

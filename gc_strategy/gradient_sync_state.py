@@ -24,8 +24,7 @@ def state_of(synchronizer: Any) -> dict[str, Any]:
             "ready_order": synchronizer.ready_order,
             "groups": synchronizer.tensors_per_bucket,
             "plan": synchronizer.planner.describe(),
-            "memory": synchronizer.memory.state_by_parameter(synchronizer.buckets),
-            "compressor": synchronizer.compressor.state_by_parameter(synchronizer.buckets),
+            **synchronizer.roles.state_by_parameter(synchronizer.buckets),
             "compressor_extra": synchronizer.compressor.extra_state(),
             "auto_plan": synchronizer.plan_report,
         }
@@ -61,8 +60,7 @@ def load_state(synchronizer: Any, state: dict[str, Any]) -> None:
         if same_plan and synchronizer.tuner is not None and state.get("auto_plan") is not None:
             synchronizer.tuner.restore(state["auto_plan"])
     synchronizer.step = int(state["step"])
-    synchronizer.memory.load_state_by_parameter(state["memory"], synchronizer.buckets)
-    synchronizer.compressor.load_state_by_parameter(state["compressor"], synchronizer.buckets)
+    synchronizer.roles.load_state_by_parameter(state, synchronizer.buckets)
     synchronizer.compressor.load_extra_state(state["compressor_extra"])
 
 

@@ -7,7 +7,7 @@ rank; buckets are dealt to the local ranks by bytes, whole buckets of whole tens
 a node compresses a share and low-rank methods keep their matrices. One bucket's exchange:
 
 1. inside the node, the bucket's gradients are summed onto its owner (a reduce, at full precision,
-   or in bf16 with ``node_precision="bf16"``);
+   or in bf16 with ``NodeHierarchy(precision="bf16")``);
 2. across nodes, the owner exchanges the node's mean ``(1/L) Σ_local g`` with the owners of ``b``
    on the other nodes, through the memory and the compressor: a process group of the same local
    rank on every node, so all of a node's links work at once. The compressor divides by ``N``:
@@ -15,13 +15,14 @@ a node compresses a share and low-rank methods keep their matrices. One bucket's
    covers its share;
 3. inside the node, the owner broadcasts the average.
 
-``node_precision="bf16"`` halves the bytes of steps 1 and 3 for fp32 gradients, for nodes whose
-links inside are the bottleneck. Each rank's gradient is rounded to bf16 (8 significant bits: a
-relative error of at most 2⁻⁸) and the node's sum accumulates in bf16; the owner divides and
-compresses in full precision, then rounds the average to bf16 for the broadcast and keeps that
-rounded value itself, so every replica applies the same bits. The rounding inside the node is not
-error-corrected: the error-feedback memory covers what the compressor drops across nodes, from the
-node mean it receives. It is the precision that DDP's ``bf16_compress_hook`` gives every gradient.
+``precision="bf16"`` (the app's ``trainer.node_precision=bf16``) halves the bytes of steps 1 and 3
+for fp32 gradients, for nodes whose links inside are the bottleneck. Each rank's gradient is rounded
+to bf16 (8 significant bits: a relative error of at most 2⁻⁸) and the node's sum accumulates in
+bf16; the owner divides and compresses in full precision, then rounds the average to bf16 for the
+broadcast and keeps that rounded value itself, so every replica applies the same bits. The rounding
+inside the node is not error-corrected: the error-feedback memory covers what the compressor drops
+across nodes, from the node mean it receives.
+It is the precision that DDP's ``bf16_compress_hook`` gives every gradient.
 
 The exchange across nodes overlaps backward. The reduce is an eager round
 (:class:`~gc_strategy.communicators.Round`): the synchroniser advances it at the launch of a later large

@@ -67,15 +67,13 @@ class BucketLayout:
     def _rebuild(self, order: list[str], tensors_per_bucket: list[int] | None = None) -> None:
         """New buckets, carrying per-element compression state across by parameter name (with
         ``hierarchy="node"``, to the parameter's new owner in the node)."""
-        memory_state = self.memory.state_by_parameter(self.buckets)
-        compressor_state = self.compressor.state_by_parameter(self.buckets)
         shapes = {name: self.parameter(name).shape for name in self.names}
-        memory_state, compressor_state = (
-            self.route.carry_state(state, shapes, self.device) for state in (memory_state, compressor_state)
-        )
+        state = {
+            key: self.route.carry_state(by_name, shapes, self.device)
+            for key, by_name in self.roles.state_by_parameter(self.buckets).items()
+        }
         self._build(order, tensors_per_bucket)
-        self.memory.load_state_by_parameter(memory_state, self.buckets)
-        self.compressor.load_state_by_parameter(compressor_state, self.buckets)
+        self.roles.load_state_by_parameter(state, self.buckets)
         self._keep_owned_state()
 
     def _keep_owned_state(self) -> None:

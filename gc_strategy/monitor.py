@@ -70,7 +70,7 @@ class ThroughputMonitor(pl.Callback):
         phase = self._phase(step)
         first = 0 if phase == "baseline" else self.baseline_steps
         synchronizer = getattr(trainer.strategy, "synchronizer", None)
-        # whether an exchange ran in this step (every step; every few with sync="diloco")
+        # whether an exchange ran in this step (every step; every few with sync=DiLoCo(...))
         exchanged = synchronizer is not None and (
             synchronizer is not self._seen[0] or synchronizer.telemetry.steps > self._seen[1]
         )

@@ -16,11 +16,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
+from .algos import MEMORIES, Compressor, Memory
 from .bucket import Bucket
-from .communicators import COMMUNICATORS, Communicator, RunningExchange
+from .communicators import Communicator, RunningExchange
+from .components import Components, build_components
 from .fusion.plans import AutoPlanner
-from .registry import fresh_copy
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
 RUNS = 5
@@ -41,6 +41,8 @@ class TunedSynchronizer(Protocol):
     compressor: Compressor
     memory: Memory
     communicator: Communicator
+    #: the three with the planner, bound to the route's group
+    roles: Components
     planner: AutoPlanner
     process_group: Any
     #: how its buckets travel across ranks
@@ -102,14 +104,17 @@ def measure_costs(
 
     Each sample runs as the synchroniser's route runs it (:meth:`~gc_strategy.routes.Route.timed_exchange`);
     with ``hierarchy="node"`` only the owners report times, so the maximum across ranks is theirs."""
-    compressor, memory = fresh_copy(synchronizer.compressor), fresh_copy(synchronizer.memory)
-    compressor.bind(synchronizer.world_size, synchronizer.rank)
+    roles = synchronizer.roles.fresh()
+    roles.bind(synchronizer.communicator.group)  # the route's group: across nodes with hierarchy="node"
+    compressor, memory = roles.compressor, roles.memory
     compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
-    plain = {precision: COMPRESSORS.build(name) for precision, name in (("fp32", "none"), ("bf16", "bf16"))}
-    for baseline in plain.values():
-        baseline.bind(synchronizer.world_size, synchronizer.rank)
-    allreduce = COMMUNICATORS.build("allreduce")
-    allreduce.bind(synchronizer.process_group)
+    plain = {
+        precision: build_components(name, communicator="allreduce")
+        for precision, name in (("fp32", "none"), ("bf16", "bf16"))
+    }
+    for baseline in plain.values():  # the uncompressed baselines over all ranks
+        baseline.bind(synchronizer.process_group)
+    allreduce = plain["fp32"].communicator
     gradient = torch.cat(
         [
             gradients[name]
@@ -125,7 +130,9 @@ def measure_costs(
         for (bucket, flat), timed in zip(samples, times):
             ours = synchronizer.route.timed_exchange(memory, compressor, synchronizer.communicator, flat, bucket)
             eager = eager or ours.eager
-            baselines = [time_exchange(plain[p], None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")]
+            baselines = [
+                time_exchange(plain[p].compressor, None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")
+            ]
             if run:
                 timed.append([ours.encode_s, ours.comm_s, ours.decode_s, ours.between_s, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]

@@ -183,12 +183,12 @@ class ShardedSynchronizer(Synchronizer):
     def __init__(self, module: nn.Module, components: Components, mesh: Any) -> None:
         self.modules = check_sharded_model(module, mesh)
         self.module = module
+        self.roles = components
         self.compressor = components.compressor
         self.memory = components.memory
         self.communicator = components.communicator
-        self.communicator.bind(mesh["replicate"].get_group())
+        components.bind(mesh["replicate"].get_group())
         self.place = shard_place(mesh)
-        self.compressor.bind(self.communicator.world_size, self.communicator.rank)
         #: this rank's place in the whole mesh (each rank holds shards of its own)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.step = 0
@@ -202,9 +202,6 @@ class ShardedSynchronizer(Synchronizer):
         self.compressor.begin_step(self.step)
         for b, (_, fsdp_module) in enumerate(self.modules):
             fsdp_module.set_all_reduce_hook(self._hook_for(b))
-
-    def _roles(self) -> tuple[tuple[str, Any], ...]:
-        return (("memory", self.memory), ("compressor", self.compressor))
 
     def _hook_for(self, b: int):
         def hook(reduce_output: Tensor) -> None:
@@ -230,7 +227,7 @@ class ShardedSynchronizer(Synchronizer):
                 "in another way"
             )
         old = self.buckets.get(b)
-        for key, role in self._roles():
+        for key, role in self.roles.stateful():
             for state_name, per_bucket in role.buffers.items():
                 idle = self._idle[key].setdefault(state_name, {})
                 if old is not None and b in per_bucket:
@@ -276,10 +273,8 @@ class ShardedSynchronizer(Synchronizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's compression state for its shards, by parameter, on the CPU."""
-        buckets = list(self.buckets.values())
         on_cpu: dict[str, dict[str, dict[str, Tensor]]] = {}
-        for key, role in self._roles():
-            by_parameter = role.state_by_parameter(buckets)
+        for key, by_parameter in self.roles.state_by_parameter(list(self.buckets.values())).items():
             for state_name, idle in self._idle[key].items():
                 by_parameter.setdefault(state_name, {}).update(idle)
             on_cpu[key] = {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in by_parameter.items() if v}
@@ -294,7 +289,7 @@ class ShardedSynchronizer(Synchronizer):
         self.compressor.load_extra_state(state["compressor_extra"])
         self.compressor.begin_step(self.step)
         self.buckets = {}
-        for key, role in self._roles():
+        for key, role in self.roles.stateful():
             role.buffers = {}
             self._idle[key] = {name: self._by_parameter(dict(tensors)) for name, tensors in state[key].items()}
 

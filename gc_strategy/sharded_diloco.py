@@ -79,8 +79,7 @@ class ShardedDiLoCo(Synchronizer):
         self.groups = []
         by_name = dict(named)
         for index, (names, roles) in enumerate(roles_by_dimension(named, components, config.vectors)):
-            roles.communicator.bind(group)
-            roles.compressor.bind(roles.communicator.world_size, roles.communicator.rank)
+            roles.bind(group)
             self.groups.append(_Group(index, [(n, by_name[n]) for n in names], roles))
         self.outer_optimizer = config.outer()(list(self.outer.values()))
         self.inner_step = 0
@@ -124,10 +123,10 @@ class ShardedDiLoCo(Synchronizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's outer shards, outer optimizer, schedule and roles' state, on the CPU."""
-        roles = {}
+        roles: dict[str, dict[str, dict[str, Any]]] = {}
         for group in self.groups:
-            for kind, role in (("memory", group.roles.memory), ("compressor", group.roles.compressor)):
-                for name, tensors in role.state_by_parameter([group.bucket]).items():
+            for kind, by_name in group.roles.state_by_parameter([group.bucket]).items():
+                for name, tensors in by_name.items():
                     roles.setdefault(kind, {}).setdefault(name, {}).update({n: t.cpu() for n, t in tensors.items()})
         return {
             "format": "sharded-diloco-1",
@@ -146,8 +145,7 @@ class ShardedDiLoCo(Synchronizer):
             self.outer[name].copy_(value)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         for group in self.groups:
-            for kind, role in (("memory", group.roles.memory), ("compressor", group.roles.compressor)):
-                role.load_state_by_parameter(state["roles"].get(kind, {}), [group.bucket])
+            group.roles.load_state_by_parameter(state["roles"], [group.bucket])
 
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Every rank keeps its own outer shards."""

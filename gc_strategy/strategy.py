@@ -42,7 +42,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         compressor, memory, communicator, fusion: a registered name (with keyword ``options``) or an object;
             ``communicator="auto"`` picks allreduce for summable payloads and allgather otherwise; ``fusion``
             is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"`` (``"auto:S"``),
-            ``"file:PATH"`` or a planner (default ``"bucket_mb:25"``).
+            ``"file:PATH"`` or a planner (default :data:`~gc_strategy.components.DEFAULT_FUSION`, 25 MB buckets).
         sync: ``"every_step"`` (every optimizer step's gradients) or
             :class:`~gc_strategy.sync_modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
             then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .components import Components
+from .components import DEFAULT_FUSION, Components
 from .diloco import DiLoCoSynchronizer
 from .fusion.plans import AutoPlanner, FilePlanner
 from .gradient_sync import GradientSynchronizer
@@ -179,7 +179,7 @@ class DiLoCo(SyncMode):
         if isinstance(components.fusion, (AutoPlanner, FilePlanner)):
             raise ValueError(
                 f"sync=DiLoCo with fusion={components.fusion.describe()!r}: automatic and file plans are made for "
-                "the backward's gradients of the whole model; use a fixed plan (e.g. fusion='bucket_mb:25')"
+                f"the backward's gradients of the whole model; use a fixed plan (e.g. fusion={DEFAULT_FUSION!r})"
             )
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:

@@ -1,7 +1,9 @@
 """The one interface of every way of synchronising a data-parallel model: what the Lightning
 strategy, the Accelerate adapter and checkpoints talk to, whatever synchronises underneath (every
 step: :class:`~gc_strategy.gradient_sync.GradientSynchronizer`; every ``H`` steps:
-:class:`~gc_strategy.diloco.DiLoCoSynchronizer`; sharded over nodes: :class:`~gc_strategy.sharded.ShardedSynchronizer`).
+:class:`~gc_strategy.diloco.DiLoCoSynchronizer`; sharded over nodes: :class:`~gc_strategy.sharded.ShardedSynchronizer`
+and :class:`~gc_strategy.sharded_diloco.ShardedDiLoCo`), each built by its ``sync=`` mode
+(:mod:`gc_strategy.sync_modes`).
 
 A training loop does, on every rank in the same order::
 
@@ -12,7 +14,7 @@ A training loop does, on every rank in the same order::
     sync.after_optimizer_step()
 
 Why one interface: the integrations then hold no branch per kind of synchroniser, and a new kind
-(FSDP2's hook, say) plugs in by implementing these methods.
+plugs in by implementing these methods and registering the sync mode that builds it.
 """
 
 from __future__ import annotations

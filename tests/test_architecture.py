@@ -185,3 +185,21 @@ def test_the_engines_main_class_and_the_runtimes_modules_stay_small():
     for path in PACKAGE.rglob("*.py"):
         if path.stem not in tools:
             assert len(path.read_text().splitlines()) <= 450, path.relative_to(PACKAGE)
+
+
+def test_the_roles_are_bound_in_one_place():
+    """Outside :meth:`gc_strategy.components.Components.bind` no runtime module binds a compressor or a
+    communicator itself: every synchroniser binds its roles as one bundle (the tools apart: the
+    advisor sizes payloads for a world it has no group for)."""
+    tools = {module.rpartition(".")[2] for module in TOOLS}
+    binding = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.stem in tools:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "bind":
+                owner = node.func.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name.endswith(("compressor", "communicator")):
+                    binding.append((str(path.relative_to(PACKAGE)), node.lineno))
+    assert [where for where, _ in binding] == ["components.py", "components.py"], binding

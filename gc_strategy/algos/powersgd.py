@@ -128,11 +128,6 @@ class _LowRank(Compressor):
             self._layouts[key] = layout
         return self._layouts[key]
 
-    def compressed_elements(self, bucket: Bucket) -> tuple[int, int, int]:
-        """(elements of all P factors, of all Q factors, dense elements) sent for this bucket."""
-        layout = self.layout(bucket)
-        return layout.index["p"].numel(), layout.index["q"].numel(), layout.dense.numel()
-
     # ---------------------------------------------------------------- factors
     def initial_factor(self, kind: str, name: str, rows: int, rank: int) -> Tensor:
         """A Gaussian ``[rows, rank]`` factor seeded by (seed, factor, parameter name) and, without
