@@ -39,8 +39,8 @@ from netns import sent_bytes
 
 from gc_strategy import GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.components import parse_options
+from gc_strategy.lightning_glue import end_process_group
 from gc_strategy.sharded import shard_by_policy
-from gc_strategy.strategy import end_process_group
 from gc_strategy.sync_modes import from_command_line
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")

@@ -15,7 +15,6 @@ each rank's compression state beside them (:mod:`gc_strategy.checkpoint`).
 
 from __future__ import annotations
 
-import atexit
 import os
 import tempfile
 from datetime import timedelta
@@ -33,10 +32,9 @@ from .algos import Compressor, Memory
 from .checkpoint import load_rank_states, save_rank_states, state_folder
 from .communicators import Communicator
 from .components import build_components
-from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue
+from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 from .registry import validate_options
 from .sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
-from .strategy import end_process_group
 from .sync_modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
 
@@ -131,8 +129,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         self._setup_distributed()
-        atexit.unregister(end_process_group)  # a gloo group left to the interpreter's exit can abort it
-        atexit.register(end_process_group)
+        end_process_group_at_exit()
         shape = (self.num_nodes, self.num_processes)
         self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=MESH_DIMS)
         self.lightning_module._device_mesh = self._device_mesh
@@ -145,6 +142,10 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        """``ModelParallelStrategy.setup`` without its demand that ``configure_model`` shard the
+        module (the policy shards what it leaves): Lightning has no hook in between, so its body is
+        written again here, and ``tests/test_lightning_dependencies.py`` pins the Lightning code it
+        follows."""
         self.accelerator.setup(trainer)
         if not fsdp_modules(self.model):
             self._shard()

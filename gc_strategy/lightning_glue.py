@@ -6,10 +6,12 @@ momentum would be applied twice, and closing it at teardown."""
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from .components import Components, double_momentum
@@ -109,3 +111,19 @@ class SynchronizerGlue:
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def end_process_group() -> None:
+    """Destroy the default process group where one is left: Lightning destroys only NCCL groups,
+    and a gloo group left to the interpreter's shutdown can abort the process after its work is done."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def end_process_group_at_exit() -> None:
+    """Destroy the default process group at the interpreter's exit. Lightning destroys only NCCL
+    groups; a gloo group left to the interpreter's shutdown can abort the process ("terminate
+    called without an active exception") after training succeeded. Registering once keeps a second
+    fit from stacking handlers."""
+    atexit.unregister(end_process_group)
+    atexit.register(end_process_group)

@@ -10,13 +10,11 @@ keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
@@ -29,7 +27,7 @@ from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .fusion import FusionPlanner
 from .hierarchy import NodeHierarchy, parse_hierarchy
-from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue
+from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 from .registry import Option, validate_options
 from .sync_modes import Replicated, SyncMode, parse_sync, refuse_misplaced_options
 from .synchronizer import Synchronizer
@@ -130,11 +128,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        # Lightning destroys only NCCL groups at exit. A gloo group left to the interpreter's
-        # shutdown can abort the process ("terminate called without an active exception") after
-        # training succeeded; registering once keeps a second fit from stacking handlers.
-        atexit.unregister(end_process_group)
-        atexit.register(end_process_group)
+        end_process_group_at_exit()
 
     # ---------------------------------------------------------------- model set-up
     def configure_ddp(self) -> None:
@@ -259,10 +253,3 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
                         start_method=start_method,
                         find_unused_parameters=find_unused,
                     )
-
-
-def end_process_group() -> None:
-    """Destroy the default process group where one is left: Lightning destroys only NCCL groups,
-    and a gloo group left to the interpreter's shutdown can abort the process after its work is done."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
