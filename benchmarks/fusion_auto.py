@@ -79,9 +79,9 @@ def rank_main(rank: int, world_size: int, args) -> dict | None:
         "report": report,
         "rows": {
             plan: (
-                len(runs[plan][1].tensors_per_bucket),
+                len(runs[plan][1].layout.tensors_per_bucket),
                 statistics.median(times[plan]),
-                simulate(model, runs[plan][1].tensors_per_bucket),
+                simulate(model, runs[plan][1].layout.tensors_per_bucket),
             )
             for plan in plans
         },

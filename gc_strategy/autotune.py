@@ -124,7 +124,7 @@ class AutoTuner:
         ):
             self._last_end = end
             return
-        self._measured[tuple(self.synchronizer.tensors_per_bucket)] = statistics.median(self._periods)
+        self._measured[tuple(self.synchronizer.layout.tensors_per_bucket)] = statistics.median(self._periods)
         self._periods = []
         if self.phase == "profile":
             self._profile()
@@ -144,7 +144,7 @@ class AutoTuner:
             marks = {name: first.elapsed_time(event) / 1000 for name, event in marks.items()}
         origin = min(marks.values())
         times, last = [], 0.0
-        for name in self.synchronizer.order:
+        for name in self.synchronizer.layout.order:
             mark = marks.get(name)
             last = max(last, mark - origin) if mark is not None else last
             times.append(last)
@@ -155,7 +155,7 @@ class AutoTuner:
         """The cost curves (microbenchmarks) and the ready times, reduced across ranks; the trials."""
         synchronizer = self.synchronizer
         start = time.perf_counter()
-        numels = [synchronizer.parameter(name).numel() for name in synchronizer.order]
+        numels = [synchronizer.layout.parameter(name).numel() for name in synchronizer.layout.order]
         sizes, costs, eager = measure_costs(synchronizer, self._gradients)
         self._gradients = {}
         ready = [statistics.median(column) for column in zip(*self._ready)]
@@ -164,7 +164,7 @@ class AutoTuner:
         encode, communicator, decode, between, fp32, bf16 = (
             Cost.measured(sizes, row) for row in torch.tensor(values[len(numels) + 1 :]).view(6, -1).tolist()
         )
-        element = synchronizer.parameter(synchronizer.order[0]).element_size()
+        element = synchronizer.layout.parameter(synchronizer.layout.order[0]).element_size()
         self._model = CostModel(
             tuple(ready),
             tuple(numels),
@@ -176,8 +176,8 @@ class AutoTuner:
             advance_at=EAGER_AFTER_BYTES / element if eager else None,
         )
         self._baselines = {"fp32": fp32, "bf16": bf16}
-        nbytes = synchronizer.tensor_nbytes(synchronizer.order)
-        self._names = {tuple(synchronizer.tensors_per_bucket): synchronizer.planner.default.describe()}
+        nbytes = synchronizer.layout.tensor_nbytes(synchronizer.layout.order)
+        self._names = {tuple(synchronizer.layout.tensors_per_bucket): synchronizer.planner.default.describe()}
         for plan in TRIAL_PLANS:
             self._names.setdefault(tuple(plan.plan(nbytes)), plan.describe())
         self._queue = [cut for cut in self._names if cut not in self._measured]
@@ -186,7 +186,7 @@ class AutoTuner:
 
     def _next_trial_or_plan(self) -> None:
         if self._queue:
-            self.synchronizer.rebucket(list(self._queue.pop(0)))
+            self.synchronizer.layout.rebucket(list(self._queue.pop(0)))
         else:
             self._plan()
 
@@ -201,7 +201,7 @@ class AutoTuner:
         search_s = time.perf_counter() - search
         cut = _broadcast_plan(synchronizer, cut)
         free = Cost.linear(0.0, 0.0)
-        nbytes = synchronizer.tensor_nbytes(synchronizer.order)
+        nbytes = synchronizer.layout.tensor_nbytes(synchronizer.layout.order)
         plan = SizeCapPlanner(25).plan(nbytes)
         baselines = {
             precision: simulate(CostModel(model.ready, model.numels, free, cost, free, model.other), plan)
@@ -231,7 +231,7 @@ class AutoTuner:
         }
         self._fitted = model
         self._describe_plan(cut, measured_s=None)
-        synchronizer.rebucket(cut)
+        synchronizer.layout.rebucket(cut)
         self.phase = "verify"
 
     def _decide(self) -> None:
@@ -243,13 +243,13 @@ class AutoTuner:
         self.report["searched_measured_step_s"] = verified
         best = min(self._measured, key=lambda g: (self._measured[g], g != searched))
         if best != searched:
-            self.synchronizer.rebucket(list(best))
+            self.synchronizer.layout.rebucket(list(best))
         self._describe_plan(list(best), measured_s=self._measured[best])
         self.report["chosen_by"] = "search" if best == searched else f"measurement (trial {self._names[best]})"
         self.phase = "done"
 
     def _describe_plan(self, cut: list[int], measured_s: float | None) -> None:
-        nbytes = self.synchronizer.tensor_nbytes(self.synchronizer.order)
+        nbytes = self.synchronizer.layout.tensor_nbytes(self.synchronizer.layout.order)
         self.report.update(
             {
                 "groups": cut,
@@ -303,7 +303,7 @@ def _broadcast_plan(synchronizer: TunedSynchronizer, cut: list[int]) -> list[int
     """Identical inputs give identical plans; rank 0's is authoritative."""
     if synchronizer.world_size == 1:
         return cut
-    padded = torch.zeros(len(synchronizer.order), dtype=torch.int64)
+    padded = torch.zeros(len(synchronizer.layout.order), dtype=torch.int64)
     padded[: len(cut)] = torch.tensor(cut)
     dist.broadcast(padded, _rank0(synchronizer), group=synchronizer.process_group)
     return [g for g in padded.tolist() if g > 0]

@@ -65,10 +65,10 @@ from .bucket import Bucket
 from .collectives import broadcast_from_rank0
 from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
 from .components import DEFAULT_FUSION, Components
-from .fusion import AutoPlanner, FilePlanner, FusionPlanner, parse_fusion
+from .fusion import AutoPlanner, FusionPlanner, parse_fusion
 from .gradient_sync_state import any_rank_holds_state, load_state, resharded, state_of
 from .hierarchy import NodeHierarchy, route_for
-from .layout import BucketLayout
+from .layout import BucketLayout, agreed_order
 from .synchronizer import Synchronizer
 from .telemetry import StepTelemetry, TelemetryLog, add_exchange
 from .usage import Usage
@@ -97,7 +97,7 @@ def synchronised_parameters(module: nn.Module, parameters: Iterable[str] | None)
     return named
 
 
-class GradientSynchronizer(BucketLayout, Synchronizer):
+class GradientSynchronizer(Synchronizer):
     """Averages gradients of ``module`` across ``process_group`` through compressor, memory and
     communicator, over buckets cut by ``fusion`` (a planner or its string form, e.g. ``"groups:4"``).
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
@@ -148,23 +148,17 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         named = synchronised_parameters(module, parameters)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self._index = {name: i for i, name in enumerate(self.names)}
         self.device = self.params[0].device
+        #: the buckets, their buffers, and the roles' state laid out over them
+        self.layout = BucketLayout(self.names, self.params, self.device, self.planner, self.route, self.roles)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and side_stream else None
         if broadcast_from_rank0:
             self._broadcast([*module.parameters(), *module.buffers()])
         self.step = 0
         self.telemetry = TelemetryLog()
-        self.ready_order: list[str] | None = None  # recorded in the first synchronised backward
         self.tuner = AutoTuner(self, self.planner) if isinstance(self.planner, AutoPlanner) else None
-        if isinstance(self.planner, FilePlanner):  # the plan file fixes the order too
-            self.planner.check({name: p.numel() for name, p in zip(self.names, self.params)})
-            self.ready_order = list(self.planner.order)
-            self._build(self.ready_order)
-        else:
-            self._build(list(reversed(self.names)))
-            if not on_backward:  # no backward to record an order in
-                self.ready_order = list(self.order)
+        #: the gradient-ready order, recorded in the first synchronised backward (None until then)
+        self.ready_order = self.layout.build_first(recorded=on_backward)
         compressor.check_group(communicator.group, self.buckets)
         self._enabled = True
         self._accumulated = [False] * len(self.params)  # got a gradient inside no_sync since the last synchronisation
@@ -212,8 +206,8 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         self._filled[index] = True
         if self.ready_order is None:
             self._recorded.append(self.names[index])
-        b, slot = self._slot[index]
-        view = self.views[b][slot]
+        b, slot = self.layout.slots[index]
+        view = self.layout.views[b][slot]
         if param.grad.data_ptr() != view.data_ptr():  # else it accumulated in its bucket already
             view.copy_(param.grad)
         self._pending[b] -= 1
@@ -228,7 +222,7 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         return torch.cuda.stream(self.stream)
 
     def _launch(self, b: int) -> None:
-        bucket, flat = self.buckets[b], self.buffers[b]
+        bucket, flat = self.buckets[b], self.layout.buffers[b]
         with self._side_stream():
             exchange = self.route.exchange(b, self.memory, self.compressor, self.communicator, flat, bucket)
             running = RunningExchange(exchange)
@@ -268,7 +262,9 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
 
     def _launch_rest(self) -> None:
         """Launch every bucket not launched yet (see :class:`~gc_strategy.usage.Usage` for the missing gradients)."""
-        self._usage = Usage(self)
+        first = self.ready_order is None
+        usage = (self._filled, self._accumulated, self.find_unused_parameters, first)
+        self._usage = Usage(self.layout, *usage, self.process_group, self.world_size)
         for b in range(self._next_launch, len(self.buckets)):
             self._usage.prepare_bucket(b)
             self._launch(b)
@@ -293,10 +289,13 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         self._step_telemetry.extra = self.compressor.pop_metrics()
         self.telemetry.record(self._step_telemetry)
         if self.ready_order is None:
-            self._adopt_recorded_order()
+            self.ready_order = agreed_order(
+                self._recorded, self.names, self.world_size, self.process_group, self.device
+            )
+            self.layout.rebuild(self.ready_order)
         if self.tuner is not None and self.tuner.recording:
             self.tuner.on_step_end()
-        self._usage.check(unused)
+        self._usage.check(unused, self.step - 1, self.rank)
 
     def _apply_results(self, unused: set[int]) -> None:
         finite_flags = []
@@ -306,16 +305,7 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
                 average.record_stream(torch.cuda.current_stream(self.device))
             if finite is not None:
                 finite_flags.append(finite)
-            for name, value in zip(job.bucket.names, job.bucket.views(average)):
-                if self._index[name] in unused:
-                    continue  # no rank used it: .grad stays as it was, as with DDP
-                param = self.parameter(name)
-                if value.dtype == param.dtype:  # the gradient becomes a view of the average: no copy
-                    param.grad = value.detach()
-                elif param.grad is None:
-                    param.grad = value.detach().to(param.dtype)
-                else:
-                    param.grad.copy_(value)
+            self.layout.assign_gradients(job.bucket, average, unused)
         if finite_flags:  # no host synchronisation
             self._step_telemetry.nonfinite_buckets = len(finite_flags) - torch.stack(finite_flags).sum()
 
@@ -370,6 +360,21 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
             handle.remove()
         self._hooks = []
 
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.layout.buckets
+
+    @property
+    def plan_report(self) -> dict[str, Any] | None:
+        """``fusion="auto"``: the chosen plan, its predictions and measurements (None until planned)."""
+        return self.tuner.report if self.tuner is not None else None
+
+    def export_plan(self, path: str) -> None:
+        """Write the current plan as JSON, for ``fusion="file:PATH"`` (after the first step's order)."""
+        if self.ready_order is None:
+            raise RuntimeError("the gradient-ready order is recorded in the first synchronised step; export after it")
+        self.layout.export(path, self.plan_report)
+
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Whether any rank keeps state of its own (the memory's, the compressor's): a collective."""
         return any_rank_holds_state(self, state)
@@ -384,7 +389,7 @@ class GradientSynchronizer(BucketLayout, Synchronizer):
         :func:`~gc_strategy.gradient_sync_state.resharded` made from the states of a run with another
         world size (:func:`~gc_strategy.gradient_sync_state.load_state`)."""
         load_state(self, state)
-        self._keep_owned_state()
+        self.layout.keep_owned_state()
         self._reset_step()
 
     def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:

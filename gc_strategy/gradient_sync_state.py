@@ -22,7 +22,7 @@ def state_of(synchronizer: Any) -> dict[str, Any]:
             "world_size": synchronizer.world_size,
             "step": synchronizer.step,
             "ready_order": synchronizer.ready_order,
-            "groups": synchronizer.tensors_per_bucket,
+            "groups": synchronizer.layout.tensors_per_bucket,
             "plan": synchronizer.planner.describe(),
             **synchronizer.roles.state_by_parameter(synchronizer.buckets),
             "compressor_extra": synchronizer.compressor.extra_state(),
@@ -56,7 +56,7 @@ def load_state(synchronizer: Any, state: dict[str, Any]) -> None:
             raise ValueError(f"the checkpoint's gradient order does not match this model's parameters: {unknown[:5]}")
         same_plan = state.get("plan") == synchronizer.planner.describe()
         synchronizer.ready_order = list(order)
-        synchronizer._build(synchronizer.ready_order, list(state["groups"]) if same_plan else None)
+        synchronizer.layout.build(synchronizer.ready_order, list(state["groups"]) if same_plan else None)
         if same_plan and synchronizer.tuner is not None and state.get("auto_plan") is not None:
             synchronizer.tuner.restore(state["auto_plan"])
     synchronizer.step = int(state["step"])

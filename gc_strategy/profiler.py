@@ -34,6 +34,20 @@ class TimedRoute(Protocol):
     ) -> ExchangeTimes: ...
 
 
+class TunedLayout(Protocol):
+    """What the tuner and the profiler use of a :class:`~gc_strategy.layout.BucketLayout`."""
+
+    #: the parameters' names in bucket order, and how many of them each bucket holds
+    order: list[str]
+    tensors_per_bucket: list[int]
+
+    def parameter(self, name: str) -> nn.Parameter: ...
+
+    def tensor_nbytes(self, names: list[str]) -> list[int]: ...
+
+    def rebucket(self, tensors_per_bucket: list[int]) -> None: ...
+
+
 class TunedSynchronizer(Protocol):
     """What the tuner and the profiler use of a :class:`~gc_strategy.gradient_sync.GradientSynchronizer`:
     its public API."""
@@ -52,15 +66,8 @@ class TunedSynchronizer(Protocol):
     rank: int
     #: the gradient-ready order (None before the first synchronised step)
     ready_order: list[str] | None
-    #: the parameters' names in bucket order, and how many of them each bucket holds
-    order: list[str]
-    tensors_per_bucket: list[int]
-
-    def parameter(self, name: str) -> nn.Parameter: ...
-
-    def tensor_nbytes(self, names: list[str]) -> list[int]: ...
-
-    def rebucket(self, tensors_per_bucket: list[int]) -> None: ...
+    #: its buckets
+    layout: TunedLayout
 
 
 def sample_ranges(numels: list[int]) -> list[tuple[int, int]]:
@@ -119,11 +126,13 @@ def measure_costs(
         [
             gradients[name]
             if name in gradients
-            else torch.zeros(synchronizer.parameter(name).numel(), device=synchronizer.device)
-            for name in synchronizer.order
+            else torch.zeros(synchronizer.layout.parameter(name).numel(), device=synchronizer.device)
+            for name in synchronizer.layout.order
         ]
     )
-    samples = sample_buckets({name: synchronizer.parameter(name).shape for name in synchronizer.order}, gradient)
+    samples = sample_buckets(
+        {name: synchronizer.layout.parameter(name).shape for name in synchronizer.layout.order}, gradient
+    )
     times: list[list[list[float]]] = [[] for _ in samples]  # [sample][run] = [enc, comm, dec, btw, fp32, bf16]
     eager = False
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike

@@ -9,57 +9,69 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .layout import BucketLayout
+
 
 class Usage:
     """Which parameters took part in one synchronised step, on this rank and on any rank, and what
     ``find_unused_parameters`` makes of it (see the module's docstring).
 
-    A parameter counts as used on a rank when its gradient arrived in this backward or in a
-    ``no_sync`` backward since the last synchronisation. One that did not contributes its ``.grad``
-    where it has one (as DDP does), else zeros. Where usage across ranks must be known, one
-    allreduce of the per-parameter flags follows the launch of every bucket, at the same point of
-    the collective order on every rank.
+    A parameter counts as used on a rank when its gradient arrived in this backward (``filled``) or
+    in a ``no_sync`` backward since the last synchronisation (``accumulated``, with a ``.grad``). One
+    that did not contributes its ``.grad`` where it has one (as DDP does), else zeros. Where usage
+    across ranks must be known, one allreduce of the per-parameter flags over
+    ``group`` (``world_size`` ranks) follows the launch of every bucket, at the same point of the
+    collective order on every rank: with ``find_unused_parameters``, and in the ``first`` step. ``layout``
+    holds the buckets, their buffers and the roles.
     """
 
-    def __init__(self, synchronizer: Any) -> None:
-        self.synchronizer = synchronizer
-        self.used = [
-            filled or (accumulated and p.grad is not None)
-            for filled, accumulated, p in zip(synchronizer._filled, synchronizer._accumulated, synchronizer.params)
-        ]
-        self.global_check = synchronizer.find_unused_parameters or synchronizer.ready_order is None
+    def __init__(
+        self,
+        layout: BucketLayout,
+        filled: list[bool],
+        accumulated: list[bool],
+        find_unused_parameters: bool,
+        first: bool,
+        group: Any,
+        world_size: int,
+    ) -> None:
+        self.layout, self.filled = layout, filled
+        self.used = [f or (a and p.grad is not None) for f, a, p in zip(filled, accumulated, layout.params)]
+        self.find_unused_parameters = find_unused_parameters
+        self.global_check = find_unused_parameters or first
+        self.group, self.world_size = group, world_size
         self._count: Tensor | None = None
         self._work: Any = None
         #: (parameter index, bucket, slot) of each parameter this rank did not use ->
         #: {(role, state name): that state's slice before the step}
-        self._saved: dict[tuple[int, int, int], dict[tuple[int, str], Tensor]] = {}
+        self._saved: dict[tuple[int, int, int], dict[tuple[str, str], Tensor]] = {}
 
     def prepare_bucket(self, b: int) -> None:
         """Before bucket ``b`` launches at the end of backward: fill the slots of parameters whose
         gradient did not arrive in this backward, and keep their state for :meth:`restore_state`."""
-        synchronizer = self.synchronizer
-        buffer = synchronizer.buffers[b]
-        for slot, name in enumerate(synchronizer.buckets[b].names):
-            index = synchronizer._index[name]
-            if synchronizer._filled[index]:
+        layout = self.layout
+        buffer = layout.buffers[b]
+        for slot, name in enumerate(layout.buckets[b].names):
+            index = layout.index[name]
+            if self.filled[index]:
                 continue
-            param, view = synchronizer.params[index], synchronizer.views[b][slot]
+            param, view = layout.params[index], layout.views[b][slot]
             if param.grad is None:
                 view.zero_()
             else:
                 if param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
                     param.grad = param.grad.clone()  # keep it out of the exchange, which writes the buffer
                 view.copy_(param.grad)
-            if not self.used[index] and synchronizer.find_unused_parameters:
+            if not self.used[index] and self.find_unused_parameters:
                 self._save(index, b, slot)
 
-    def _state_slices(self, b: int, slot: int) -> dict[tuple[int, str], Tensor]:
-        """The slot's slices of every per-element state of the memory (role 0) and compressor (1)."""
+    def _state_slices(self, b: int, slot: int) -> dict[tuple[str, str], Tensor]:
+        """The slot's slices of every per-element state of the roles, by role and state name."""
         slices = {}
-        for role_index, role in enumerate((self.synchronizer.memory, self.synchronizer.compressor)):
+        for key, role in self.layout.roles.stateful():
             for state_name, per_bucket in role.buffers.items():
                 if b in per_bucket:
-                    slices[(role_index, state_name)] = self.synchronizer.buckets[b].views(per_bucket[b])[slot]
+                    slices[(key, state_name)] = self.layout.buckets[b].views(per_bucket[b])[slot]
         return slices
 
     def _save(self, index: int, b: int, slot: int) -> None:
@@ -67,10 +79,10 @@ class Usage:
 
     def start_exchange(self) -> None:
         """Issue the allreduce of the usage flags (after every bucket's launch)."""
-        if not self.global_check or self.synchronizer.world_size == 1:
+        if not self.global_check or self.world_size == 1:
             return
-        self._count = torch.tensor(self.used, dtype=torch.int32, device=self.synchronizer.device)
-        self._work = dist.all_reduce(self._count, group=self.synchronizer.process_group, async_op=True)
+        self._count = torch.tensor(self.used, dtype=torch.int32, device=self.layout.device)
+        self._work = dist.all_reduce(self._count, group=self.group, async_op=True)
 
     def unused_by_all(self) -> set[int]:
         """Parameters no rank used (where that is known: with the allreduce, or at world size 1),
@@ -78,7 +90,7 @@ class Usage:
         if self._work is not None:
             self._work.wait()
             return {i for i, count in enumerate(self._count.tolist()) if count == 0}
-        if self.synchronizer.world_size == 1:
+        if self.world_size == 1:
             return {i for i, used in enumerate(self.used) if not used}
         return set()
 
@@ -93,19 +105,20 @@ class Usage:
                     else:
                         view.zero_()
 
-    def check(self, unused: set[int]) -> None:
-        """With ``find_unused_parameters=False``, refuse a step in which a parameter got no gradient."""
-        synchronizer = self.synchronizer
-        if synchronizer.find_unused_parameters:
+    def check(self, unused: set[int], step: int, rank: int) -> None:
+        """With ``find_unused_parameters=False``, refuse a step in which a parameter got no gradient
+        (``step``: the synchronised step just taken, ``rank``: this rank)."""
+        if self.find_unused_parameters:
             return
         missing = sorted(unused | {i for i, used in enumerate(self.used) if not used})
         if not missing:
             return
-        names = ", ".join(repr(synchronizer.names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        where = "on some rank" if unused else f"on rank {synchronizer.rank}"
+        names = self.layout.names
+        listed = ", ".join(repr(names[i]) for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        where = "on some rank" if unused else f"on rank {rank}"
         raise RuntimeError(
             f"find_unused_parameters=False (the default, as for DDP), but {len(missing)} parameter(s) got no "
-            f"gradient {where} in synchronised step {synchronizer.step - 1}: {names}. Pass "
+            f"gradient {where} in synchronised step {step}: {listed}. Pass "
             "find_unused_parameters=True (in Lightning: GCFusedStrategy(find_unused_parameters=True) or "
             "strategy='gc_fused_find_unused_parameters_true'), or freeze those parameters (requires_grad=False)."
         )

@@ -76,14 +76,15 @@ class BertMaskedLM(pl.LightningModule):
 
 
 def masked_lm_loss(config) -> torch.nn.Module:
-    """``BertForMaskedLM`` whose forward returns the loss alone (its parameters and their names
-    unchanged): the logits it would return beside it are a view, which FSDP2 warns about in the
-    output of a unit."""
+    """``BertForMaskedLM`` whose forward returns the loss alone where labels are given (its
+    parameters and their names unchanged): the logits it would return beside it are a view, which
+    FSDP2 warns about in the output of a unit. Without labels, the usual output (the logits)."""
     from transformers import BertForMaskedLM
 
     class BertMaskedLMLoss(BertForMaskedLM):
-        def forward(self, **batch) -> torch.Tensor:
-            return super().forward(**batch).loss
+        def forward(self, **batch):
+            output = super().forward(**batch)
+            return output if output.loss is None else output.loss
 
     return BertMaskedLMLoss(config)
 

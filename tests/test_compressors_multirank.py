@@ -39,11 +39,15 @@ def _check_all(rank, world_size, memory):
             model.zero_grad(set_to_none=True)
             with synchronizer.no_sync():
                 model(x).square().mean().backward()
-            local = torch.cat([p.grad.reshape(-1) for p in map(synchronizer.parameter, synchronizer.order)])
+            local = torch.cat(
+                [p.grad.reshape(-1) for p in map(synchronizer.layout.parameter, synchronizer.layout.order)]
+            )
             model.zero_grad(set_to_none=True)
             state_before = {k: {b: t.clone() for b, t in v.items()} for k, v in synchronizer.compressor.buffers.items()}
             model(x).square().mean().backward()
-            synced = torch.cat([p.grad.reshape(-1) for p in map(synchronizer.parameter, synchronizer.order)])
+            synced = torch.cat(
+                [p.grad.reshape(-1) for p in map(synchronizer.layout.parameter, synchronizer.layout.order)]
+            )
             twin.begin_step(synchronizer.step - 1)
             twin.buffers = {k: {b: t.clone() for b, t in v.items()} for k, v in state_before.items()}
             decodes, offset = [], 0

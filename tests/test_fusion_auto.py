@@ -342,8 +342,8 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     from_file = GradientSynchronizer(from_file_model, c3.compressor, c3.memory, c3.communicator, c3.fusion)
     _train(from_file_model, from_file, 2, seed=rank)
     return {
-        "groups": synchronizer.tensors_per_bucket,
-        "order": synchronizer.order,
+        "groups": synchronizer.layout.tensors_per_bucket,
+        "order": synchronizer.layout.order,
         "report": {
             k: report[k]
             for k in (
@@ -357,8 +357,13 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
             )
         },
         "planning_steps": planning_steps,
-        "restored": (restored.tensors_per_bucket, restored.order, restored.tuner.phase, restored.plan_report["groups"]),
-        "from_file": (from_file.tensors_per_bucket, from_file.order),
+        "restored": (
+            restored.layout.tensors_per_bucket,
+            restored.layout.order,
+            restored.tuner.phase,
+            restored.plan_report["groups"],
+        ),
+        "from_file": (from_file.layout.tensors_per_bucket, from_file.layout.order),
     }
 
 

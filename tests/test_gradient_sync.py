@@ -65,8 +65,8 @@ def test_first_step_records_the_ready_order_and_rebuilds_buckets():
     model = Shuffled()
     expected = _ready_order(model)
     synchronizer = _synchronizer(model, fusion="layerwise")
-    assert synchronizer.order == list(reversed(synchronizer.names))  # before: reverse registration order
-    assert synchronizer.order != expected
+    assert synchronizer.layout.order == list(reversed(synchronizer.names))  # before: reverse registration order
+    assert synchronizer.layout.order != expected
     _backward(model)
     assert synchronizer.ready_order == expected
     assert [b.names for b in synchronizer.buckets] == [[n] for n in expected]
@@ -168,7 +168,7 @@ def test_non_finite_gradient_never_enters_memory_and_is_flagged():
     _backward(model, 0)
     _backward(model, 1)
     before = {k: v.clone() for k, v in synchronizer.memory.buffers["residual"].items()}
-    poisoned_bucket = synchronizer._slot[synchronizer.names.index("head.weight")][0]
+    poisoned_bucket = synchronizer.layout.slots[synchronizer.names.index("head.weight")][0]
     model.head.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     _backward(model, 2)
     after = synchronizer.memory.buffers["residual"]
@@ -190,8 +190,8 @@ def test_state_dict_round_trip_and_a_different_model_is_refused():
     fresh = _synchronizer(fresh_model, compressor="bf16", memory="residual", fusion="groups:2")
     fresh.load_state_dict(state)
     assert (
-        fresh.order == synchronizer.order
-        and fresh.tensors_per_bucket == synchronizer.tensors_per_bucket
+        fresh.layout.order == synchronizer.layout.order
+        and fresh.layout.tensors_per_bucket == synchronizer.layout.tensors_per_bucket
         and fresh.step == 2
     )
     for b in synchronizer.buckets:
@@ -206,7 +206,7 @@ def test_memory_survives_a_change_of_plan():
     synchronizer = _synchronizer(model, compressor="bf16", memory="residual", fusion="groups:2")
     _backward(model)
     per_param = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
-    synchronizer.rebucket([1] * len(synchronizer.order))
+    synchronizer.layout.rebucket([1] * len(synchronizer.layout.order))
     again = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
     assert per_param.keys() == again.keys()
     for name in per_param:
@@ -235,7 +235,7 @@ def _average_vs_reference(rank, world_size, compressor, communicator, fusion):
         _backward(model, seed=100 * step + rank)
         reference = [sum(g) / world_size for g in zip(*(_local_grads(r, step, state) for r in range(world_size)))]
         results.append(max(float((p.grad - ref).abs().max()) for p, ref in zip(model.parameters(), reference)))
-    order = synchronizer.order
+    order = synchronizer.layout.order
     dist.barrier()
     return results, order
 
@@ -344,7 +344,7 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
     _backward(model)  # records the order
     communicator.events.clear()
     _backward(model, 1)
-    assert synchronizer.order == [
+    assert synchronizer.layout.order == [
         "head.bias",
         "head.weight",
         "conv2.weight",

@@ -70,7 +70,13 @@ def _none_against_flat(rank, world_size, ranks_per_node):
         a, b = _grads(flat_model), _grads(node_model)
         worst = max(worst, float((a - b).abs().max() / a.abs().max()))
     sent = node.telemetry.last
-    return worst, flat.tensors_per_bucket == node.tensors_per_bucket, sent.raw_bytes, sent.sent_bytes, sent.node_bytes
+    return (
+        worst,
+        flat.layout.tensors_per_bucket == node.layout.tensors_per_bucket,
+        sent.raw_bytes,
+        sent.sent_bytes,
+        sent.node_bytes,
+    )
 
 
 @pytest.mark.slow
@@ -226,12 +232,12 @@ def _topk_against_the_math(rank, world_size, ranks_per_node):
     model.zero_grad(set_to_none=True)
     with synchronizer.no_sync():
         model(_batch(rank, 0)).square().mean().backward()
-    local = torch.cat([synchronizer.parameter(n).grad.reshape(-1) for n in synchronizer.order])
+    local = torch.cat([synchronizer.layout.parameter(n).grad.reshape(-1) for n in synchronizer.layout.order])
     everyone = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(everyone, local)
     model.zero_grad(set_to_none=True)
     model(_batch(rank, 0)).square().mean().backward()
-    synced = torch.cat([synchronizer.parameter(n).grad.reshape(-1) for n in synchronizer.order])
+    synced = torch.cat([synchronizer.layout.parameter(n).grad.reshape(-1) for n in synchronizer.layout.order])
     nodes = world_size // ranks_per_node
     expected, offset = [], 0
     for bucket in synchronizer.buckets:
@@ -306,7 +312,7 @@ def _auto_plan(rank, world_size, ranks_per_node):
     report = {
         k: synchronizer.plan_report[k] for k in ("groups", "predicted_bf16_allreduce_s", "compression_pays", "trials")
     }
-    return synchronizer.tensors_per_bucket, report, _grads(model), synchronizer.telemetry.last.node_bytes, steps
+    return synchronizer.layout.tensors_per_bucket, report, _grads(model), synchronizer.telemetry.last.node_bytes, steps
 
 
 @pytest.mark.slow
@@ -332,7 +338,7 @@ def _state_across_a_rebucket(rank, world_size, ranks_per_node):
         model(_batch(rank, step)).square().mean().backward()
     before = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
     old_owners = {n: synchronizer.route.owners[b.index] for b in synchronizer.buckets for n in b.names}
-    synchronizer.rebucket([1] * len(synchronizer.order))
+    synchronizer.layout.rebucket([1] * len(synchronizer.layout.order))
     after = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]
     new_owners = {n: synchronizer.route.owners[b.index] for b in synchronizer.buckets for n in b.names}
     return before, after, old_owners, new_owners

@@ -167,7 +167,7 @@ def _against_torch_hook(rank, world_size):
         for model, opt in ((ddp, opt_theirs), (ours, opt_ours)):
             opt.zero_grad()
             model(x).square().mean().backward()
-        assert synchronizer.order == bucket_order or step == 0
+        assert synchronizer.layout.order == bucket_order or step == 0
         worst = max(
             float((a.grad - b.grad).norm() / a.grad.norm()) for a, b in zip(theirs.parameters(), ours.parameters())
         )
