@@ -22,11 +22,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFSDPStrategy, GCFusedStrategy
-from gc_strategy.hierarchy import hierarchy_of
-from gc_strategy.monitor import ThroughputMonitor
+from gc_strategy.integrations.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
 from gc_strategy.registry import closest
-from gc_strategy.sync_modes import sync_of
+from gc_strategy.sync.hierarchy import hierarchy_of
+from gc_strategy.sync.modes import sync_of
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.console import StepProgressBar, quiet_harmless_messages
 from recipes.images import ImageDataModule, MissingDataset

@@ -39,9 +39,9 @@ from netns import sent_bytes
 
 from gc_strategy import GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.components import parse_options
-from gc_strategy.lightning_glue import end_process_group
-from gc_strategy.sharded import shard_by_policy
-from gc_strategy.sync_modes import from_command_line
+from gc_strategy.integrations.lightning_glue import end_process_group
+from gc_strategy.sync.modes import from_command_line
+from gc_strategy.sync.sharded import shard_by_policy
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 BASELINES += ("hsdp",)
@@ -163,7 +163,7 @@ def main(config_path: str, name: str, result_path: str) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from gc_strategy.monitor import ThroughputMonitor
+    from gc_strategy.integrations.monitor import ThroughputMonitor
     from train import build_recipe
 
     cfg = OmegaConf.load(config_path)

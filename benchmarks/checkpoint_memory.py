@@ -5,7 +5,7 @@ for a stack of linear layers of ``--state-mb`` megabytes of fp32 parameters. Ran
 memory during the save, above its resident memory just before, is read from Linux's ``VmHWM``
 (reset through ``/proc/self/clear_refs``). Two ways to save:
 
-- ``per-rank files`` (what the strategy does, :mod:`gc_strategy.checkpoint`): every rank writes its
+- ``per-rank files`` (what the strategy does, :mod:`gc_strategy.integrations.checkpoint`): every rank writes its
   own state beside the checkpoint;
 - ``gathered``: every rank's state gathered into rank 0 (``all_gather_object``), as one checkpoint
   file would hold them.
@@ -26,8 +26,8 @@ from cli import integer_at_least
 from torch import nn
 
 from gc_strategy import GradientSynchronizer, build_components
-from gc_strategy.checkpoint import save_rank_states
-from gc_strategy.ranks import run_ranks
+from gc_strategy.integrations.checkpoint import save_rank_states
+from gc_strategy.tools.ranks import run_ranks
 
 METHODS = ("per-rank files", "gathered")
 

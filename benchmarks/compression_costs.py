@@ -27,7 +27,7 @@ from cli import add_device_option, integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
-from gc_strategy.profiler import time_exchange
+from gc_strategy.sync.profiler import time_exchange
 
 #: memory and options each compressor is usually run with
 USUAL = {
@@ -89,13 +89,13 @@ def time_plan(compressor: str, buckets: list, flats: list, runs: int) -> tuple[f
     """Median seconds of compressing every bucket once, and the payload bytes."""
     memory, options = USUAL.get(compressor, ("none", {}))
     c = build_components(compressor, memory, **options)
-    c.communicator.bind(None)
+    c.bind(None)
     c.compressor.begin_step(1 << 30)  # steady state
     totals, sent = [], 0
     for run in range(runs + 1):  # the first run warms up
         total, sent = 0.0, 0
         for bucket, flat in zip(buckets, flats):
-            timed = time_exchange(c.compressor, c.memory, c.communicator, flat, bucket)
+            timed = time_exchange(flat, bucket, c)
             total += timed.encode_s + timed.comm_s + timed.decode_s + timed.between_s
             sent += timed.sent_bytes
         if run:

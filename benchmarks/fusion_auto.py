@@ -24,7 +24,7 @@ from torch import nn
 
 from gc_strategy import COMPRESSORS, MEMORIES, GradientSynchronizer, build_components
 from gc_strategy.fusion import CostModel, best_plan, simulate
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 FIXED = ["layerwise", "groups:1", "groups:2", "groups:4", "groups:8", "groups:16", "bucket_mb:25"]
 

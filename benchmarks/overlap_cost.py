@@ -11,7 +11,7 @@ node (a reduce onto the node's first rank, a broadcast from it) and, for compari
 the node: the step alone (one forward and backward of torchvision ResNet-18, 32×32 images,
 ``--batch`` per rank), the collective of ``--megabytes`` alone, and the step with the collective
 beside it; ``lost`` (the compute the collective took) and ``hidden`` (the share of it that ran
-beside the step), as :mod:`gc_strategy.contention` defines them.
+beside the step), as :mod:`gc_strategy.tools.contention` defines them.
 
     python benchmarks/overlap_cost.py --layouts 1x2 2x2 2x4 --megabytes 128 --runs 15
 """
@@ -23,8 +23,8 @@ import re
 
 from cli import integer_at_least
 
-from gc_strategy import contention
-from gc_strategy.advise_measure import model_and_batch
+from gc_strategy.tools import contention
+from gc_strategy.tools.advise_measure import model_and_batch
 
 
 def _layout(text: str) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from netns import sent_bytes
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gc_strategy.lightning_glue import end_process_group
+from gc_strategy.integrations.lightning_glue import end_process_group
 
 
 class DigitsMLP(pl.LightningModule):

@@ -12,10 +12,10 @@ from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .fusion import FusionPlanner, parse_fusion
-from .gradient_sync import GradientSynchronizer
-from .hierarchy import NodeHierarchy
-from .presets import sparseloco
-from .sync_modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode
+from .sync.every_step import GradientSynchronizer
+from .sync.hierarchy import NodeHierarchy
+from .sync.modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode
+from .sync.presets import sparseloco
 from .telemetry import StepTelemetry
 
 #: public names that need Lightning
@@ -24,9 +24,9 @@ _WITH_LIGHTNING = ("GCFusedStrategy", "GCFSDPStrategy", "ThroughputMonitor")
 if find_spec("lightning") is not None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from .fsdp_strategy import GCFSDPStrategy
-    from .monitor import ThroughputMonitor
-    from .strategy import GCFusedStrategy
+    from .integrations.lightning import GCFusedStrategy
+    from .integrations.lightning_fsdp import GCFSDPStrategy
+    from .integrations.monitor import ThroughputMonitor
 
     GCFusedStrategy.register_strategies(StrategyRegistry)
     GCFSDPStrategy.register_strategies(StrategyRegistry)

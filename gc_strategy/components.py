@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .bucket import Bucket, BucketState
-from .communicators import COMMUNICATORS, Communicator
+from .communicators import COMMUNICATORS, Communicator, Exchange
 from .fusion import FusionPlanner, parse_fusion
 from .registry import closest, fresh_copy
 
@@ -51,6 +51,12 @@ class Components:
         it. The one place the roles are bound; called again where the group changes."""
         self.communicator.bind(group)
         self.compressor.bind(self.communicator.world_size, self.communicator.rank)
+
+    def exchange(self, flat: Tensor, bucket: Bucket) -> Exchange:
+        """One bucket's exchange through the roles, one layer down at each call: the memory
+        compensates and hands the compressor its input, which encodes and hands the communicator its
+        payload; returns ``(average, finite)`` (:meth:`~gc_strategy.algos.base.Memory.exchange`)."""
+        return self.memory.exchange(flat, bucket, self.compressor, self.communicator)
 
     def state_by_parameter(self, buckets: list[Bucket]) -> dict[str, dict[str, dict[str, Tensor]]]:
         """The memory's and the compressor's per-element state over ``buckets``, by role, state name

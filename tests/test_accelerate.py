@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ accelerate = pytest.importorskip("accelerate")
 
 from models import SmallCNN  # noqa: E402
 
-import gc_strategy.accelerate as gc_accelerate  # noqa: E402
+import gc_strategy.integrations.accelerate as gc_accelerate  # noqa: E402
 from gc_strategy import DiLoCo  # noqa: E402
 
 
@@ -204,7 +205,7 @@ def _sharded_parity_with_native_hsdp(out: str) -> None:
     the 2-D mesh, the same units) skipping its reductions on the first micro-batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gc_strategy.sharded import shard_by_policy
+    from gc_strategy.sync.sharded import shard_by_policy
 
     accelerator = _two_nodes_of_one_rank(gradient_accumulation_steps=2)
     torch.manual_seed(0)
@@ -374,10 +375,21 @@ def test_the_example_runs_under_accelerate_launch(tmp_path):
     assert (tmp_path / "state" / "custom_checkpoint_0.pkl").is_file()
 
 
-def test_double_momentum_is_warned():
-    """DGC's memory applies momentum itself; an optimizer with momentum of its own would apply it twice."""
+def _double_momentum(out: str) -> None:
     accelerator = accelerate.Accelerator(cpu=True)
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with pytest.warns(UserWarning, match="'dgc' applies momentum itself, and the optimizer SGD has momentum on"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         gc_accelerate.prepare(accelerator, model, optimizer, compressor="dgc", memory="dgc", density=0.1)
+    _write(out, accelerator, {"warnings": [str(w.message) for w in caught]})
+
+
+@pytest.mark.slow
+def test_double_momentum_is_warned(tmp_path):
+    """DGC's memory applies momentum itself; an optimizer with momentum of its own would apply it
+    twice (in the launched processes: an Accelerator made in this one would be every later one's)."""
+    accelerate.debug_launcher(_double_momentum, args=(str(tmp_path),), num_processes=2)
+    for rank in range(2):
+        caught = json.loads((tmp_path / f"rank{rank}.json").read_text())["warnings"]
+        assert any("'dgc' applies momentum itself, and the optimizer SGD has momentum on" in w for w in caught)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torchvision.models import resnet18
 
-from gc_strategy import advise, advise_measure, advise_plots, contention
-from gc_strategy.advise import predict, recommendation
-from gc_strategy.advise_measure import Compute, CpuRanks, Profile, Replicas, profile
-from gc_strategy.autotune import TRIAL_PLANS
 from gc_strategy.communicators import EAGER_AFTER_BYTES, RunningExchange
 from gc_strategy.fusion.timeline import Cost
 from gc_strategy.fusion.topology import Link, Topology
+from gc_strategy.sync.autotune import TRIAL_PLANS
+from gc_strategy.tools import advise, advise_measure, advise_plots, contention
+from gc_strategy.tools.advise import predict, recommendation
+from gc_strategy.tools.advise_measure import Compute, CpuRanks, Profile, Replicas, profile
 
 SHAPES = {"fc.weight": torch.Size([64, 300]), "fc.bias": torch.Size([64]), "conv.weight": torch.Size([32, 16, 3, 3])}
 ELEMENTS = sum(s.numel() for s in SHAPES.values())

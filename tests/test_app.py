@@ -503,7 +503,7 @@ def _monitored(tmp_path, sent_per_step):
     from types import SimpleNamespace
 
     from gc_strategy import StepTelemetry
-    from gc_strategy.monitor import ThroughputMonitor
+    from gc_strategy.integrations.monitor import ThroughputMonitor
     from gc_strategy.telemetry import TelemetryLog
 
     monitor = ThroughputMonitor(batch_size=4, output_dir=str(tmp_path), warmup_steps=2)

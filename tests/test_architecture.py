@@ -39,9 +39,9 @@ def _imports() -> dict[str, set[str]]:
 
 def test_the_graph_is_read_from_the_sources():
     graph = _imports()
-    assert "gc_strategy.sync_modes" in graph["gc_strategy.strategy"]
+    assert "gc_strategy.sync.modes" in graph["gc_strategy.integrations.lightning"]
     assert "gc_strategy.communicators" in graph["gc_strategy.algos.base"]
-    assert "gc_strategy.fusion.plans" in graph["gc_strategy.autotune"]
+    assert "gc_strategy.fusion.plans" in graph["gc_strategy.sync.autotune"]
 
 
 def test_no_import_cycle_in_the_package():
@@ -88,8 +88,8 @@ for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
 import torch
 import gc_strategy
 from gc_strategy import GradientSynchronizer, build_components
-import gc_strategy.accelerate, gc_strategy.checkpoint, gc_strategy.diloco
-import gc_strategy.sharded, gc_strategy.sharded_diloco
+import gc_strategy.integrations.accelerate, gc_strategy.integrations.checkpoint, gc_strategy.sync.diloco
+import gc_strategy.sync.sharded, gc_strategy.sync.sharded_diloco
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 roles = build_components("topk", "residual", density=0.5)
 sync = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
@@ -112,9 +112,9 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch
 
 
 def test_the_integrations_talk_to_the_synchronizer_interface_alone():
-    """The Lightning strategy, the Accelerate adapter and the checkpoint code name no concrete
-    synchroniser or sync mode (as an import, a name or an attribute): a mode builds its
-    synchroniser, and they call :class:`gc_strategy.synchronizer.Synchronizer`'s methods."""
+    """No module of ``integrations/`` names a concrete synchroniser or sync mode (as an import, a
+    name or an attribute): a mode builds its synchroniser, and they call
+    :class:`gc_strategy.sync.base.Synchronizer`'s methods."""
     concrete = {
         "GradientSynchronizer",
         "DiLoCoSynchronizer",
@@ -123,46 +123,69 @@ def test_the_integrations_talk_to_the_synchronizer_interface_alone():
         "DiLoCo",
         "EveryStep",
     }
-    for module in ("strategy", "fsdp_strategy", "lightning_glue", "accelerate", "checkpoint"):
+    modules = sorted((PACKAGE / "integrations").glob("*.py"))
+    assert len(modules) > 5
+    for path in modules:
         named = set()
-        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Name):
                 named.add(node.id)
             elif isinstance(node, ast.Attribute):
                 named.add(node.attr)
             elif isinstance(node, ast.alias):
                 named.add(node.asname or node.name)
-        assert not named & concrete, f"gc_strategy.{module} names {sorted(named & concrete)}"
+        assert not named & concrete, f"{path.relative_to(PACKAGE)} names {sorted(named & concrete)}"
 
 
 def test_every_way_of_synchronising_implements_the_interface():
-    from gc_strategy.diloco import DiLoCoSynchronizer
-    from gc_strategy.gradient_sync import GradientSynchronizer
-    from gc_strategy.synchronizer import Synchronizer
+    from gc_strategy.sync.base import Synchronizer
+    from gc_strategy.sync.diloco import DiLoCoSynchronizer
+    from gc_strategy.sync.every_step import GradientSynchronizer
 
     assert issubclass(GradientSynchronizer, Synchronizer) and issubclass(DiLoCoSynchronizer, Synchronizer)
 
 
-#: the tools: the advisor, its plots, its measurements on forked CPU ranks, and the rank forker
-TOOLS = {
-    "gc_strategy.advise",
-    "gc_strategy.advise_measure",
-    "gc_strategy.advise_plots",
-    "gc_strategy.contention",
-    "gc_strategy.ranks",
-}
+#: the layers above the base (the top-level modules, ``algos/``, ``kernels/``, ``fusion/``), lowest
+#: first, by folder; the documented entry points ``gc_strategy.accelerate`` and ``gc_strategy.advise``
+#: re-export from the top
+BASE = {"algos", "kernels", "fusion"}
+LAYERS = [{"sync"}, {"integrations"}, {"tools", "pufferfish"}]
+ENTRY_POINTS = {"gc_strategy.accelerate", "gc_strategy.advise"}
+
+
+def _layer(module: str) -> int:
+    if module in ENTRY_POINTS:
+        return len(LAYERS)
+    folder = module.split(".")[1]
+    return next((i + 1 for i, folders in enumerate(LAYERS) if folder in folders), 0)
+
+
+def test_every_folder_is_a_layer_and_nothing_imports_upward():
+    """Each folder of the package is the base or one layer; a module imports its own layer and
+    those below it, never one above (the tools and Pufferfish's Lightning warm-up at the top, the
+    integrations below them, the synchronisers below those)."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == BASE | set().union(*LAYERS), folders
+    graph = _imports()
+    graph.pop("gc_strategy")  # the package's __init__ imports its public names; no module imports it
+    upward = [
+        (module, target) for module, targets in graph.items() for target in targets if _layer(target) > _layer(module)
+    ]
+    assert not upward, upward
 
 
 def test_no_runtime_module_imports_the_tools():
     graph = _imports()
     graph.pop("gc_strategy")
+    tools = {module for module in graph if module.startswith("gc_strategy.tools")}
+    assert "gc_strategy.tools.advise" in tools
     for module, targets in graph.items():
-        if module not in TOOLS:
-            assert not targets & TOOLS, f"{module} imports {sorted(targets & TOOLS)}"
+        if module not in tools and module != "gc_strategy.advise":
+            assert not targets & tools, f"{module} imports {sorted(targets & tools)}"
 
 
 def test_ranks_are_forked_in_one_place():
-    """``gc_strategy.ranks.run_ranks`` is the one helper that forks gloo ranks: the advisor's
+    """``gc_strategy.tools.ranks.run_ranks`` is the one helper that forks gloo ranks: the advisor's
     measurements, the benchmarks and the tests use it."""
     root = PACKAGE.parent
     forking = sorted(
@@ -171,19 +194,18 @@ def test_ranks_are_forked_in_one_place():
         for path in (root / folder).rglob("*.py")
         if path != Path(__file__).resolve() and 'get_context("fork")' in path.read_text()
     )
-    assert forking == ["gc_strategy/ranks.py"], forking
+    assert forking == ["gc_strategy/tools/ranks.py"], forking
 
 
 def test_the_engines_main_class_and_the_runtimes_modules_stay_small():
     """The synchroniser's main class within 300 lines, every runtime module (the tools apart) within 450."""
-    synchronizer = ast.parse((PACKAGE / "gradient_sync.py").read_text())
+    synchronizer = ast.parse((PACKAGE / "sync" / "every_step.py").read_text())
     (main,) = [
         node for node in synchronizer.body if isinstance(node, ast.ClassDef) and node.name == "GradientSynchronizer"
     ]
     assert main.end_lineno - main.lineno + 1 <= 300
-    tools = {module.rpartition(".")[2] for module in TOOLS}
     for path in PACKAGE.rglob("*.py"):
-        if path.stem not in tools:
+        if path.parent.name != "tools":
             assert len(path.read_text().splitlines()) <= 450, path.relative_to(PACKAGE)
 
 
@@ -191,10 +213,9 @@ def test_the_roles_are_bound_in_one_place():
     """Outside :meth:`gc_strategy.components.Components.bind` no runtime module binds a compressor or a
     communicator itself: every synchroniser binds its roles as one bundle (the tools apart: the
     advisor sizes payloads for a world it has no group for)."""
-    tools = {module.rpartition(".")[2] for module in TOOLS}
     binding = []
     for path in PACKAGE.rglob("*.py"):
-        if path.stem in tools:
+        if path.parent.name == "tools":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "bind":

@@ -20,7 +20,7 @@ from bench_worker import keep_local_gradients, parse_config, strategy_class  # n
 
 sys.path.insert(0, str(ROOT / "tests"))
 from gc_strategy import DiLoCo, EveryStep, GCFSDPStrategy, NodeHierarchy  # noqa: E402
-from gc_strategy.ranks import run_ranks  # noqa: E402
+from gc_strategy.tools.ranks import run_ranks  # noqa: E402
 
 
 def _bench(tmp_path, *args, timeout=600):

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from checkpoint_memory import measure  # noqa: E402
 
-from gc_strategy.checkpoint import remove_rank_states, state_folder  # noqa: E402
+from gc_strategy.integrations.checkpoint import remove_rank_states, state_folder  # noqa: E402
 
 
 def test_rank_files_go_beside_the_checkpoint_folder_and_leave_with_their_checkpoint(tmp_path):

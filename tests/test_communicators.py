@@ -4,7 +4,7 @@ import torch
 from compressor_helpers import finish
 
 from gc_strategy.communicators import AllGather, AllReduce
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 
 def _uneven_gather(rank, world_size):

@@ -9,7 +9,7 @@ from models import SmallCNN
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
 from gc_strategy.bucket import Bucket
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 MAJORITY = {"signsgd", "signum"}
 LOWRANK = {"powersgd", "acpsgd"}

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from gc_strategy import contention
+from gc_strategy.tools import contention
 
 
 def test_a_collective_takes_from_a_step_that_computes_and_not_from_one_that_sleeps():

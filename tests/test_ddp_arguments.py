@@ -5,7 +5,7 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 from gc_strategy import GCFusedStrategy
-from gc_strategy.ddp_arguments import REFUSED
+from gc_strategy.integrations.ddp_arguments import REFUSED
 
 
 def test_taken_arguments():

@@ -159,7 +159,7 @@ def test_dgc_memory_masks_the_positions_topk_selected_through_the_exchange():
         u = 0.5 * u + g
         v = v + u
         selected = torch.topk(v.abs(), k).indices
-        average, finite = finish(memory.exchange(compressor, g.clone(), bucket, communicator))
+        average, finite = finish(memory.exchange(g.clone(), bucket, compressor, communicator))
         assert bool(finite) and torch.equal(torch.sort(handed.pop()).values, torch.sort(selected).values)
         torch.testing.assert_close(average[selected], v[selected])
         u[selected] = 0
@@ -220,7 +220,7 @@ def test_the_average_is_written_into_the_gradient_buffer_and_equals_a_new_tensor
         compressor.begin_step(step)
         twin.begin_step(step)
         buffer = g.clone()
-        average, _ = finish(memories[0].exchange(compressor, buffer, b, communicator))
+        average, _ = finish(memories[0].exchange(buffer, b, compressor, communicator))
         twin_compensated = memories[1].compensate(g.clone(), b)
         expected, twin_local = finish(twin.exchange(twin_compensated, b, communicator, memories[1].local_form))
         memories[1].update(twin_compensated, twin_local, b, torch.tensor(True))

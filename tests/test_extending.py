@@ -10,7 +10,7 @@ import torch.distributed as dist
 from models import SmallCNN
 
 from gc_strategy import DiLoCo, EveryStep, GradientSynchronizer, NodeHierarchy, build_components
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
@@ -90,7 +90,7 @@ def _every_mode_with_the_pages_roles(rank, world_size):
     """DiLoCo (its vectors exchanged in bf16 by the same custom plan) and the hierarchy, each
     built by its sync mode from the page's compressor, memory and planner: what each rank holds
     after a few steps (replicas must agree)."""
-    from gc_strategy.sync_modes import Replicated
+    from gc_strategy.sync.modes import Replicated
 
     held = {}
     for label, mode, hierarchy in (

@@ -227,7 +227,7 @@ def _steps(name: str, variant: str | None, steps: int = 3) -> list[tuple[torch.T
             grad = _vector(bucket.numel, seed=step)
             if step == 1:
                 grad[5] = float("nan")
-            average, finite = finish(memory.exchange(compressor, grad, bucket, communicator))
+            average, finite = finish(memory.exchange(grad, bucket, compressor, communicator))
             state = {**memory.buffers, **compressor.buffers}
             results.append((average.clone(), {k: v[0].clone() for k, v in state.items()}, finite))
     return results

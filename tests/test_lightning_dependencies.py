@@ -7,7 +7,7 @@ Lightning has no hook between that check and the rest, so the body is written ag
 its private helpers. ``setup_environment`` builds the ``("replicate", "shard")`` mesh on the process
 group that ``_setup_distributed`` makes, and the fork/spawn launcher hands the trained weights back
 through ``_collect_rank_zero_results`` (a sharded state dict does not travel). Each is read from the
-installed Lightning and compared with the source ``gc_strategy/fsdp_strategy.py`` was written
+installed Lightning and compared with the source ``gc_strategy/integrations/lightning_fsdp.py`` was written
 against (Lightning 2.6)."""
 
 import hashlib
@@ -46,5 +46,5 @@ def test_the_lightning_code_gc_fsdp_depends_on_is_unchanged(name):
     found = hashlib.sha256(inspect.getsource(piece).encode()).hexdigest()[:16]
     assert found == pinned, (
         f"Lightning's {name} changed (source hash {found}, pinned {pinned}): read it again against "
-        "GCFSDPStrategy (gc_strategy/fsdp_strategy.py), carry the change over, then pin the new hash here"
+        "GCFSDPStrategy (gc_strategy/integrations/lightning_fsdp.py), carry the change over, then pin the new hash here"
     )

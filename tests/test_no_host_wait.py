@@ -15,7 +15,7 @@ from compressor_helpers import STEP_CONFIGS, STEP_OPTIONS
 from models import SmallCNN
 
 from gc_strategy import GradientSynchronizer, build_components, kernels
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -10,7 +10,7 @@ from torch import nn
 from gc_strategy import GCFusedStrategy, GradientSynchronizer, build_components
 from gc_strategy.algos.factors import normalize_columns, orthogonalize
 from gc_strategy.bucket import Bucket
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 
 def _matrix_bucket(*shapes, index=0):

@@ -397,7 +397,7 @@ def test_fused_residual_exchange_matches_plain_error_feedback_and_writes_into_th
         compressor.begin_step(step)
         twin.begin_step(step)
         buffer = g.clone()
-        average, _ = finish(memory.exchange(compressor, buffer, b, communicator))
+        average, _ = finish(memory.exchange(buffer, b, compressor, communicator))
         x = g + e
         expected = twin.decode(twin.encode(x.clone(), b), b)
         assert average is buffer
@@ -484,7 +484,7 @@ def test_chunked_topk_aggregates_and_keeps_its_residual_like_the_plain_math():
         communicator = COMMUNICATORS.build("allgather")
         communicator.bind(None)
         with OpRecorder() as ops:
-            average, _ = finish(memory.exchange(compressor, grads[0].clone(), b, communicator))
+            average, _ = finish(memory.exchange(grads[0].clone(), b, compressor, communicator))
     assert not ops.waits, ops.sites
     assert torch.equal(average, compressor.decode(compressor.encode(grads[0].clone(), b), b))
     assert torch.equal(memory.buffer("residual", b), grads[0] - average)

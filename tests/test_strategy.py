@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from models import ParityModule, fit, flat_params
 
 from gc_strategy import GCFusedStrategy, NodeHierarchy
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

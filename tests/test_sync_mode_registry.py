@@ -13,7 +13,7 @@ from models import ParityModule, SmallCNN, fit
 from test_extending import _examples
 
 from gc_strategy import SYNC_MODES, GCFusedStrategy, Replicated, build_components
-from gc_strategy.ranks import run_ranks
+from gc_strategy.tools.ranks import run_ranks
 
 _examples()  # registers the page's sync mode
 
@@ -97,7 +97,7 @@ def test_a_registered_mode_runs_under_lightning_by_name(tmp_path):
 def _accelerate(out: str) -> None:
     import accelerate
 
-    import gc_strategy.accelerate as gc_accelerate
+    import gc_strategy.integrations.accelerate as gc_accelerate
 
     accelerator = accelerate.Accelerator(cpu=True)
     torch.manual_seed(0)

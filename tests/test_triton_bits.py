@@ -347,7 +347,7 @@ def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
 
         memory.compensated_exchange = counted
         for grad in gradients:
-            average, _ = finish(memory.exchange(compressor, grad.clone(), bucket, communicator))
+            average, _ = finish(memory.exchange(grad.clone(), bucket, compressor, communicator))
             assert bool(passes) is not fused
             runs[fused].append((average.cpu(), memory.buffer("residual", bucket).cpu().clone()))
     for (a, e), (b, f) in zip(runs[True], runs[False]):
@@ -535,7 +535,7 @@ def test_sparsifiers_through_the_kernels_equal_the_torch_code(kernels, monkeypat
         with forced(variant):
             for step in range(3):
                 grad = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(step)).to(kernels.device)
-                average, finite = finish(error_feedback.exchange(compressor, grad, bucket, communicator))
+                average, finite = finish(error_feedback.exchange(grad, bucket, compressor, communicator))
                 assert bool(finite)
                 state = [per_bucket[bucket.index].cpu().clone() for per_bucket in error_feedback.buffers.values()]
                 runs[variant].append((average.cpu().clone(), *state))

@@ -273,10 +273,12 @@ class Memory(BucketState):
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:
         raise NotImplementedError
 
-    def exchange(self, compressor: Compressor, grad: Tensor, bucket: Bucket, communicator: Communicator) -> Exchange:
-        """One bucket's exchange with this error feedback; returns ``(average, finite)``, ``finite``
-        None when the memory keeps no state. ``grad`` is the bucket's gradient buffer and belongs to
-        the exchange: it may be overwritten, and may come back as the average."""
+    def exchange(self, grad: Tensor, bucket: Bucket, compressor: Compressor, communicator: Communicator) -> Exchange:
+        """One bucket's exchange with this error feedback, through ``compressor`` and
+        ``communicator`` (the roles one layer down, in the order they are called); returns
+        ``(average, finite)``, ``finite`` None when the memory keeps no state. ``grad`` is the
+        bucket's gradient buffer and belongs to the exchange: it may be overwritten, and may come
+        back as the average."""
         finite = all_finite(grad) if self.local_form is not None else None
         return (yield from self.compensated_exchange(compressor, grad, bucket, communicator, finite))
 

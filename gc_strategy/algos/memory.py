@@ -70,7 +70,7 @@ class ResidualMemory(Memory):
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:
         keep_difference(self.buffer("residual", bucket), compensated, local, finite)
 
-    def exchange(self, compressor: Compressor, grad: Tensor, bucket: Bucket, communicator: Communicator) -> Exchange:
+    def exchange(self, grad: Tensor, bucket: Bucket, compressor: Compressor, communicator: Communicator) -> Exchange:
         """With ``β = γ = 1`` (``x = g + e``, ``e ← x − decode``) the compressor's fused kernel
         (:meth:`~gc_strategy.algos.base.Compressor.encode_with_residual`) forms the payload and
         updates ``e`` in its own passes, where it has one; otherwise compensate, exchange, update."""

@@ -32,8 +32,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..components import Components, build_components
 from ..fusion import FilePlanner
+from ..integrations.lightning import GCFusedStrategy
 from ..registry import Option
-from ..strategy import GCFusedStrategy
 from .transform import check_ratio, enable_factorized_loading, factorize, select_layers
 
 #: the warm-up's counts (epochs or steps), each optional

@@ -3,11 +3,11 @@ build their own synchroniser.
 
 A sync mode is a :class:`SyncMode` registered by name in :data:`SYNC_MODES`, as the roles are in
 theirs: :class:`EveryStep` averages every optimizer step's gradients (the default); :class:`DiLoCo`
-runs ``inner_steps`` local steps, then a compressed outer step (:mod:`gc_strategy.diloco`). Its
+runs ``inner_steps`` local steps, then a compressed outer step (:mod:`gc_strategy.sync.diloco`). Its
 options, defaults and ranges are declared once, in ``OPTIONS``, and checked as a role's options are,
 before any work, with a message that names the option, the value and what is allowed.
 
-Each mode builds its :class:`~gc_strategy.synchronizer.Synchronizer` for a placement of the model
+Each mode builds its :class:`~gc_strategy.sync.base.Synchronizer` for a placement of the model
 (``mode.build(module, components, placement)``, as torchtitan's configurations build their
 objects): :class:`Replicated`, every rank holding the whole model (``gc_fused``, Accelerate's DDP
 path, a plain loop), or :class:`Sharded`, FSDP2 inside each node (``gc_fsdp``, Accelerate's FSDP2
@@ -27,15 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .components import DEFAULT_FUSION, Components
+from ..components import DEFAULT_FUSION, Components
+from ..fusion.plans import AutoPlanner, FilePlanner
+from ..registry import Configuration, Option, Registry
+from .base import Synchronizer
 from .diloco import DiLoCoSynchronizer
-from .fusion.plans import AutoPlanner, FilePlanner
-from .gradient_sync import GradientSynchronizer
+from .every_step import GradientSynchronizer
 from .hierarchy import NodeHierarchy, hierarchy_of
-from .registry import Configuration, Option, Registry
 from .sharded import ShardedSynchronizer
 from .sharded_diloco import ShardedDiLoCo
-from .synchronizer import Synchronizer
 
 VECTOR_POLICIES = ("bf16", "fp32", "compressed")
 
@@ -48,7 +48,7 @@ def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> Callable[[list[Tenso
 @dataclass(frozen=True)
 class Replicated:
     """Every rank holds the whole model: the synchroniser averages over ``hierarchy`` (``"flat"`` or
-    a :class:`~gc_strategy.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
+    a :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
     forward where ``broadcast_buffers`` and its parameters at the start where
     ``broadcast_from_rank0``, and, where ``find_unused_parameters``, takes steps in which a
     parameter got no gradient (DDP's options)."""
@@ -62,7 +62,7 @@ class Replicated:
 @dataclass(frozen=True)
 class Sharded:
     """FSDP2 shards the model inside each node of ``mesh``, a ``("replicate", "shard")`` device mesh
-    (:mod:`gc_strategy.sharded`); the model is already ``fully_shard``-ed over ``mesh["shard"]``."""
+    (:mod:`gc_strategy.sync.sharded`); the model is already ``fully_shard``-ed over ``mesh["shard"]``."""
 
     mesh: Any
 
@@ -96,8 +96,8 @@ SYNC_MODES: Registry[SyncMode] = Registry("sync mode")
 @SYNC_MODES.register("every_step")
 class EveryStep(SyncMode):
     """Average the gradients of every optimizer step (``sync="every_step"``): as DDP, through the
-    roles (:class:`~gc_strategy.gradient_sync.GradientSynchronizer`), or across nodes over FSDP2's
-    shards (:class:`~gc_strategy.sharded.ShardedSynchronizer`)."""
+    roles (:class:`~gc_strategy.sync.every_step.GradientSynchronizer`), or across nodes over FSDP2's
+    shards (:class:`~gc_strategy.sync.sharded.ShardedSynchronizer`)."""
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         if isinstance(placement, Sharded):
@@ -183,10 +183,10 @@ class DiLoCo(SyncMode):
             )
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
-        """Replicated: :class:`~gc_strategy.diloco.DiLoCoSynchronizer` (every replica starts from rank
+        """Replicated: :class:`~gc_strategy.sync.diloco.DiLoCoSynchronizer` (every replica starts from rank
         0's values, and the inner steps use whichever parameters they use: ``broadcast_from_rank0``
         and ``find_unused_parameters`` do not apply); sharded:
-        :class:`~gc_strategy.sharded_diloco.ShardedDiLoCo`."""
+        :class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo`."""
         if isinstance(placement, Sharded):
             return ShardedDiLoCo(module, components, self, placement.mesh)
         return DiLoCoSynchronizer(
@@ -216,7 +216,7 @@ def parse_sync(sync: Any, components: Components) -> SyncMode:
 def sync_of(name: str, options: dict[str, Any]) -> SyncMode:
     """The sync mode of a flat command-line configuration (``sync=diloco,inner_steps=20``: the
     app's and the benchmarks')."""
-    return SYNC_MODES.build(name, **options)
+    return SYNC_MODES.get(name)(**options)
 
 
 def from_command_line(options: dict[str, Any]) -> dict[str, Any]:

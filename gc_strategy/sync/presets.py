@@ -1,11 +1,11 @@
 """Published configurations of the roles and the synchronisation, as keyword arguments for
-``GCFusedStrategy``, ``GCFSDPStrategy`` and ``gc_strategy.accelerate.prepare``."""
+``GCFusedStrategy``, ``GCFSDPStrategy`` and ``gc_strategy.integrations.accelerate.prepare``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .sync_modes import DiLoCo
+from .modes import DiLoCo
 
 #: SparseLoCo's chunk and its entries kept per chunk (Sarfi et al. 2025: 64 of every 4096, 1.6%)
 SPARSELOCO_CHUNK, SPARSELOCO_KEPT = 4096, 64
@@ -30,7 +30,7 @@ def sparseloco(
     with ``beta``; the outer optimizer plain SGD at ``outer_lr = α``). Why: the error feedback
     already accumulates past pseudo-gradients, as the outer momentum would, and the payload is
     about ``density × (value_bits + 16)`` bits per element (2-byte in-chunk indices for chunks of
-    up to 32768, and a 32-bit scale per chunk). ``diloco``: further :class:`~gc_strategy.sync_modes.DiLoCo` options
+    up to 32768, and a 32-bit scale per chunk). ``diloco``: further :class:`~gc_strategy.sync.modes.DiLoCo` options
     (``vectors``, ``offload``)::
 
         GCFSDPStrategy(**sparseloco(inner_steps=30))

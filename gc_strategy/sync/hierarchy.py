@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .algos.base import Compressor, Memory
-from .bucket import Bucket
-from .communicators import Communicator, Exchange, Round, RunningExchange
-from .fusion.timeline import bucket_owners
+from ..bucket import Bucket
+from ..communicators import Exchange, Round, RunningExchange
+from ..components import Components
+from ..fusion.timeline import bucket_owners
+from ..registry import Configuration, Option
 from .profiler import ExchangeTimes, device_clock
-from .registry import Configuration, Option
 from .routes import FlatRoute, Route
 
 #: the precision of the reduce and the broadcast inside a node
@@ -169,7 +169,7 @@ def node_groups(ranks_per_node: Any, node_rank: int | None = None, local_rank: i
 
 
 def route_for(hierarchy: Any, process_group: Any, world_size: int) -> Route:
-    """The :class:`~gc_strategy.routes.Route` of ``hierarchy`` (any form :func:`parse_hierarchy`
+    """The :class:`~gc_strategy.sync.routes.Route` of ``hierarchy`` (any form :func:`parse_hierarchy`
     takes; docs/design.md, "Hierarchical synchronisation"): a flat one also on one rank."""
     hierarchy = parse_hierarchy(hierarchy)
     if hierarchy is None or world_size == 1:
@@ -208,16 +208,10 @@ class NodeRoute(Route):
             return state
         return gather_node_state(self.groups, state, shapes, device)
 
-    def exchange(
-        self, b: int, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> Exchange:
-        return node_exchange(
-            self.groups, self.owners[b], memory, compressor, communicator, flat, bucket, self.precision
-        )
+    def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
+        return node_exchange(flat, bucket, roles, self.groups, self.owners[bucket.index], self.precision)
 
-    def timed_exchange(
-        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> ExchangeTimes:
+    def timed_exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes:
         """The whole node exchange of a sample bucket owned by local rank 0. The owner's work
         between rounds is in its encode and communication (``between_s`` is 0); encode and decode
         are the owner's coding divided by the ranks per node, since each rank codes its share of
@@ -226,7 +220,7 @@ class NodeRoute(Route):
         groups = self.groups
         flat = flat.clone()
         dist.barrier()
-        exchange = node_exchange(groups, 0, memory, compressor, communicator, flat, bucket, self.precision)
+        exchange = node_exchange(flat, bucket, roles, groups, 0, self.precision)
         running = RunningExchange(exchange, clock=device_clock(flat))
         running.finish()
         if groups.local_rank != 0:
@@ -267,14 +261,7 @@ def gather_node_state(
 
 
 def node_exchange(
-    groups: NodeGroups,
-    owner: int,
-    memory: Memory,
-    compressor: Compressor,
-    communicator: Communicator,
-    flat: Tensor,
-    bucket: Bucket,
-    precision: str = "full",
+    flat: Tensor, bucket: Bucket, roles: Components, groups: NodeGroups, owner: int, precision: str = "full"
 ) -> Exchange:
     """One bucket's hierarchical exchange (the module's steps 1–3); returns ``(average, finite)``
     like :meth:`~gc_strategy.algos.base.Memory.exchange`, ``finite`` None except on the owner. The
@@ -292,7 +279,7 @@ def node_exchange(
             flat.copy_(wire)
         if local:
             flat.div_(groups.ranks_per_node)
-        average, finite = yield from memory.exchange(compressor, flat, bucket, communicator)
+        average, finite = yield from roles.exchange(flat, bucket)
         if average is not wire:
             wire.copy_(average)
     yield Round([], lambda: None, 0, inside_node=True)  # the broadcasts: after backward, in bucket order

@@ -1,4 +1,4 @@
-"""Plots of the advisor's answers (``python -m gc_strategy.advise --plot FILE``): the predicted step
+"""Plots of the advisor's answers (``python -m gc_strategy.tools.advise --plot FILE``): the predicted step
 of each configuration against the bf16 allreduce, or a projection's speedups as the cluster grows.
 Needs matplotlib (``pip install "gc-strategy[app]"``)."""
 

@@ -1,5 +1,5 @@
 """The gradient synchroniser's state in a checkpoint, and the state a run with another world size
-starts from (:mod:`gc_strategy.checkpoint` writes and reads the files)."""
+starts from (:mod:`gc_strategy.integrations.checkpoint` writes and reads the files)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ STATE_FORMAT = 1
 
 
 def state_of(synchronizer: Any) -> dict[str, Any]:
-    """A :class:`~gc_strategy.gradient_sync.GradientSynchronizer`'s state for a checkpoint, on the CPU,
+    """A :class:`~gc_strategy.sync.every_step.GradientSynchronizer`'s state for a checkpoint, on the CPU,
     keyed by parameter name: the step, the gradient order and plan, and the roles' state."""
     return _to_cpu(
         {

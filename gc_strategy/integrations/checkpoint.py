@@ -7,12 +7,12 @@ the checkpoint holds rank 0's, ``{"format": "shared", "state": ...}``, and nothi
 as with ``ddp``. Error-feedback state is per rank and as large as the gradients, so gathering it
 into the file rank 0 writes would make rank 0's memory and that file grow as ``W`` × the model (64
 ranks with residual memory for a 1B-parameter model: 256 GB). Instead each rank writes its own
-:meth:`~gc_strategy.synchronizer.Synchronizer.state_dict` to ``FOLDER/rank<r>.pt`` and the
+:meth:`~gc_strategy.sync.base.Synchronizer.state_dict` to ``FOLDER/rank<r>.pt`` and the
 checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": W}``. For a
 Lightning checkpoint ``DIR/NAME.ckpt`` the folder is ``DIR.gc_state/NAME.ckpt/``, beside ``DIR``,
 so that listing or globbing ``DIR`` finds only checkpoints, as with ``ddp``. On resume each rank reads its
 own file; with another world size each rank reads the old ranks' files one at a time into the
-running mean of :func:`~gc_strategy.gradient_sync_state.resharded`, so no rank holds more than two states at
+running mean of :func:`~gc_strategy.sync.state.resharded`, so no rank holds more than two states at
 once. Checkpoints that hold every rank's state gathered (``{"world_size": W, "ranks": [...]}``), or
 whose files sit in ``DIR/NAME.ckpt.gc_state/``, still load. Paths go through fsspec, as Lightning's
 own checkpoints do.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from fsspec.core import url_to_fs
 
-from .synchronizer import Synchronizer
+from ..sync.base import Synchronizer
 
 MANIFEST_FORMAT = "per_rank_files"
 SHARED_FORMAT = "shared"

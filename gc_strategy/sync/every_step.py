@@ -59,18 +59,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .algos.base import Compressor, Memory
+from ..algos.base import Compressor, Memory
+from ..bucket import Bucket
+from ..communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
+from ..components import DEFAULT_FUSION, Components
+from ..fusion import AutoPlanner, FusionPlanner, parse_fusion
+from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
 from .autotune import AutoTuner
-from .bucket import Bucket
+from .base import Synchronizer
 from .collectives import broadcast_from_rank0
-from .communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
-from .components import DEFAULT_FUSION, Components
-from .fusion import AutoPlanner, FusionPlanner, parse_fusion
-from .gradient_sync_state import any_rank_holds_state, load_state, resharded, state_of
 from .hierarchy import NodeHierarchy, route_for
 from .layout import BucketLayout, agreed_order
-from .synchronizer import Synchronizer
-from .telemetry import StepTelemetry, TelemetryLog, add_exchange
+from .state import any_rank_holds_state, load_state, resharded, state_of
 from .usage import Usage
 
 
@@ -104,11 +104,11 @@ class GradientSynchronizer(Synchronizer):
     stream, after backward's kernels: for measuring what the overlap gains).
     ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
     ``DistributedDataParallel`` (see the module's docstring). ``hierarchy``: ``"flat"``, or
-    ``"node"`` / a :class:`~gc_strategy.hierarchy.NodeHierarchy`: a reduction inside each node and
-    compression only across nodes (:mod:`gc_strategy.hierarchy`). ``parameters`` (names) limits it to
+    ``"node"`` / a :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`: a reduction inside each node and
+    compression only across nodes (:mod:`gc_strategy.sync.hierarchy`). ``parameters`` (names) limits it to
     some of the trainable parameters. With ``on_backward=False`` backward does nothing: the
     caller averages the current ``.grad`` with :meth:`start_synchronize` and
-    :meth:`finish_synchronize`, as DiLoCo's outer step does (:mod:`gc_strategy.diloco`).
+    :meth:`finish_synchronize`, as DiLoCo's outer step does (:mod:`gc_strategy.sync.diloco`).
     """
 
     def __init__(
@@ -224,7 +224,7 @@ class GradientSynchronizer(Synchronizer):
     def _launch(self, b: int) -> None:
         bucket, flat = self.buckets[b], self.layout.buffers[b]
         with self._side_stream():
-            exchange = self.route.exchange(b, self.memory, self.compressor, self.communicator, flat, bucket)
+            exchange = self.route.exchange(flat, bucket, self.roles)
             running = RunningExchange(exchange)
             if bucket.nbytes >= EAGER_AFTER_BYTES:
                 self._advance_eager()  # the earlier buckets': they had this bucket's encode to arrive in
@@ -261,7 +261,7 @@ class GradientSynchronizer(Synchronizer):
             self._reset_step()
 
     def _launch_rest(self) -> None:
-        """Launch every bucket not launched yet (see :class:`~gc_strategy.usage.Usage` for the missing gradients)."""
+        """Launch every bucket not launched yet (:class:`~gc_strategy.sync.usage.Usage`: the missing gradients)."""
         first = self.ready_order is None
         usage = (self._filled, self._accumulated, self.find_unused_parameters, first)
         self._usage = Usage(self.layout, *usage, self.process_group, self.world_size)
@@ -381,13 +381,13 @@ class GradientSynchronizer(Synchronizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronisation state, on the CPU, keyed by parameter name
-        (:func:`~gc_strategy.gradient_sync_state.state_of`)."""
+        (:func:`~gc_strategy.sync.state.state_of`)."""
         return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: one saved by this rank, or one that
-        :func:`~gc_strategy.gradient_sync_state.resharded` made from the states of a run with another
-        world size (:func:`~gc_strategy.gradient_sync_state.load_state`)."""
+        :func:`~gc_strategy.sync.state.resharded` made from the states of a run with another
+        world size (:func:`~gc_strategy.sync.state.load_state`)."""
         load_state(self, state)
         self.layout.keep_owned_state()
         self._reset_step()

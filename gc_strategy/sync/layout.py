@@ -1,7 +1,7 @@
 """The gradient synchroniser's bucket layout: the order of its parameters, the buckets cut from it,
 their flat buffers, and the roles' per-element state carried across a new cut (by parameter name,
 to the ranks its route places the new buckets on). An object that
-:class:`~gc_strategy.gradient_sync.GradientSynchronizer` owns, apart from its pipeline.
+:class:`~gc_strategy.sync.every_step.GradientSynchronizer` owns, apart from its pipeline.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .bucket import Bucket
-from .components import Components
-from .fusion import FilePlanner, FusionPlanner
-from .fusion.plans import write_plan_file
+from ..bucket import Bucket
+from ..components import Components
+from ..fusion import FilePlanner, FusionPlanner
+from ..fusion.plans import write_plan_file
 from .routes import Route
 
 

@@ -1,11 +1,11 @@
 """``GCFusedStrategy``: Lightning's DDP strategy with the gradient synchroniser instead of DDP.
 
 Lightning glue only: process-group set-up, launchers and everything else stay DDPStrategy's. The
-LightningModule runs unwrapped; a :class:`~gc_strategy.synchronizer.Synchronizer` averages the
-gradients, and each step's forward runs inside its :meth:`~gc_strategy.synchronizer.Synchronizer.forward_pass`
+LightningModule runs unwrapped; a :class:`~gc_strategy.sync.base.Synchronizer` averages the
+gradients, and each step's forward runs inside its :meth:`~gc_strategy.sync.base.Synchronizer.forward_pass`
 (DDP's buffer broadcast). Each rank writes its own synchroniser state beside the checkpoint, which
-holds a manifest under the key ``"gc_strategy"`` (:mod:`gc_strategy.checkpoint`). DDP's
-keyword arguments are taken or refused as :mod:`gc_strategy.ddp_arguments` lists them.
+holds a manifest under the key ``"gc_strategy"`` (:mod:`gc_strategy.integrations.checkpoint`). DDP's
+keyword arguments are taken or refused as :mod:`gc_strategy.integrations.ddp_arguments` lists them.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from .algos import Compressor, Memory
+from ..algos import Compressor, Memory
+from ..communicators import Communicator
+from ..components import Components, build_components
+from ..fusion import FusionPlanner
+from ..registry import Option, validate_options
+from ..sync.base import Synchronizer
+from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
+from ..sync.modes import Replicated, SyncMode, parse_sync, refuse_misplaced_options
 from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
-from .communicators import Communicator
-from .components import Components, build_components
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .fusion import FusionPlanner
-from .hierarchy import NodeHierarchy, parse_hierarchy
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
-from .registry import Option, validate_options
-from .sync_modes import Replicated, SyncMode, parse_sync, refuse_misplaced_options
-from .synchronizer import Synchronizer
 
 
 class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
@@ -42,10 +42,10 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             is ``"layerwise"``, ``"single"``, ``"groups:N"``, ``"bucket_mb:X"``, ``"auto"`` (``"auto:S"``),
             ``"file:PATH"`` or a planner (default :data:`~gc_strategy.components.DEFAULT_FUSION`, 25 MB buckets).
         sync: ``"every_step"`` (every optimizer step's gradients) or
-            :class:`~gc_strategy.sync_modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
+            :class:`~gc_strategy.sync.modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
             then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.
         hierarchy: ``"flat"`` (every rank exchanges with every rank), or ``"node"`` /
-            :class:`~gc_strategy.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
+            :class:`~gc_strategy.sync.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
             dense reduction inside each node and compression only across nodes; the nodes are the
             Trainer's ``num_nodes`` of ``devices`` ranks each.
         log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers

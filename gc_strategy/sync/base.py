@@ -1,9 +1,10 @@
 """The one interface of every way of synchronising a data-parallel model: what the Lightning
 strategy, the Accelerate adapter and checkpoints talk to, whatever synchronises underneath (every
-step: :class:`~gc_strategy.gradient_sync.GradientSynchronizer`; every ``H`` steps:
-:class:`~gc_strategy.diloco.DiLoCoSynchronizer`; sharded over nodes: :class:`~gc_strategy.sharded.ShardedSynchronizer`
-and :class:`~gc_strategy.sharded_diloco.ShardedDiLoCo`), each built by its ``sync=`` mode
-(:mod:`gc_strategy.sync_modes`).
+step: :class:`~gc_strategy.sync.every_step.GradientSynchronizer`; every ``H`` steps:
+:class:`~gc_strategy.sync.diloco.DiLoCoSynchronizer`; sharded over nodes:
+:class:`~gc_strategy.sync.sharded.ShardedSynchronizer` and
+:class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo`), each built by its ``sync=`` mode
+(:mod:`gc_strategy.sync.modes`).
 
 A training loop does, on every rank in the same order::
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .telemetry import TelemetryLog
+from ..telemetry import TelemetryLog
 
 
 class Synchronizer(ABC):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .hierarchy import node_groups
+from ..sync.hierarchy import node_groups
 from .ranks import run_ranks
 
 #: the collectives: the hierarchy's reduce onto a group's first rank and broadcast from it, and the
@@ -99,7 +99,7 @@ def on_node_ranks(
     nodes: int, ranks_per_node: int, work: Callable[[Any, int], Any], timeout_s: float = 900.0, span: str = "node"
 ) -> list[Any]:
     """``work(group, root)`` on each of ``nodes`` × ``ranks_per_node`` forked processes of this
-    machine (:func:`~gc_strategy.ranks.run_ranks`: one thread each, ranks numbered node by node),
+    machine (:func:`~gc_strategy.tools.ranks.run_ranks`: one thread each, ranks numbered node by node),
     ``group`` being the rank's group of the ``span`` (:data:`SPANS`) and ``root`` that group's first
     rank; the results in rank order. A rank that fails, or a wait of ``timeout_s`` with no rank
     reporting (a collective that never completes), raises, naming the ranks."""

@@ -3,7 +3,7 @@
 A :class:`Route` runs a bucket's exchange through the roles over its process groups, places the
 buckets on the ranks that compress them, and says which rank keeps a bucket's per-element state.
 :class:`FlatRoute` exchanges among all ranks of one process group; the hierarchy's
-:class:`~gc_strategy.hierarchy.NodeRoute` reduces inside each node and compresses across nodes.
+:class:`~gc_strategy.sync.hierarchy.NodeRoute` reduces inside each node and compresses across nodes.
 The synchronizer, its bucket layout and the profiler ask their route; none of them branches on the
 topology.
 """
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .algos.base import Compressor, Memory
-from .bucket import Bucket
-from .communicators import Communicator, Exchange
+from ..bucket import Bucket
+from ..communicators import Exchange
+from ..components import Components
 from .profiler import ExchangeTimes, time_exchange
 
 
@@ -43,17 +43,13 @@ class Route(ABC):
         return state
 
     @abstractmethod
-    def exchange(
-        self, b: int, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> Exchange:
-        """Bucket ``b``'s exchange: returns ``(average, finite)`` as
-        :meth:`~gc_strategy.algos.base.Memory.exchange` does."""
+    def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
+        """One bucket's exchange through ``roles`` along this route: returns ``(average, finite)``
+        as :meth:`~gc_strategy.components.Components.exchange` does."""
 
     @abstractmethod
-    def timed_exchange(
-        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> ExchangeTimes:
-        """One sample bucket's exchange timed as :func:`~gc_strategy.profiler.measure_costs` counts it."""
+    def timed_exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes:
+        """One sample bucket's exchange timed as :func:`~gc_strategy.sync.profiler.measure_costs` counts it."""
 
 
 class FlatRoute(Route):
@@ -62,12 +58,8 @@ class FlatRoute(Route):
     def __init__(self, group: Any = None) -> None:
         self.group = group
 
-    def exchange(
-        self, b: int, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> Exchange:
-        return memory.exchange(compressor, flat, bucket, communicator)
+    def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
+        return roles.exchange(flat, bucket)
 
-    def timed_exchange(
-        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> ExchangeTimes:
-        return time_exchange(compressor, memory, communicator, flat, bucket)
+    def timed_exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes:
+        return time_exchange(flat, bucket, roles)

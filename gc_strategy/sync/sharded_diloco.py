@@ -13,7 +13,7 @@ mesh's ``"replicate"`` dimension), and applies the outer optimizer to its outer 
 The outer state (``θ_s`` in fp32 and the outer optimizer's momentum) and the error feedback cover
 this rank's shards: ``1/S`` of the model, in CPU memory with ``offload=True``. The local shards keep
 their parameter shapes (row-shards of the matrices), so every compressor works on them, PowerSGD on
-each row-shard as a matrix; 1-D tensors go apart as :class:`~gc_strategy.sync_modes.DiLoCo`'s
+each row-shard as a matrix; 1-D tensors go apart as :class:`~gc_strategy.sync.modes.DiLoCo`'s
 ``vectors`` says. Streaming DiLoCo's fragments are not offered here.
 """
 
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .bucket import Bucket
-from .communicators import RunningExchange
-from .components import Components
+from ..bucket import Bucket
+from ..communicators import RunningExchange
+from ..components import Components
+from ..registry import Configuration
+from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
+from .base import Synchronizer
 from .diloco import roles_by_dimension
-from .gradient_sync_state import resharded
-from .registry import Configuration
 from .sharded import check_shard_place, check_sharded_model, same_shard, shard_place
-from .synchronizer import Synchronizer
-from .telemetry import StepTelemetry, TelemetryLog, add_exchange
+from .state import resharded
 
 
 class _Group:
@@ -104,7 +104,7 @@ class ShardedDiLoCo(Synchronizer):
             )
             roles, bucket = group.roles, group.bucket
             roles.compressor.begin_step(self.step)
-            running = RunningExchange(roles.memory.exchange(roles.compressor, flat, bucket, roles.communicator))
+            running = RunningExchange(roles.exchange(flat, bucket))
             average, _ = running.finish()
             add_exchange(record, bucket.nbytes, running)
             for name, value in zip(group.names, bucket.views(average)):
@@ -155,7 +155,7 @@ class ShardedDiLoCo(Synchronizer):
         """Start from a run on another number of nodes of as many ranks: the outer shards, the outer
         optimizer and the schedule of the first old node's rank that held this rank's shard (every
         node's are the same after an outer step), the roles' state the mean over the old nodes'
-        (:func:`~gc_strategy.gradient_sync_state.resharded`)."""
+        (:func:`~gc_strategy.sync.state.resharded`)."""
         first: dict[str, Any] = {}
 
         def roles() -> Iterator[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """The costs of a synchroniser's roles, measured on this rank with real collectives: how
-``fusion="auto"`` (:mod:`gc_strategy.autotune`) and the benchmarks time an exchange.
+``fusion="auto"`` (:mod:`gc_strategy.sync.autotune`) and the benchmarks time an exchange.
 
 :func:`time_exchange` runs one bucket's exchange as the synchroniser runs it and times its parts;
 :func:`measure_costs` samples bucket sizes from one tensor to the whole model and returns the cost
@@ -16,26 +16,24 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from .algos import MEMORIES, Compressor, Memory
-from .bucket import Bucket
-from .communicators import Communicator, RunningExchange
-from .components import Components, build_components
-from .fusion.plans import AutoPlanner
+from ..algos import Compressor, Memory
+from ..bucket import Bucket
+from ..communicators import Communicator, RunningExchange
+from ..components import Components, build_components
+from ..fusion.plans import AutoPlanner
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
 RUNS = 5
 
 
 class TimedRoute(Protocol):
-    """What the profiler uses of a :class:`~gc_strategy.routes.Route`."""
+    """What the profiler uses of a :class:`~gc_strategy.sync.routes.Route`."""
 
-    def timed_exchange(
-        self, memory: Memory, compressor: Compressor, communicator: Communicator, flat: Tensor, bucket: Bucket
-    ) -> ExchangeTimes: ...
+    def timed_exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes: ...
 
 
 class TunedLayout(Protocol):
-    """What the tuner and the profiler use of a :class:`~gc_strategy.layout.BucketLayout`."""
+    """What the tuner and the profiler use of a :class:`~gc_strategy.sync.layout.BucketLayout`."""
 
     #: the parameters' names in bucket order, and how many of them each bucket holds
     order: list[str]
@@ -49,7 +47,7 @@ class TunedLayout(Protocol):
 
 
 class TunedSynchronizer(Protocol):
-    """What the tuner and the profiler use of a :class:`~gc_strategy.gradient_sync.GradientSynchronizer`:
+    """What the tuner and the profiler use of a :class:`~gc_strategy.sync.every_step.GradientSynchronizer`:
     its public API."""
 
     compressor: Compressor
@@ -109,19 +107,17 @@ def measure_costs(
     ``gradients`` (flat local gradients by parameter name; zeros where one is missing); and whether
     the exchange has an eager round (then it waits for the synchroniser to advance it).
 
-    Each sample runs as the synchroniser's route runs it (:meth:`~gc_strategy.routes.Route.timed_exchange`);
+    Each sample runs as the synchroniser's route runs it (:meth:`~gc_strategy.sync.routes.Route.timed_exchange`);
     with ``hierarchy="node"`` only the owners report times, so the maximum across ranks is theirs."""
     roles = synchronizer.roles.fresh()
     roles.bind(synchronizer.communicator.group)  # the route's group: across nodes with hierarchy="node"
-    compressor, memory = roles.compressor, roles.memory
-    compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
+    roles.compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
     plain = {
         precision: build_components(name, communicator="allreduce")
         for precision, name in (("fp32", "none"), ("bf16", "bf16"))
     }
     for baseline in plain.values():  # the uncompressed baselines over all ranks
         baseline.bind(synchronizer.process_group)
-    allreduce = plain["fp32"].communicator
     gradient = torch.cat(
         [
             gradients[name]
@@ -137,11 +133,9 @@ def measure_costs(
     eager = False
     for run in range(RUNS + 1):  # round by round, so that a burst of machine noise hits all sizes alike
         for (bucket, flat), timed in zip(samples, times):
-            ours = synchronizer.route.timed_exchange(memory, compressor, synchronizer.communicator, flat, bucket)
+            ours = synchronizer.route.timed_exchange(flat, bucket, roles)
             eager = eager or ours.eager
-            baselines = [
-                time_exchange(plain[p].compressor, None, allreduce, flat, bucket).comm_s for p in ("fp32", "bf16")
-            ]
+            baselines = [time_exchange(flat, bucket, plain[p]).comm_s for p in ("fp32", "bf16")]
             if run:
                 timed.append([ours.encode_s, ours.comm_s, ours.decode_s, ours.between_s, *baselines])
     rows = [[statistics.median(column) for column in zip(*timed)] for timed in times]
@@ -171,19 +165,16 @@ def device_clock(flat: Tensor) -> Callable[[], float]:
     return now
 
 
-def time_exchange(
-    compressor: Compressor, memory: Memory | None, communicator: Communicator, flat: Tensor, bucket: Bucket
-) -> ExchangeTimes:
-    """One bucket's exchange timed, all ranks of the communicator's group starting together
-    (``memory`` may be None); the exchange runs as the synchroniser runs it (the memory's
-    :meth:`~gc_strategy.algos.base.Memory.exchange` driven by a
+def time_exchange(flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes:
+    """One bucket's exchange timed, all ranks of the communicator's group starting together; the
+    exchange runs as the synchroniser runs it (:meth:`~gc_strategy.components.Components.exchange`
+    driven by a
     :class:`~gc_strategy.communicators.RunningExchange`). Encode includes the memory's
     compensation, communication every round, decode the last combine and the memory's update,
     between the work between rounds. ``flat`` is left as it was."""
-    memory = memory if memory is not None else MEMORIES.build("none")
     flat = flat.clone()  # an exchange may overwrite its gradient buffer: keep the sample as it is
-    communicator.barrier()
-    running = RunningExchange(memory.exchange(compressor, flat, bucket, communicator), clock=device_clock(flat))
+    roles.communicator.barrier()
+    running = RunningExchange(roles.exchange(flat, bucket), clock=device_clock(flat))
     running.finish()
     return ExchangeTimes(
         running.encode_s, running.wait_s, running.decode_s, running.between_s, running.sent_bytes, running.eager

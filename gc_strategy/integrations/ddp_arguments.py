@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``'s keyword arguments as :class:`~gc_strategy.strategy.GCFusedStrategy`
+"""``DistributedDataParallel``'s keyword arguments as :class:`~gc_strategy.integrations.lightning.GCFusedStrategy`
 takes them, so that a ``DDPStrategy(...)`` call can be migrated by changing the class name.
 
 Each DDP argument is either taken with the meaning it has for DDP (``find_unused_parameters``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .components import DEFAULT_FUSION
+from ..components import DEFAULT_FUSION
 
 _HOOKS = (
     "gc_fused has no DDP communication hooks: choose a compressor instead (fp16_compress_hook -> "

@@ -9,7 +9,7 @@ parameters, identical on every rank, and ``θ_r`` replica ``r``'s after ``H`` in
     θ  ← OuterOpt(θ, Δ̄)                               (SGD with Nesterov momentum, lr 0.7, momentum 0.9)
     θ_r ← θ                                           (every rank continues from the same values)
 
-The exchange of ``Δ`` is a :class:`~gc_strategy.gradient_sync.GradientSynchronizer` with
+The exchange of ``Δ`` is a :class:`~gc_strategy.sync.every_step.GradientSynchronizer` with
 ``on_backward=False``: the configured compressor, memory and communicator over fused buckets, and
 the hierarchy where on. Error feedback therefore acts on ``Δ``: what compression dropped from one
 outer step's pseudo-gradient is added to the next one's.
@@ -50,15 +50,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..components import Components, build_components
+from ..fusion import parse_fusion
+from ..fusion.fragments import fragments_to_overlap
+from ..registry import Configuration
+from ..telemetry import StepTelemetry, TelemetryLog, add_into
+from .base import Synchronizer
 from .collectives import average_buffers
-from .components import Components, build_components
-from .fusion import parse_fusion
-from .fusion.fragments import fragments_to_overlap
-from .gradient_sync import GradientSynchronizer
+from .every_step import GradientSynchronizer
 from .hierarchy import NodeHierarchy
-from .registry import Configuration
-from .synchronizer import Synchronizer
-from .telemetry import StepTelemetry, TelemetryLog, add_into
 
 STATE_FORMAT = "diloco-1"
 
@@ -99,9 +99,9 @@ class _Fragment:
 
 
 class DiLoCoSynchronizer(Synchronizer):
-    """Synchronise ``module`` as ``config`` (:class:`~gc_strategy.sync_modes.DiLoCo`) says: every
+    """Synchronise ``module`` as ``config`` (:class:`~gc_strategy.sync.modes.DiLoCo`) says: every
     ``inner_steps`` optimizer steps (see the module's docstring), over ``hierarchy`` (as for
-    :class:`~gc_strategy.gradient_sync.GradientSynchronizer`).
+    :class:`~gc_strategy.sync.every_step.GradientSynchronizer`).
 
     Call :meth:`after_optimizer_step` after every inner optimizer step on every rank (the Lightning
     strategy and the Accelerate integration do).

@@ -13,7 +13,7 @@ ranks holding shard ``s`` on the other nodes (the mesh's ``"replicate"`` dimensi
 
 which, with ``compressor="none"``, is native HSDP's ``(1/W) Σ_ranks g_s``. Each FSDP module's reduced
 shard is one bucket of the roles, laid out as the shards of the parameters that reduction holds
-(:mod:`gc_strategy.sharded_layout`: FSDP2 leaves out a frozen parameter, and one that got no gradient
+(:mod:`gc_strategy.sync.sharded_layout`: FSDP2 leaves out a frozen parameter, and one that got no gradient
 in this step), each a matrix for PowerSGD and ACP-SGD; its error-feedback and compressor state cover
 this rank's shard alone, ``1/S`` of the module, and follow each parameter from reduction to
 reduction. Every rank of a replicate group holds the same shard of the same module and runs the
@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .bucket import Bucket, join_by_parameter, split_by_parameter
-from .communicators import RunningExchange
-from .components import DEFAULT_FUSION, Components
-from .gradient_sync_state import resharded
+from ..bucket import Bucket, join_by_parameter, split_by_parameter
+from ..communicators import RunningExchange
+from ..components import DEFAULT_FUSION, Components
+from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
+from .base import Synchronizer
 from .sharded_layout import ReducedParameters
-from .synchronizer import Synchronizer
-from .telemetry import StepTelemetry, TelemetryLog, add_exchange
+from .state import resharded
 
 #: the mesh dimensions: across nodes (the compressed exchange) and inside a node (FSDP2's shards)
 MESH_DIMS = ("replicate", "shard")
@@ -211,7 +211,7 @@ class ShardedSynchronizer(Synchronizer):
 
     def _bucket(self, b: int, shard: Tensor) -> Bucket:
         """FSDP module ``b``'s bucket: its flat shard, seen as the shards of the parameters this
-        reduction holds (:class:`~gc_strategy.sharded_layout.ReducedParameters`; row-shards, each a
+        reduction holds (:class:`~gc_strategy.sync.sharded_layout.ReducedParameters`; row-shards, each a
         matrix, for a compressor of matrices). Where they are other parameters than last time, the
         roles' per-element state follows the parameters: a parameter left out keeps its state for
         the reduction that next holds it."""
@@ -241,7 +241,7 @@ class ShardedSynchronizer(Synchronizer):
     def _exchange(self, b: int, shard: Tensor) -> None:
         """The node's mean of this rank's shard of FSDP module ``b`` becomes the mean over all ranks."""
         bucket = self._bucket(b, shard)
-        running = RunningExchange(self.memory.exchange(self.compressor, shard, bucket, self.communicator))
+        running = RunningExchange(self.roles.exchange(shard, bucket))
         average, _ = running.finish()
         if average.data_ptr() != shard.data_ptr():
             shard.copy_(average)
@@ -310,7 +310,7 @@ class ShardedSynchronizer(Synchronizer):
 
     def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
         """Start from a run on another number of nodes of as many ranks: the resharding rule of the
-        replicated synchroniser (:func:`~gc_strategy.gradient_sync_state.resharded`) over the old
+        replicated synchroniser (:func:`~gc_strategy.sync.state.resharded`) over the old
         nodes' ranks that held this rank's shard, ``e_s = (1/N) Σ_nodes e_{n,s}``, so the correction
         the nodes apply together is the old one."""
         self.load_state_dict({**resharded(same_shard(states, self.place)), "shard": self.place})

@@ -1,8 +1,8 @@
-"""What the advisor (:mod:`gc_strategy.advise`) measures on this machine: each configuration's
+"""What the advisor (:mod:`gc_strategy.tools.advise`) measures on this machine: each configuration's
 exchange on sample buckets of a model (payload bytes, rounds, encode and decode time at the target's
-world size, through :class:`Replicas`, with :mod:`gc_strategy.profiler`'s sample buckets and
+world size, through :class:`Replicas`, with :mod:`gc_strategy.sync.profiler`'s sample buckets and
 exchange timing, the same that ``fusion="auto"`` uses), the backward's gradient-ready times, and a
-cluster of CPU ranks like this machine's (:mod:`gc_strategy.contention`). Its models are random-weight
+cluster of CPU ranks like this machine's (:mod:`gc_strategy.tools.contention`). Its models are random-weight
 instances of :data:`MODELS`: only their shapes and compute time matter.
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..communicators import Communicator, Exchange, Payload, Round
+from ..components import Components, build_components
+from ..fusion.timeline import Cost
+from ..fusion.topology import Link
+from ..sync.profiler import sample_buckets, time_exchange
 from . import contention
-from .communicators import Communicator, Exchange, Payload, Round
-from .components import build_components
-from .fusion.timeline import Cost
-from .fusion.topology import Link
-from .profiler import sample_buckets, time_exchange
 
 #: timed runs of each sample bucket after one warm-up run; the median is kept
 RUNS = 3
@@ -82,7 +82,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
     """Measure one configuration (``GCFusedStrategy`` options) on buckets cut from ``shapes``
     (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes).
     With ``node_precision="bf16"`` also the casts around the node's collectives, as
-    :func:`~gc_strategy.hierarchy.node_exchange` makes them: the fp32 bucket rounded to bf16 and the
+    :func:`~gc_strategy.sync.hierarchy.node_exchange` makes them: the fp32 bucket rounded to bf16 and the
     bf16 bucket copied back into fp32."""
     components = build_components(**roles(options))
     compressor, memory, sums = components.compressor, components.memory, components.communicator.sums
@@ -95,7 +95,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
         runs = []
         for run in range(RUNS + 1):
             replicas = Replicas(world_size, sums)
-            timed = time_exchange(compressor, memory, replicas, flat, bucket)
+            timed = time_exchange(flat, bucket, Components(compressor, memory, replicas, components.fusion))
             if run:
                 runs.append((timed.encode_s, timed.between_s, timed.decode_s, timed.sent_bytes))
             rounds, eager = replicas.rounds, timed.eager
@@ -174,7 +174,7 @@ def measure_compute(
 
 @dataclass(frozen=True)
 class CpuRanks:
-    """A cluster of CPU ranks like this machine's, measured (:mod:`gc_strategy.contention`): the
+    """A cluster of CPU ranks like this machine's, measured (:mod:`gc_strategy.tools.contention`): the
     ``link`` inside a node, from broadcasts alone, and what each collective takes from the compute
     beside it, in seconds as a function of bytes per rank: the node's ``reduce`` and ``broadcast``
     of a dense bucket (the hierarchy's, before and after its exchange across nodes), and the
@@ -191,7 +191,7 @@ class CpuRanks:
 #: dense buckets; a payload exchanged (smaller: an allgather's ranks each receive all the others')
 INSIDE_BYTES = [4 << 10, 4 << 20, 32 << 20]
 EXCHANGE_BYTES = [1 << 20, 8 << 20]
-#: the spans of an exchange (:data:`~gc_strategy.contention.SPANS`): flat, over all ranks; the hierarchy's,
+#: the spans of an exchange (:data:`~gc_strategy.tools.contention.SPANS`): flat, over all ranks; the hierarchy's,
 #: over one rank per node
 EXCHANGE_SPANS = ("world", "across")
 
@@ -208,7 +208,7 @@ def measure_cpu_ranks(
     machine), at :data:`INSIDE_BYTES` inside a node and :data:`EXCHANGE_BYTES` for the exchanges over
     the ``spans`` asked for (the others are left out of ``exchange``); a collective of no bytes, or
     over one rank, takes nothing. The link's bandwidth is the slope of a broadcast's time alone
-    between the two largest sizes; its latency is :func:`~gc_strategy.contention.latency`'s small
+    between the two largest sizes; its latency is :func:`~gc_strategy.tools.contention.latency`'s small
     message less its bytes' time. On one node of a real cluster run with ``nodes = 1``."""
     unknown = [span for span in spans if span not in EXCHANGE_SPANS]
     if unknown:

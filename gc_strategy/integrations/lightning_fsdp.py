@@ -6,11 +6,11 @@ Lightning glue only. The device mesh is ``(num_nodes, devices)`` with the dimens
 ``self.device_mesh["shard"]`` itself, and where it does not, the strategy shards by its policy:
 every module of a class in ``shard_modules`` (by default every module that holds parameters of its
 own), then each child of the LightningModule (:func:`shard_by_policy`). Each step's gradients are synchronised by a
-:class:`~gc_strategy.sharded.ShardedSynchronizer` (``sync="every_step"``), or the model by a
-:class:`~gc_strategy.sharded_diloco.ShardedDiLoCo` (``sync=DiLoCo(...)``). Gradient accumulation
+:class:`~gc_strategy.sync.sharded.ShardedSynchronizer` (``sync="every_step"``), or the model by a
+:class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo` (``sync=DiLoCo(...)``). Gradient accumulation
 reduces nothing until the step's last micro-batch (FSDP2's ``set_requires_gradient_sync``).
 Checkpoints are ``ModelParallelStrategy``'s sharded ones (``torch.distributed.checkpoint``), with
-each rank's compression state beside them (:mod:`gc_strategy.checkpoint`).
+each rank's compression state beside them (:mod:`gc_strategy.integrations.checkpoint`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from .algos import Compressor, Memory
+from ..algos import Compressor, Memory
+from ..communicators import Communicator
+from ..components import build_components
+from ..registry import validate_options
+from ..sync.base import Synchronizer
+from ..sync.modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
+from ..sync.sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
 from .checkpoint import load_rank_states, save_rank_states, state_folder
-from .communicators import Communicator
-from .components import build_components
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
-from .registry import validate_options
-from .sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
-from .sync_modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
-from .synchronizer import Synchronizer
 
 START_METHODS = ("popen", "spawn", "fork")
 
@@ -68,7 +68,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
     Args:
         compressor, memory, communicator: a registered name (with keyword ``options``) or an object;
             PowerSGD and ACP-SGD compress each parameter's row-shard as a matrix.
-        sync: ``"every_step"`` or :class:`~gc_strategy.sync_modes.DiLoCo` (``fragments=1``,
+        sync: ``"every_step"`` or :class:`~gc_strategy.sync.modes.DiLoCo` (``fragments=1``,
             ``overlap_steps=0``).
         shard_modules: the module classes to shard where ``configure_model`` shards nothing
             (None: every module that holds parameters of its own).

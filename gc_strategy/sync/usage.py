@@ -1,5 +1,5 @@
 """Which parameters took part in a synchronised step, and what ``find_unused_parameters`` makes of
-it (the semantics of ``DistributedDataParallel``: :mod:`gc_strategy.gradient_sync`'s docstring)."""
+it (the semantics of ``DistributedDataParallel``: :mod:`gc_strategy.sync.every_step`'s docstring)."""
 
 from __future__ import annotations
 

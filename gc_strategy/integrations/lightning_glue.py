@@ -1,5 +1,5 @@
 """What both Lightning strategies (``gc_fused``, ``gc_fsdp``) do with the
-:class:`~gc_strategy.synchronizer.Synchronizer` they hold in ``self.synchronizer``, around the
+:class:`~gc_strategy.sync.base.Synchronizer` they hold in ``self.synchronizer``, around the
 Trainer's loop: accumulation without exchange, the synchroniser's step after each optimizer step,
 its ``gc/...`` telemetry to the Trainer's loggers, the fusion plan once chosen, the warning where
 momentum would be applied twice, and closing it at teardown."""
@@ -14,11 +14,11 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from .components import Components, double_momentum
-from .registry import Option
-from .synchronizer import Synchronizer
+from ..components import Components, double_momentum
+from ..registry import Option
+from ..sync.base import Synchronizer
 
-#: the key of the checkpoint's manifest of the ranks' synchroniser states (:mod:`gc_strategy.checkpoint`)
+#: the key of the checkpoint's manifest of the ranks' synchroniser states (:mod:`gc_strategy.integrations.checkpoint`)
 CHECKPOINT_KEY = "gc_strategy"
 #: the strategies' option ``log_every_n_steps``
 LOG_EVERY = Option(None, int, low=1, optional=True, help="steps between telemetry logs (None: the Trainer's)")

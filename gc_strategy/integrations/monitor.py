@@ -22,9 +22,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
-from .components import build_components
-from .strategy import GCFusedStrategy
-from .telemetry import StepTelemetry
+from ..components import build_components
+from ..telemetry import StepTelemetry
+from .lightning import GCFusedStrategy
 
 
 class ThroughputMonitor(pl.Callback):

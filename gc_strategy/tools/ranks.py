@@ -1,5 +1,5 @@
 """A function on several gloo ranks forked from this process: the one helper that the advisor's
-measurements (:mod:`gc_strategy.contention`), the benchmarks and the tests run ranks with."""
+measurements (:mod:`gc_strategy.tools.contention`), the benchmarks and the tests run ranks with."""
 
 from __future__ import annotations
 
