@@ -28,7 +28,7 @@ from ..registry import Option, validate_options
 from ..sync.base import Synchronizer
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
 from ..sync.modes import Replicated, SyncMode, parse_sync, refuse_misplaced_options
-from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
+from .checkpoint import load_rank_states, state_folder
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
@@ -202,15 +202,6 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its synchroniser state beside the checkpoint; rank 0's file holds the manifest."""
-        if self.synchronizer is not None:
-            self.synchronizer.use_optimizers(self.optimizers)
-            manifest = save_rank_states(self.synchronizer, state_folder(filepath))
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: manifest}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Rank 0's optimizer states, as Lightning restores them; with DiLoCo then each rank's own
         (inner phases let them differ)."""
@@ -218,12 +209,6 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         if self.synchronizer is not None:
             self.synchronizer.use_optimizers(self.optimizers)
             self.synchronizer.restore_optimizers()
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            remove_rank_states(state_folder(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from ..registry import validate_options
 from ..sync.base import Synchronizer
 from ..sync.modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
 from ..sync.sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
-from .checkpoint import load_rank_states, save_rank_states, state_folder
+from .checkpoint import load_rank_states, state_folder
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
 START_METHODS = ("popen", "spawn", "fork")
@@ -171,13 +171,6 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         super().teardown()
 
     # ---------------------------------------------------------------- checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """The sharded checkpoint, and each rank's compression state beside it."""
-        if self.synchronizer is not None:
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: save_rank_states(self.synchronizer, state_folder(filepath))}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -2,7 +2,8 @@
 :class:`~gc_strategy.sync.base.Synchronizer` they hold in ``self.synchronizer``, around the
 Trainer's loop: accumulation without exchange, the synchroniser's step after each optimizer step,
 its ``gc/...`` telemetry to the Trainer's loggers, the fusion plan once chosen, the warning where
-momentum would be applied twice, and closing it at teardown."""
+momentum would be applied twice, each rank's state beside a checkpoint (saved and removed with it),
+the process group's end at exit, and closing it at teardown."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ..components import Components, double_momentum
 from ..registry import Option
 from ..sync.base import Synchronizer
+from .checkpoint import remove_rank_states, save_rank_states, state_folder
 
 #: the key of the checkpoint's manifest of the ranks' synchroniser states (:mod:`gc_strategy.integrations.checkpoint`)
 CHECKPOINT_KEY = "gc_strategy"
@@ -46,6 +48,21 @@ class SynchronizerGlue:
         if self.synchronizer is not None:
             self.synchronizer.close()
             self.synchronizer = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its synchroniser state beside the checkpoint (:mod:`gc_strategy.integrations.checkpoint`);
+        the checkpoint holds their manifest under :data:`CHECKPOINT_KEY`."""
+        if self.synchronizer is not None:
+            self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
+            manifest = save_rank_states(self.synchronizer, state_folder(filepath))
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: manifest}
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """The checkpoint and the ranks' state files beside it."""
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            remove_rank_states(state_folder(filepath))
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
