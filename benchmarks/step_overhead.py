@@ -93,7 +93,9 @@ def package_at(revision: str) -> types.ModuleType:
     package.__path__ = [str(folder / "gc_strategy")]
     sys.modules[package.__name__] = package
     package.components = importlib.import_module(f"{package.__name__}.components")
-    home = "gradient_sync" if (folder / "gc_strategy" / "gradient_sync.py").exists() else "engine"  # older: engine.py
+    # where GradientSynchronizer lived: sync/every_step.py, earlier gradient_sync.py, earlier still engine.py
+    homes = ("sync.every_step", "gradient_sync", "engine")
+    home = next(h for h in homes if (folder / "gc_strategy" / (h.replace(".", "/") + ".py")).exists())
     package.GradientSynchronizer = importlib.import_module(f"{package.__name__}.{home}").GradientSynchronizer
     return package
 
