@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ast
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
-from .bucket import Bucket, BucketState
+from .bucket import Bucket, BucketState, join_by_parameter, split_by_parameter
 from .communicators import COMMUNICATORS, Communicator, Exchange
 from .fusion import FusionPlanner, parse_fusion
 from .registry import closest, fresh_copy
@@ -68,6 +69,41 @@ class Components:
         ``buckets``; a role missing from ``state`` starts empty."""
         for key, role in self.stateful():
             role.load_state_by_parameter(state.get(key, {}), buckets)
+
+    def slot_state(self, bucket: Bucket, slot: int) -> dict[tuple[str, str], Tensor]:
+        """Views of one parameter's slice (``slot`` of ``bucket``) of every per-element state, by
+        role and state name."""
+        return {
+            (key, name): bucket.views(per_bucket[bucket.index])[slot]
+            for key, role in self.stateful()
+            for name, per_bucket in role.buffers.items()
+            if bucket.index in per_bucket
+        }
+
+    def keep_buckets(self, keep: Callable[[int], bool]) -> None:
+        """Drop the per-element state of the buckets (by index) that ``keep`` refuses."""
+        for _, role in self.stateful():
+            for per_bucket in role.buffers.values():
+                for b in [b for b in per_bucket if not keep(b)]:
+                    del per_bucket[b]
+
+    def recut(self, old: Bucket | None, new: Bucket, idle: dict[str, dict[str, dict[str, Tensor]]]) -> None:
+        """Lay the state of bucket ``new.index`` out for ``new``, another cut of it: the state of
+        ``old`` (its cut so far) goes to ``idle`` by parameter (``{role: {state name: {parameter:
+        tensor}}}``), and ``new``'s parameters take theirs from there."""
+        for key, role in self.stateful():
+            for state_name, per_bucket in role.buffers.items():
+                if old is not None and old.index in per_bucket:
+                    flat = per_bucket.pop(old.index)
+                    idle[key].setdefault(state_name, {}).update(split_by_parameter([old], {old.index: flat}))
+            for state_name, held in idle[key].items():
+                taken = {n: held.pop(n) for n in new.names if n in held}
+                role.buffers.setdefault(state_name, {}).update(join_by_parameter([new], taken, new.device))
+
+    def clear_state(self) -> None:
+        """Forget the per-element state (of every bucket)."""
+        for _, role in self.stateful():
+            role.buffers = {}
 
     def stateful(self) -> tuple[tuple[str, BucketState], ...]:
         """The roles that keep per-element state, by the key their state is saved under."""

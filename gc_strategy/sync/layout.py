@@ -129,10 +129,7 @@ class BucketLayout:
     def keep_owned_state(self) -> None:
         """Per-element state only for the buckets this rank compresses (all of them, but with
         ``hierarchy="node"``)."""
-        for _, role in self.roles.stateful():
-            for per_bucket in role.buffers.values():
-                for b in [b for b in per_bucket if not self.route.keeps_state(b)]:
-                    del per_bucket[b]
+        self.roles.keep_buckets(self.route.keeps_state)
 
     def export(self, path: str, report: dict[str, Any] | None) -> None:
         """Write the current plan (order and tensors per bucket) as JSON, for ``fusion="file:PATH"``."""

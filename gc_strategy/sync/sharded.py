@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..bucket import Bucket, join_by_parameter, split_by_parameter
+from ..bucket import Bucket, split_by_parameter
 from ..communicators import RunningExchange
 from ..components import DEFAULT_FUSION, Components
 from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
@@ -226,15 +226,7 @@ class ShardedSynchronizer(Synchronizer):
                 f"hold {bucket.numel} elements, its reduced shard {shard.numel()}; this torch lays FSDP2's shards out "
                 "in another way"
             )
-        old = self.buckets.get(b)
-        for key, role in self.roles.stateful():
-            for state_name, per_bucket in role.buffers.items():
-                idle = self._idle[key].setdefault(state_name, {})
-                if old is not None and b in per_bucket:
-                    idle.update(split_by_parameter([old], {b: per_bucket.pop(b)}))
-            for state_name, idle in self._idle[key].items():
-                taken = {n: idle.pop(n) for n in names if n in idle}
-                role.buffers.setdefault(state_name, {}).update(join_by_parameter([bucket], taken, bucket.device))
+        self.roles.recut(self.buckets.get(b), bucket, self._idle)
         self.buckets[b] = bucket
         return bucket
 
@@ -289,8 +281,8 @@ class ShardedSynchronizer(Synchronizer):
         self.compressor.load_extra_state(state["compressor_extra"])
         self.compressor.begin_step(self.step)
         self.buckets = {}
-        for key, role in self.roles.stateful():
-            role.buffers = {}
+        self.roles.clear_state()
+        for key, _ in self.roles.stateful():
             self._idle[key] = {name: self._by_parameter(dict(tensors)) for name, tensors in state[key].items()}
 
     def _by_parameter(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:

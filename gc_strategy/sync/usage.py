@@ -67,12 +67,7 @@ class Usage:
 
     def _state_slices(self, b: int, slot: int) -> dict[tuple[str, str], Tensor]:
         """The slot's slices of every per-element state of the roles, by role and state name."""
-        slices = {}
-        for key, role in self.layout.roles.stateful():
-            for state_name, per_bucket in role.buffers.items():
-                if b in per_bucket:
-                    slices[(key, state_name)] = self.layout.buckets[b].views(per_bucket[b])[slot]
-        return slices
+        return self.layout.roles.slot_state(self.layout.buckets[b], slot)
 
     def _save(self, index: int, b: int, slot: int) -> None:
         self._saved[(index, b, slot)] = {key: view.clone() for key, view in self._state_slices(b, slot).items()}
