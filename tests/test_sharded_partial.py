@@ -102,3 +102,30 @@ def test_frozen_and_alternately_unused_parameters_train_like_native_hsdp():
             assert ranks[r][f"{name} moved"], name
             assert "branch.weight" in ranks[r][f"{name} state"], name
             assert "frozen.weight" not in ranks[r][f"{name} state"], name
+
+
+def _old_format(rank, world_size):
+    """A state saved by the earlier format (``sharded-1``: the flat compressors' state by FSDP
+    module, the module's shard end to end) loads into the state by parameter that this one keeps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh["shard"])
+    sync = ShardedSynchronizer(model, build_components("topk", "residual", density=0.1), mesh)
+    _train(model, sync, rank, steps=2)
+    state = sync.state_dict()
+    by_parameter = state["memory"]["residual"]
+    old = {}
+    for b, (name, _) in enumerate(sync.modules):
+        names, _ = sync.reduced.trainable(b)
+        if all(n in by_parameter for n in names):
+            old[name or "<root>"] = torch.cat([by_parameter[n].reshape(-1) for n in names])
+    fresh = ShardedSynchronizer(_sharded(mesh["shard"]), build_components("topk", "residual", density=0.1), mesh)
+    fresh.load_state_dict({**state, "format": "sharded-1", "memory": {"residual": old}})
+    loaded = fresh.state_dict()["memory"]["residual"]
+    return sorted(old), {n: torch.equal(loaded[n], t) for n, t in by_parameter.items() if n in loaded}
+
+
+def test_a_state_saved_by_module_loads_by_parameter():
+    ((units, same),) = run_ranks(_old_format, 1, timeout=120)
+    assert units and same and all(same.values())
