@@ -34,7 +34,7 @@ from ..components import build_components
 from ..registry import validate_options
 from ..sync.base import Synchronizer
 from ..sync.modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
-from ..sync.sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, require_fsdp2_hook, shard_by_policy
+from ..sync.sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, shard_by_policy
 from .checkpoint import load_rank_states, state_folder
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
@@ -100,7 +100,6 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        require_fsdp2_hook()
         replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers")
         refuse_replicated_options(**{key: options.pop(key) for key in replicated if key in options})
         refuse_misplaced_options(options)
