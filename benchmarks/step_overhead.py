@@ -107,7 +107,16 @@ def build(
     keep = None
     if name.startswith("ddp"):
         on_gpu = next(model.parameters()).is_cuda
-        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
+        # torch's PowerSGD hook waits on a collective inside a callback that runs on one of gloo's two
+        # worker threads: two buckets' callbacks at once take both, and the step never ends. On the
+        # CPU its DDP holds the model in one bucket.
+        one_bucket = not on_gpu and "powerSGD" in name
+        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        model = DistributedDataParallel(
+            model,
+            device_ids=[torch.cuda.current_device()] if on_gpu else None,
+            bucket_cap_mb=megabytes if one_bucket else None,
+        )
         if name != "ddp":
             model.register_comm_hook(*ddp_hook(name))
     elif roles is not None:
