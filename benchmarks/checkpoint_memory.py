@@ -62,7 +62,7 @@ def _rank(rank: int, world_size: int, state_mb: int, folder: str) -> tuple[float
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     c = build_components("randk", "residual", density=0.01, fusion="single")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     model(torch.randn(4, width)).square().mean().backward()  # one step: the residuals are full
     peaks = {}
     for method in METHODS:

@@ -67,7 +67,7 @@ def buckets_of(model: nn.Module, loss, compressor: str, fusion: str) -> tuple[li
     gradients, from a plain backward once the synchroniser is gone (its buffers hold averages)."""
     memory, options = USUAL.get(compressor, ("none", {}))
     c = build_components(compressor, memory, fusion=fusion, **options)
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     steps = 0
     while steps < 2 or (
         synchronizer.tuner is not None and synchronizer.tuner.phase != "done"

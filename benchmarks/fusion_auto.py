@@ -56,7 +56,7 @@ def rank_main(rank: int, world_size: int, args) -> dict | None:
         torch.manual_seed(0)
         model = resnet18(num_classes=10)
         c = build_components(args.compressor, args.memory, fusion=plan)
-        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        synchronizer = GradientSynchronizer(model, c)
         runs[plan] = (model, synchronizer, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     auto_engine = runs["auto"][1]
     while auto_engine.tuner.phase != "done":  # settle, profile, trials, verify

@@ -50,7 +50,7 @@ def census(
     if compressor is not None:
         memory, options = USUAL.get(compressor, ("none", {}))
         roles = build_components(compressor, memory, "auto", "bucket_mb:25", **options)
-        synchronizer = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
+        synchronizer = GradientSynchronizer(model, roles)
     counts, waits = [], {}
     for step in range(WARMUP + steps):
         model.zero_grad(set_to_none=not keep_grads)

@@ -34,7 +34,7 @@ def measure(model_name: str, compressor: str, rank: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = resnet(model_name)
     c = build_components(compressor, rank=rank, start_iter=0, fusion="bucket_mb:25")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     x = torch.randn(2, 3, 32, 32)
     times, sent = [], []
     for step in range(steps + 2):

@@ -34,6 +34,7 @@ import atexit
 import copy
 import functools
 import importlib
+import inspect
 import io
 import os
 import random
@@ -96,7 +97,13 @@ def package_at(revision: str) -> types.ModuleType:
     # where GradientSynchronizer lived: sync/every_step.py, earlier gradient_sync.py, earlier still engine.py
     homes = ("sync.every_step", "gradient_sync", "engine")
     home = next(h for h in homes if (folder / "gc_strategy" / (h.replace(".", "/") + ".py")).exists())
-    package.GradientSynchronizer = importlib.import_module(f"{package.__name__}.{home}").GradientSynchronizer
+    synchronizer = importlib.import_module(f"{package.__name__}.{home}").GradientSynchronizer
+    if "roles" in inspect.signature(synchronizer).parameters:
+        package.GradientSynchronizer = synchronizer
+    else:  # it took the roles one by one then
+        package.GradientSynchronizer = lambda module, c, **options: synchronizer(
+            module, c.compressor, c.memory, c.communicator, c.fusion, **options
+        )
     return package
 
 
@@ -122,7 +129,7 @@ def build(
     elif roles is not None:
         compressor, memory, fusion, side, *options = roles
         c = package.components.build_components(compressor, memory, fusion=fusion, **(options[0] if options else {}))
-        keep = package.GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, side_stream=side)
+        keep = package.GradientSynchronizer(model, c, side_stream=side)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), keep
 
 

@@ -92,7 +92,7 @@ import gc_strategy.integrations.accelerate, gc_strategy.integrations.checkpoint,
 import gc_strategy.sync.sharded, gc_strategy.sync.sharded_diloco
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 roles = build_components("topk", "residual", density=0.5)
-sync = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
+sync = GradientSynchronizer(model, roles)
 for _ in range(3):
     model.zero_grad()
     with sync.forward_pass():

@@ -27,7 +27,7 @@ def _check_all(rank, world_size, memory):
         torch.manual_seed(7)
         model = SmallCNN()
         c = build_components(name, memory, "auto", "groups:3", **OPTIONS.get(name, {}))
-        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        synchronizer = GradientSynchronizer(model, c)
         # a twin compressor encodes this rank's gradients independently, for the reference
         twin = COMPRESSORS.build(name, **OPTIONS.get(name, {}))
         twin.bind(world_size, rank)
@@ -97,7 +97,7 @@ def test_every_compressor_runs_on_16_bit_gradients(dtype):
             if name in ("powersgd", "acpsgd"):  # their own error feedback only where no memory keeps one
                 options.update(start_iter=0, use_error_feedback=memory == "none")
             c = build_components(name, memory, "auto", "groups:2", **options)
-            synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+            synchronizer = GradientSynchronizer(model, c)
             for _ in range(2):
                 model.zero_grad()
                 model(torch.randn(2, 3, 8, 8).to(dtype)).float().square().mean().backward()

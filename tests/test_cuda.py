@@ -16,7 +16,7 @@ def test_side_stream_engine_matches_plain_gradients():
     model = SmallCNN().cuda()
     model.load_state_dict(reference.state_dict())
     c = build_components(compressor="none", fusion="groups:3")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     assert synchronizer.stream is not None
     for seed in range(3):
         x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(seed)).cuda()
@@ -250,7 +250,7 @@ def test_a_synchronised_step_runs_under_cuda_sync_debug_mode_error(config):
     torch.manual_seed(0)
     model = SmallCNN().cuda()
     roles = build_components(name, memory, "auto", "groups:2", **STEP_OPTIONS.get(name, {}))
-    synchronizer = GradientSynchronizer(model, roles.compressor, roles.memory, roles.communicator, roles.fusion)
+    synchronizer = GradientSynchronizer(model, roles)
     x, y = torch.randn(4, 3, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda")
     for step in range(4):
         model.zero_grad(set_to_none=True)

@@ -52,7 +52,7 @@ def _train_with_examples(rank, world_size):
         model, twin = SmallCNN(), SmallCNN()
         twin.load_state_dict(model.state_dict())
         c = build_components(**roles)
-        synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        synchronizer = GradientSynchronizer(model, c)
         x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(rank))
         model(x).square().mean().backward()
         twin(x).square().mean().backward()

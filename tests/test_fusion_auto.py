@@ -289,7 +289,7 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
 
     monkeypatch.setattr(auto, "measure_costs", capture)
     c = build_components("topk", "residual", density=0.05, fusion="auto:2")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     with pytest.raises(KeyboardInterrupt):
         for _ in range(10):  # no optimizer step: the same gradient every step
             model.zero_grad()
@@ -311,7 +311,7 @@ def test_the_planner_knows_which_exchanges_wait_for_an_eager_round(compressor, w
     torch.manual_seed(0)
     model = SmallCNN()
     c = build_components(compressor, "none", fusion="auto:1")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     while synchronizer.tuner.phase != "done":
         _train(model, synchronizer, 1)
     assert synchronizer.plan_report["cost_model"]["advance_at"] == (EAGER_AFTER_BYTES / 4 if waits else None)
@@ -321,7 +321,7 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     torch.manual_seed(0)
     model = SmallCNN()
     c = build_components("topk", "residual", density=0.1, fusion="auto:2")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     planning_steps = 0
     while synchronizer.tuner.phase != "done":  # order, settle, profile, trials, verify
         _train(model, synchronizer, 1, seed=rank + 100 * planning_steps)
@@ -334,12 +334,12 @@ def _auto_plans_agree_and_survive(rank, world_size, plan_path):
     # resume: a fresh synchroniser with fusion=auto restores the plan instead of profiling again
     restored_model = SmallCNN()
     c2 = build_components("topk", "residual", density=0.1, fusion="auto:2")
-    restored = GradientSynchronizer(restored_model, c2.compressor, c2.memory, c2.communicator, c2.fusion)
+    restored = GradientSynchronizer(restored_model, c2)
     restored.load_state_dict(state)
     torch.distributed.barrier()
     from_file_model = SmallCNN()
     c3 = build_components("topk", "residual", density=0.1, fusion=f"file:{plan_path}")
-    from_file = GradientSynchronizer(from_file_model, c3.compressor, c3.memory, c3.communicator, c3.fusion)
+    from_file = GradientSynchronizer(from_file_model, c3)
     _train(from_file_model, from_file, 2, seed=rank)
     return {
         "groups": synchronizer.layout.tensors_per_bucket,
@@ -404,7 +404,7 @@ def test_a_plan_file_for_another_model_is_refused(tmp_path):
     )
     c = build_components(fusion=f"file:{path}")
     with pytest.raises(ValueError) as error:
-        GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+        GradientSynchronizer(model, c)
     message = str(error.value)
     assert "does not match this model" in message and "other.weight" in message and names[-1] in message
     path.write_text(json.dumps({"format": 1, "order": names, "numels": numels, "groups": [1, 1]}))

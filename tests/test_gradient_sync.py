@@ -1,5 +1,7 @@
 """The gradient synchroniser without Lightning: ordering, launches, accumulation, state."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from gc_strategy.tools.ranks import run_ranks
 
 def _synchronizer(module, compressor="none", memory="none", fusion="layerwise", communicator="auto", **options):
     c = build_components(compressor, memory, communicator, fusion, **options)
-    return GradientSynchronizer(module, c.compressor, c.memory, c.communicator, c.fusion)
+    return GradientSynchronizer(module, c)
 
 
 def _backward(module, seed=0):
@@ -100,7 +102,7 @@ def test_buckets_launch_during_backward_as_soon_as_complete(plan, expected):
     ref = []
     spy = SpyAllReduce(ref)
     c = build_components(fusion=plan)
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
+    synchronizer = GradientSynchronizer(model, replace(c, communicator=spy))
     ref.append(synchronizer)
     _backward(model)  # records the order
     spy.launches.clear()
@@ -114,7 +116,7 @@ def test_no_sync_launches_nothing_and_the_next_sync_averages_the_sum():
     ref = []
     spy = SpyAllReduce(ref)
     c = build_components()
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, spy, c.fusion)
+    synchronizer = GradientSynchronizer(model, replace(c, communicator=spy))
     ref.append(synchronizer)
     with synchronizer.no_sync():
         _backward(model, 0)
@@ -133,9 +135,7 @@ def test_no_sync_launches_nothing_and_the_next_sync_averages_the_sum():
 def test_unused_parameters_keep_none_and_frozen_ones_are_left_alone():
     model = SmallCNN(with_unused=True, frozen_stem=True)
     c = build_components("none", "none", "auto", "single")
-    synchronizer = GradientSynchronizer(
-        model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True
-    )
+    synchronizer = GradientSynchronizer(model, c, find_unused_parameters=True)
     assert "conv1.weight" not in synchronizer.names and "unused.weight" in synchronizer.names
     _backward(model)
     assert model.unused.weight.grad is None and model.unused.bias.grad is None  # as DDP: untouched
@@ -258,7 +258,7 @@ def test_gradients_become_views_of_the_averaged_buckets_and_still_accumulate():
     reference, model = SmallCNN(), SmallCNN()
     model.load_state_dict(reference.state_dict())
     c = build_components("none", fusion="groups:2")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     for step in range(6):
         x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
         for m in (reference, model):
@@ -339,7 +339,7 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
     ref = []
     communicator = EventAllReduce(ref)
     c = build_components("powersgd", rank=1, start_iter=0, fusion="layerwise")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, replace(c, communicator=communicator))
     ref.append(synchronizer)
     _backward(model)  # records the order
     communicator.events.clear()
@@ -451,9 +451,7 @@ def test_a_parameter_no_rank_used_keeps_its_error_feedback_state():
     torch.manual_seed(0)
     model = Branchy()
     c = build_components("fp16", "residual", "auto", "single")
-    synchronizer = GradientSynchronizer(
-        model, c.compressor, c.memory, c.communicator, c.fusion, find_unused_parameters=True
-    )
+    synchronizer = GradientSynchronizer(model, c, find_unused_parameters=True)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     model(x).square().mean().backward()
     before = synchronizer.memory.state_by_parameter(synchronizer.buckets)["residual"]

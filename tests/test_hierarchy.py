@@ -276,7 +276,7 @@ def _exchanges_across_during_backward(rank, world_size, ranks_per_node):
 
     c.communicator.exchange = logged
     hierarchy = NodeHierarchy(ranks_per_node=ranks_per_node)
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion, hierarchy=hierarchy)
+    synchronizer = GradientSynchronizer(model, c, hierarchy=hierarchy)
     for step in range(2):
         events.clear()
         x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank), requires_grad=True)
@@ -396,9 +396,7 @@ def _bad_layout(rank, world_size, case):
     try:
         GradientSynchronizer(
             SmallCNN(),
-            c.compressor,
-            c.memory,
-            c.communicator,
+            c,
             hierarchy=NodeHierarchy(ranks_per_node=ranks_per_node, node_rank=node_rank, local_rank=local_rank),
         )
     except ValueError as error:
@@ -429,7 +427,7 @@ def test_a_bad_layout_is_an_error_on_every_rank(case, message):
 def test_an_unknown_hierarchy_is_refused_before_any_work(hierarchy, message):
     c = build_components("none")
     with pytest.raises(ValueError, match=re.escape(message)):
-        GradientSynchronizer(SmallCNN(), c.compressor, c.memory, c.communicator, hierarchy=hierarchy)
+        GradientSynchronizer(SmallCNN(), c, hierarchy=hierarchy)
     with pytest.raises(ValueError, match=re.escape(message)):
         GCFusedStrategy(hierarchy=hierarchy)
 

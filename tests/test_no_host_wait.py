@@ -40,9 +40,7 @@ def _waits_of_every_config(rank, world_size):
         model = SmallCNN()
         roles = build_components(name, memory, "auto", "groups:2", **STEP_OPTIONS.get(name, {}))
         with kernels.forced("torch"):
-            model.gc_synchronizer = GradientSynchronizer(
-                model, roles.compressor, roles.memory, roles.communicator, roles.fusion
-            )
+            model.gc_synchronizer = GradientSynchronizer(model, roles)
             for step in range(3):
                 _step(model, rank, step)
             with OpRecorder() as ops:

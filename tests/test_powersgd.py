@@ -149,7 +149,7 @@ def _against_torch_hook(rank, world_size):
     ddp = DistributedDataParallel(theirs, bucket_cap_mb=100)
     ddp.register_comm_hook(state, hook.powerSGD_hook)
     c = build_components("powersgd", rank=2, start_iter=2, fusion="single")
-    synchronizer = GradientSynchronizer(ours, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(ours, c)
     # the same initial Q as the hook: its numpy seed -> torch seed -> randn per tensor in bucket order
     names = dict(ours.named_parameters())
     bucket_order = [n for n, _ in reversed(list(ours.named_parameters()))]
@@ -187,7 +187,7 @@ def _many_buckets(rank, world_size, name):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(8)])
     c = build_components(name, rank=2, start_iter=1, fusion="layerwise")
-    synchronizer = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    synchronizer = GradientSynchronizer(model, c)
     per_step = []
     for step in range(5):
         model.zero_grad()

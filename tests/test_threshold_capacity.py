@@ -77,7 +77,7 @@ def _two_ranks(rank, world_size):
     torch.manual_seed(0)
     model = torch.nn.Linear(200, 10, bias=False)
     c = build_components("threshold", "residual", threshold=0.05)
-    sync = GradientSynchronizer(model, c.compressor, c.memory, c.communicator, c.fusion)
+    sync = GradientSynchronizer(model, c)
     slots = []
     for step in range(30):
         g = torch.Generator().manual_seed(10 * step + rank)

@@ -177,10 +177,7 @@ class DiLoCoSynchronizer(Synchronizer):
             for group, roles in roles_by_dimension(chunk, self.components, self.vectors):
                 synchronizer = GradientSynchronizer(
                     self.module,
-                    roles.compressor,
-                    roles.memory,
-                    roles.communicator,
-                    roles.fusion,
+                    roles,
                     process_group=self.process_group,
                     broadcast_from_rank0=broadcast,
                     broadcast_buffers=False,

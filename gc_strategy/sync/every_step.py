@@ -59,11 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..algos.base import Compressor, Memory
 from ..bucket import Bucket
-from ..communicators import EAGER_AFTER_BYTES, Communicator, RunningExchange
-from ..components import DEFAULT_FUSION, Components
-from ..fusion import AutoPlanner, FusionPlanner, parse_fusion
+from ..communicators import EAGER_AFTER_BYTES, RunningExchange
+from ..components import Components
+from ..fusion import AutoPlanner, parse_fusion
 from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
 from .autotune import AutoTuner
 from .base import Synchronizer
@@ -98,8 +97,9 @@ def synchronised_parameters(module: nn.Module, parameters: Iterable[str] | None)
 
 
 class GradientSynchronizer(Synchronizer):
-    """Averages gradients of ``module`` across ``process_group`` through compressor, memory and
-    communicator, over buckets cut by ``fusion`` (a planner or its string form, e.g. ``"groups:4"``).
+    """Averages gradients of ``module`` across ``process_group`` through ``roles`` (compressor,
+    memory and communicator, :func:`~gc_strategy.components.build_components`), over buckets cut by
+    their fusion planner.
     On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
     stream, after backward's kernels: for measuring what the overlap gains).
     ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
@@ -114,10 +114,7 @@ class GradientSynchronizer(Synchronizer):
     def __init__(
         self,
         module: nn.Module,
-        compressor: Compressor,
-        memory: Memory,
-        communicator: Communicator,
-        fusion: str | FusionPlanner = DEFAULT_FUSION,
+        roles: Components,
         process_group: Any = None,
         broadcast_from_rank0: bool = True,
         side_stream: bool = True,
@@ -128,10 +125,10 @@ class GradientSynchronizer(Synchronizer):
         on_backward: bool = True,
     ) -> None:
         self.module = module
-        self.compressor = compressor
-        self.memory = memory
-        self.communicator = communicator
-        self.planner = parse_fusion(fusion)
+        #: the roles as one bundle (bound to the route's group below)
+        self.roles = roles
+        self.compressor, self.memory, self.communicator = roles.compressor, roles.memory, roles.communicator
+        self.planner = parse_fusion(roles.fusion)
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
@@ -142,8 +139,6 @@ class GradientSynchronizer(Synchronizer):
         self.rank = dist.get_rank(process_group) if initialized else 0
         #: how each bucket travels across ranks (flat, or per node)
         self.route = route_for(hierarchy, process_group, self.world_size)
-        #: the roles as one bundle (bound to the route's group)
-        self.roles = Components(compressor, memory, communicator, self.planner)
         self.roles.bind(self.route.group)
         named = synchronised_parameters(module, parameters)
         self.names = [name for name, _ in named]
@@ -159,7 +154,7 @@ class GradientSynchronizer(Synchronizer):
         self.tuner = AutoTuner(self, self.planner) if isinstance(self.planner, AutoPlanner) else None
         #: the gradient-ready order, recorded in the first synchronised backward (None until then)
         self.ready_order = self.layout.build_first(recorded=on_backward)
-        compressor.check_group(communicator.group, self.buckets)
+        self.compressor.check_group(self.communicator.group, self.buckets)
         self._enabled = True
         self._accumulated = [False] * len(self.params)  # got a gradient inside no_sync since the last synchronisation
         self._reset_step()

@@ -105,10 +105,7 @@ class EveryStep(SyncMode):
         c = components
         return GradientSynchronizer(
             module,
-            c.compressor,
-            c.memory,
-            c.communicator,
-            c.fusion,
+            c,
             broadcast_from_rank0=placement.broadcast_from_rank0,
             find_unused_parameters=placement.find_unused_parameters,
             broadcast_buffers=placement.broadcast_buffers,
