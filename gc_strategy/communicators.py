@@ -151,11 +151,16 @@ class Communicator:
         self.rank = 0
 
     def bind(self, group: Any) -> None:
-        """Attach to a process group (``None``: the default group, or a single process without one)."""
+        """Attach to a process group (``None``: the default group, or a single process without one).
+        The group's own size and rank are read, so that a group torch does not know of (one that
+        fault tolerance reconfigures at each quorum) serves too."""
         self.group = group
-        initialized = dist.is_available() and dist.is_initialized()
-        self.world_size = dist.get_world_size(group) if initialized else 1
-        self.rank = dist.get_rank(group) if initialized else 0
+        if group is not None:
+            self.world_size, self.rank = group.size(), group.rank()
+        else:
+            initialized = dist.is_available() and dist.is_initialized()
+            self.world_size = dist.get_world_size() if initialized else 1
+            self.rank = dist.get_rank() if initialized else 0
 
     def exchange(self, payload: Payload, variable_size: bool, eager: bool = False) -> Exchange:
         """Send ``payload``; the generator yields the collectives' rounds (the last one ``eager``

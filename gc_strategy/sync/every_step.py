@@ -69,6 +69,7 @@ from .base import Synchronizer
 from .collectives import broadcast_from_rank0
 from .hierarchy import NodeHierarchy, route_for
 from .layout import BucketLayout, agreed_order
+from .routes import Route
 from .state import any_rank_holds_state, load_state, resharded, state_of
 from .usage import Usage
 
@@ -168,6 +169,14 @@ class GradientSynchronizer(Synchronizer):
         if self.world_size > 1:
             broadcast_from_rank0(tensors, self.process_group)
 
+    def rebind(self, route: Route) -> None:
+        """Synchronise over ``route`` from the next step on (a group that changed: fault tolerance's
+        quorum), the roles bound to its group and checked again. No role's state depends on its size."""
+        self.route, self.process_group = route, route.group
+        self.roles.bind(route.group)
+        self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
+        self.compressor.check_group(route.group, self.buckets)
+
     # ------------------------------------------------------------------ one backward
     def _reset_step(self) -> None:
         self._in_backward = False
@@ -232,10 +241,9 @@ class GradientSynchronizer(Synchronizer):
                 job.running.advance()
 
     def _end_of_graph_task(self) -> None:
-        """Autograd's final callback of the graph task the step's first gradient arrived in. Inside a
-        nested backward (run by the node ``_current_autograd_node()`` of an enclosing one, as
-        reentrant checkpointing does) more gradients may follow in the enclosing backward: when
-        that node returns, queue this callback again on the enclosing graph task."""
+        """Autograd's final callback of the graph task the step's first gradient arrived in. In a
+        nested backward (run by node ``_current_autograd_node()`` of an enclosing one, as reentrant
+        checkpointing does) more gradients may follow: queue it again when that node returns."""
         node = torch._C._current_autograd_node()
         if node is None:
             self._finish_backward()
@@ -325,11 +333,10 @@ class GradientSynchronizer(Synchronizer):
             self._enabled = previous
 
     def start_synchronize(self) -> None:
-        """Average every synchronised parameter's current ``.grad`` outside backward, through the
-        same roles and buckets (for ``on_backward=False``; DiLoCo's outer exchange), in two halves
-        so that other work can overlap the exchange. This first half copies each ``.grad`` into its
-        bucket (zeros where it is None) and launches every exchange; the ``.grad`` tensors may
-        change afterwards. Every rank calls it at the same point of its collective order."""
+        """Average every synchronised parameter's ``.grad`` outside backward (``on_backward=False``;
+        DiLoCo's outer exchange), in two halves that other work can overlap. This one copies each
+        ``.grad`` into its bucket (zeros where None; it may change afterwards) and launches every
+        exchange. Every rank calls it at the same point of its collective order."""
         if self._in_backward or self._jobs:
             raise RuntimeError("start_synchronize: an exchange is already running; finish it first")
         self._accumulated = [p.grad is not None for p in self.params]

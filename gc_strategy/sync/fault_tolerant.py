@@ -1,0 +1,367 @@
+"""Per-step fault tolerance across replica groups, on torchft (docs/fault_tolerance.md).
+
+A *replica group* is a set of ranks that live and die together; here each group is one process.
+The groups train the same model on their own data and average their compressed gradients every
+step, as with :class:`~gc_strategy.sync.every_step.GradientSynchronizer`, but over a process group
+that torchft (Ma et al., "torchft", PyTorch 2025) forms anew whenever a group dies, joins or comes
+back, so that the survivors go on instead of ending the run. Each step:
+
+1. **Quorum.** torchft's lighthouse decides the participating groups; the manager reconfigures a
+   process group over them (rank: the group's place in the quorum). A group that joins, comes back
+   or fell behind first *heals*: it loads a live peer's state (parameters and buffers, the optimizers
+   and whatever else it was given, the synchroniser's step, gradient order and the state all ranks
+   share, e.g. PowerSGD's factors), sent by torchft's checkpoint transport. Its error feedback and
+   other per-rank state start at zero: they hold what *this* group's own gradients left unsent, and
+   a peer's copy would apply the peer's correction twice (once there, once here).
+2. **Bind.** Where the quorum changed, the roles are bound again to the new group
+   (:meth:`GradientSynchronizer.rebind`): the average is over the participants, the communicator's
+   size. The roles' per-element and shared state are kept (a copy on their device) before any
+   exchange of the step.
+3. **Exchange.** Backward runs each bucket's compressed exchange over that group. An exchange that
+   fails (a peer died: a closed connection or the collective's timeout) is reported to the manager
+   and every later exchange of the step is skipped, so a step fails in one timeout at most.
+4. **Commit.** ``should_commit`` is True only where every participant finished without error
+   (torchft's vote). Where False no optimizer step is taken, and the roles' state is put back as it
+   was before the step: error feedback, compressor state and step counter exactly as if the step
+   had not been tried.
+
+A failed step costs its compute and one timeout; a dead group's samples of that step are lost (each
+group reads its own shard; docs/fault_tolerance.md). torchft is optional (``pip install
+"gc_strategy[ft]"``, torch >= 2.7).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..bucket import Bucket
+from ..communicators import Exchange, Round
+from ..components import Components
+from ..fusion import AutoPlanner
+from ..telemetry import TelemetryLog
+from .base import Synchronizer
+from .every_step import GradientSynchronizer
+from .routes import FlatRoute
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Where the lighthouse is and which replica group this process is.
+
+    ``lighthouse``: the lighthouse's address (``http://HOST:PORT``; ``torchft_lighthouse`` prints
+    it). ``replica_group``: this group's id, unique among the groups (a group that comes back uses
+    its old id). ``min_replicas``: the fewest groups a step commits with. ``timeout_s``: the bound
+    on a collective, the commit vote and a healing transfer; ``quorum_timeout_s``: on waiting for a
+    quorum. ``host``: the address the peers reach this group's manager and store at (a healing
+    peer fetches state from it)."""
+
+    lighthouse: str
+    replica_group: int
+    min_replicas: int = 1
+    timeout_s: float = 30.0
+    quorum_timeout_s: float = 120.0
+    host: str = socket.gethostname()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lighthouse, str) or not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(
+                f"fault_tolerance: lighthouse = {self.lighthouse!r} is invalid; allowed: the lighthouse's address "
+                "as http://HOST:PORT (torchft_lighthouse prints it)"
+            )
+        for name, low in (("replica_group", 0), ("min_replicas", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: an integer >= {low}")
+        for name in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: a number of seconds > 0")
+
+
+def require_torchft() -> tuple[Any, Any]:
+    """torchft's ``Manager`` and reconfigurable ``ProcessGroupGloo``, or an error that says how to
+    install torchft."""
+    try:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as error:
+        raise ImportError('fault_tolerance needs torchft (torch >= 2.7): pip install "gc_strategy[ft]"') from error
+    return Manager, ProcessGroupGloo
+
+
+class _StepFailure:
+    """Whether an exchange of the current step failed; the first failure goes to the manager."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.failed = False
+
+    def report(self, error: Exception) -> None:
+        if not self.failed:
+            self.failed = True
+            self.manager.report_error(error)
+
+
+class _GuardedRound(Round):
+    """A round whose wait reports a failure instead of raising (and then returns None)."""
+
+    def __init__(self, inner: Round, failure: _StepFailure) -> None:
+        super().__init__([], inner.wait, inner.nbytes, inner.eager, inner.inside_node)
+        self.works, self.inner, self.failure = inner.works, inner, failure
+
+    def wait(self) -> Any:
+        try:
+            return self.inner.wait()
+        except Exception as error:  # a peer died: the collective closed or timed out
+            self.failure.report(error)
+            return None
+
+    @property
+    def duration(self) -> float:
+        return self.inner.duration
+
+
+def _guarded(inner: Exchange, flat: Tensor, failure: _StepFailure) -> Exchange:
+    """``inner`` driven round by round until it ends or a round fails; after a failure (this
+    exchange's or an earlier one's) it stops at once and returns ``flat`` as it is: the step will
+    not commit, so its value is never used."""
+    if failure.failed:
+        inner.close()
+        yield Round([], lambda: None, 0)
+        return flat, None
+    try:
+        current = next(inner)
+        while True:
+            value = yield _GuardedRound(current, failure)
+            if failure.failed:
+                inner.close()
+                return flat, None
+            current = inner.send(value)
+    except StopIteration as stop:
+        return stop.value
+    except Exception as error:  # issuing a collective on a broken group
+        failure.report(error)
+        yield Round([], lambda: None, 0)
+        return flat, None
+
+
+class _QuorumRoute(FlatRoute):
+    """Every participating group exchanges with every other over the quorum's process group, each
+    exchange guarded by the step's :class:`_StepFailure`."""
+
+    def __init__(self, group: Any, failure: _StepFailure) -> None:
+        super().__init__(group)
+        self.failure = failure
+
+    def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
+        return _guarded(super().exchange(flat, bucket, roles), flat, self.failure)
+
+
+class FaultTolerantSynchronizer(Synchronizer):
+    """See the module's docstring. ``module``'s gradients are averaged through ``roles`` across the
+    participating replica groups; ``healed`` names further objects with ``state_dict`` and
+    ``load_state_dict`` that a healing group takes from a peer (optimizers, LR schedules, a loop's
+    counters); optimizers given to :meth:`use_optimizers` are added to them.
+
+    A training loop::
+
+        sync = FaultTolerantSynchronizer(model, build_components("topk", "residual"), options)
+        sync.use_optimizers([optimizer])
+        for batch in loader:
+            with sync.forward_pass():           # the quorum (and healing) before the first forward
+                loss = model(batch)
+            loss.backward()                     # the exchange over the participating groups
+            if sync.should_commit():            # False: a peer failed; the roles' state is restored
+                optimizer.step()
+            optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        roles: Components,
+        options: FaultTolerance,
+        healed: dict[str, Stateful] | None = None,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        Manager, ProcessGroupGloo = require_torchft()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                "fault_tolerance: replica groups of one process are supported (each process its own group, "
+                f"--replica_group); this process group has {dist.get_world_size()} ranks"
+            )
+        if isinstance(roles.fusion, AutoPlanner):
+            raise ValueError(
+                "fault_tolerance: fusion = 'auto' is invalid (its plan is measured with collectives the groups "
+                "would not all take part in); allowed: 'bucket_mb:N', 'groups:N', 'layerwise', 'single', 'file:PATH'"
+            )
+        self.module, self.options = module, options
+        self.healed: dict[str, Stateful] = dict(healed or {})
+        self.inner = GradientSynchronizer(
+            module,
+            roles,
+            broadcast_from_rank0=False,
+            broadcast_buffers=False,
+            find_unused_parameters=find_unused_parameters,
+        )
+        if self.inner.ready_order is None:  # no first-step agreement: a group may join at any step
+            self.inner.ready_order = list(self.inner.layout.order)
+        timeout = timedelta(seconds=options.timeout_s)
+        self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.process_group = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.process_group,
+            load_state_dict=self._load_peer_state,
+            state_dict=self._peer_state,
+            min_replica_size=options.min_replicas,
+            use_async_quorum=False,  # heal before the forward; every group in the quorum takes part
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr=options.host,
+            store_port=self._store.port,
+            lighthouse_addr=options.lighthouse,
+            replica_id=str(options.replica_group),
+            hostname=options.host,
+        )
+        self._failure = _StepFailure(self.manager)
+        self._group: Any = None
+        self._kept: dict[str, Any] | None = None
+        #: the participating groups of the current step (0 before the first quorum)
+        self.participants = 0
+        self.failed_steps = 0
+
+    # ------------------------------------------------------------------ one step
+    def start_step(self) -> None:
+        """The step's quorum (healing first where this group must), then the roles bound to its
+        group and their state kept. Called by :meth:`before_forward` once per optimizer step."""
+        self.manager.start_quorum()
+        self._failure = _StepFailure(self.manager)
+        if self.manager.errored() is not None:  # the group could not be formed: the step cannot commit
+            self._failure.failed = True
+        else:
+            group = self.process_group.parent  # a new object whenever the quorum changed
+            if group is not self._group:
+                self.inner.rebind(_QuorumRoute(group, self._failure))
+                self._group = group
+            self.inner.route.failure = self._failure
+        self.participants = self.manager.num_participants()
+        self._kept = self._keep()
+
+    def should_commit(self) -> bool:
+        """torchft's vote: True where every participant's exchange of this step succeeded (then
+        take the optimizer step); False restores the roles' state as it was before the step."""
+        if self._kept is None:
+            raise RuntimeError("should_commit: no step was started (run the forward inside sync.forward_pass())")
+        committed = self.manager.should_commit()
+        if not committed:
+            self._restore(self._kept)
+            self.failed_steps += 1
+        self._kept = None
+        return committed
+
+    def _keep(self) -> dict[str, Any]:
+        """The roles' state and the step counter, copied on their device."""
+        inner = self.inner
+        per_element = inner.roles.state_by_parameter(inner.buckets)
+        return {
+            "step": inner.step,
+            "per_element": {
+                role: {name: {p: t.clone() for p, t in by_param.items()} for name, by_param in states.items()}
+                for role, states in per_element.items()
+            },
+            "extra": copy.deepcopy(inner.compressor.extra_state()),
+        }
+
+    def _restore(self, kept: dict[str, Any]) -> None:
+        inner = self.inner
+        inner.step = kept["step"]
+        inner.roles.clear_state()
+        inner.roles.load_state_by_parameter(kept["per_element"], inner.buckets)
+        inner.compressor.load_extra_state(kept["extra"])
+
+    # ------------------------------------------------------------------ healing
+    def _peer_state(self) -> dict[str, Any]:
+        """What a healing group loads from this one: called by torchft between steps."""
+        shared = {**self.inner.state_dict(), "memory": {}, "compressor": {}}  # per-rank state stays here
+        return {
+            "module": self.module.state_dict(),
+            "healed": {name: obj.state_dict() for name, obj in self.healed.items()},
+            "synchronizer": shared,
+        }
+
+    def _load_peer_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        for name, obj in self.healed.items():
+            obj.load_state_dict(state["healed"][name])
+        self.inner.roles.clear_state()  # this group's own error feedback starts at zero
+        self.inner.load_state_dict(state["synchronizer"])
+
+    # ------------------------------------------------------------------ the Synchronizer interface
+    def before_forward(self) -> None:
+        if self._kept is None:
+            self.start_step()
+        self.inner.before_forward()
+
+    def after_forward(self) -> None:
+        self.inner.after_forward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.inner.no_sync():
+            yield
+
+    def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for i, optimizer in enumerate(optimizers):
+            self.healed[f"optimizer_{i}"] = optimizer
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.inner.world_size
+
+    @property
+    def telemetry(self) -> TelemetryLog:  # type: ignore[override]
+        return self.inner.telemetry
+
+    @property
+    def committed_steps(self) -> int:
+        """The steps committed so far across the groups (the same on every participant; a healed
+        group takes its peer's): the step to read data for."""
+        return self.manager.current_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def holds_rank_state(self, state: dict[str, Any]) -> bool:
+        """Whether this group keeps state of its own (no collective: the groups are not all there)."""
+        return bool(state["memory"] or state["compressor"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        """Leave the quorum (the others go on without this group) and remove the hooks."""
+        self.inner.close()
+        self.manager.shutdown(wait=False)
