@@ -6,6 +6,7 @@ before its exchange. Writes its final parameters, the
 roles' state and a record of every step to ``--out``."""
 
 import argparse
+import copy
 import os
 import signal
 import time
@@ -48,13 +49,20 @@ def main() -> None:
     parser.add_argument("--compressor", default="none")
     parser.add_argument("--memory", default="none")
     parser.add_argument("--die-at", type=int, default=-1)
+    parser.add_argument("--die-when", choices=["exchange", "between"], default="exchange")
     parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     net = model()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     options = FaultTolerance(
-        args.lighthouse, args.group, args.min_replicas, timeout_s=10, quorum_timeout_s=60, host="127.0.0.1"
+        args.lighthouse,
+        args.group,
+        args.min_replicas,
+        timeout_s=10,
+        quorum_timeout_s=args.quorum_timeout,
+        host="127.0.0.1",
     )
     roles = build_components(args.compressor, args.memory, fusion="groups:2")
     sync = FaultTolerantSynchronizer(net, roles, options)
@@ -65,24 +73,40 @@ def main() -> None:
             step = sync.committed_steps
             x, y = batch(args.group, step)
             loss = (net(x) - y).square().mean()
-        if 0 <= args.die_at <= step and sync.participants == args.groups:
+        dies = 0 <= args.die_at <= step and sync.participants == args.groups
+        if dies and args.die_when == "exchange":
             os.kill(os.getpid(), signal.SIGKILL)
-        kept = sync.inner.state_dict()
+        kept = snapshot(net, optimizer, sync)
         loss.backward()
         committed = sync.should_commit()
         if committed:
             optimizer.step()
         optimizer.zero_grad()
-        after = sync.inner.state_dict()
         record.append(
-            {"step": step, "participants": sync.participants, "committed": committed, "state_kept": same(kept, after)}
+            {
+                "step": step,
+                "participants": sync.participants,
+                "committed": committed,
+                "state_kept": same(kept, snapshot(net, optimizer, sync)),
+            }
         )
+        if dies:  # between steps: after this step's optimizer step, before the next quorum
+            os.kill(os.getpid(), signal.SIGKILL)
         if committed and step + 1 >= args.steps and sync.participants == args.groups:
             break
         time.sleep(0.02)
-    params = {n: p.detach() for n, p in net.named_parameters()}
-    torch.save({"params": params, "record": record, "state": sync.inner.state_dict()}, args.out)
+    final = snapshot(net, optimizer, sync)
+    torch.save({**final, "record": record, "committed_steps": sync.committed_steps}, args.out)
     sync.close()
+
+
+def snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantSynchronizer) -> dict:
+    """Copies of the parameters, the optimizer's state and the synchroniser's state."""
+    return {
+        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "state": sync.inner.state_dict(),
+    }
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -225,7 +226,24 @@ class FaultTolerantSynchronizer(Synchronizer):
         timeout = timedelta(seconds=options.timeout_s)
         self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self.process_group = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
+        try:
+            self.manager = self._manager(Manager, options, timeout)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"fault_tolerance: the lighthouse at {options.lighthouse} could not be reached within "
+                f"timeout_s = {options.timeout_s} s; start it first (torchft_lighthouse --min_replicas 1 "
+                f"--join_timeout_ms 10000) or correct lighthouse=. {error}"
+            ) from error
+        self._failure = _StepFailure(self.manager)
+        self._group: Any = None
+        self._kept: dict[str, Any] | None = None
+        self._short_since: float | None = None
+        #: the participating groups of the current step (0 before the first quorum)
+        self.participants = 0
+        self.failed_steps = 0
+
+    def _manager(self, manager_class: Any, options: FaultTolerance, timeout: timedelta) -> Any:
+        return manager_class(
             pg=self.process_group,
             load_state_dict=self._load_peer_state,
             state_dict=self._peer_state,
@@ -242,18 +260,19 @@ class FaultTolerantSynchronizer(Synchronizer):
             replica_id=str(options.replica_group),
             hostname=options.host,
         )
-        self._failure = _StepFailure(self.manager)
-        self._group: Any = None
-        self._kept: dict[str, Any] | None = None
-        #: the participating groups of the current step (0 before the first quorum)
-        self.participants = 0
-        self.failed_steps = 0
 
     # ------------------------------------------------------------------ one step
     def start_step(self) -> None:
         """The step's quorum (healing first where this group must), then the roles bound to its
         group and their state kept. Called by :meth:`before_forward` once per optimizer step."""
-        self.manager.start_quorum()
+        options = self.options
+        try:
+            self.manager.start_quorum()
+        except Exception as error:
+            raise RuntimeError(
+                f"fault_tolerance: no quorum within quorum_timeout_s = {options.quorum_timeout_s} s from the "
+                f"lighthouse at {options.lighthouse} (is it running, and are enough replica groups up?): {error}"
+            ) from error
         self._failure = _StepFailure(self.manager)
         if self.manager.errored() is not None:  # the group could not be formed: the step cannot commit
             self._failure.failed = True
@@ -264,7 +283,24 @@ class FaultTolerantSynchronizer(Synchronizer):
                 self._group = group
             self.inner.route.failure = self._failure
         self.participants = self.manager.num_participants()
+        self._check_enough_groups()
         self._kept = self._keep()
+
+    def _check_enough_groups(self) -> None:
+        """Refuse to retry for longer than the quorum timeout steps that cannot commit because fewer
+        than ``min_replicas`` groups take part."""
+        options = self.options
+        if self.participants >= options.min_replicas:
+            self._short_since = None
+            return
+        now = time.monotonic()
+        self._short_since = self._short_since or now
+        if now - self._short_since > options.quorum_timeout_s:
+            raise RuntimeError(
+                f"fault_tolerance: only {self.participants} replica group(s) took part for over quorum_timeout_s = "
+                f"{options.quorum_timeout_s} s, and min_replicas = {options.min_replicas}: no step can commit; start "
+                "more groups or lower min_replicas"
+            )
 
     def should_commit(self) -> bool:
         """torchft's vote: True where every participant's exchange of this step succeeded (then
