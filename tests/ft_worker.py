@@ -59,7 +59,8 @@ def main() -> None:
     options = FaultTolerance(
         args.lighthouse,
         args.group,
-        args.min_replicas,
+        groups=args.groups,
+        min_replicas=args.min_replicas,
         timeout_s=10,
         quorum_timeout_s=args.quorum_timeout,
         host="127.0.0.1",

@@ -2,6 +2,7 @@
 torchft lighthouse on loopback, each replica group a process started here (tests/ft_worker.py), one
 killed with SIGKILL in the middle of a step and started again under its old id."""
 
+import math
 import os
 import signal
 import subprocess
@@ -189,3 +190,38 @@ def test_without_torchft_the_error_says_how_to_install_it(monkeypatch):
     options = FaultTolerance("http://127.0.0.1:1", 0)
     with pytest.raises(ImportError, match=r'pip install "gc_strategy\[ft\]"'):
         FaultTolerantSynchronizer(model(), build_components("none"), options)
+
+
+@pytest.mark.slow
+def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_schedule(lighthouse, tmp_path):
+    """``GCFusedStrategy(compressor="topk", memory="residual", fault_tolerance=...)``, three groups
+    of one process each, each reading its shard. Group 2 is killed before its backward at a step
+    from global step 5 on, so the others' exchange of that step fails; the survivors go on; group
+    2, started again, heals the model, the optimizer, the LR schedule and the Trainer's step
+    counters from a peer. Every group ends with the same parameters, optimizer state, schedule and
+    global step, to the bit."""
+    worker = Path(__file__).with_name("ft_lightning_worker.py")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+
+    def run(group: int, *extra: str) -> subprocess.Popen:
+        args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "3", "--steps", "25"]
+        log = open(tmp_path / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
+        args += ["--out", str(tmp_path / f"{group}.pt"), *extra]
+        return subprocess.Popen([sys.executable, str(worker), *args], env=env, stdout=log, stderr=log)
+
+    groups = [run(g, *(["--die-at", "5"] if g == 2 else [])) for g in range(3)]
+    assert groups[2].wait(timeout=180) == -signal.SIGKILL
+    groups[2] = run(2)
+    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    for survivor in results[:2]:
+        record = survivor["record"]
+        assert any(not r["committed"] and r["participants"] == 3 for r in record)  # the step in flight failed
+        assert any(r["committed"] and r["participants"] == 2 for r in record)  # then on as two
+        assert record[-1]["participants"] == 3
+    assert results[2]["record"][0]["global_step"] > 5  # healed: it took its peer's counters
+    assert all(r["batches_per_epoch"] == math.ceil(4096 / 3 / 8) for r in results)  # a third of the data each
+    for other in results[1:]:
+        assert same(results[0]["params"], other["params"])
+        assert same(results[0]["optimizer"], other["optimizer"])
+        assert results[0]["scheduler"] == other["scheduler"]
+        assert results[0]["global_step"] == other["global_step"]

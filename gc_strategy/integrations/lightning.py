@@ -26,8 +26,9 @@ from ..components import Components, build_components
 from ..fusion import FusionPlanner
 from ..registry import Option, validate_options
 from ..sync.base import Synchronizer
+from ..sync.fault_tolerant import FaultTolerance
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
-from ..sync.modes import Replicated, SyncMode, parse_sync, refuse_misplaced_options
+from ..sync.modes import Replicated, SyncMode, check_fault_tolerance, parse_sync, refuse_misplaced_options
 from .checkpoint import load_rank_states, state_folder
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
@@ -44,6 +45,9 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         sync: ``"every_step"`` (every optimizer step's gradients) or
             :class:`~gc_strategy.sync.modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
             then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.
+        fault_tolerance: a :class:`~gc_strategy.sync.fault_tolerant.FaultTolerance`: each process is a
+            replica group that goes on when others die and heals when it comes back (torchft;
+            docs/fault_tolerance.md).
         hierarchy: ``"flat"`` (every rank exchanges with every rank), or ``"node"`` /
             :class:`~gc_strategy.sync.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
             dense reduction inside each node and compression only across nodes; the nodes are the
@@ -74,6 +78,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         fusion: str | FusionPlanner | None = None,
         sync: str | SyncMode = "every_step",
         hierarchy: str | NodeHierarchy = "flat",
+        fault_tolerance: FaultTolerance | None = None,
         log_every_n_steps: int | None = None,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
@@ -110,6 +115,8 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             compressor, memory, communicator, fusion_for(fusion, own["bucket_cap_mb"]), **options
         )
         self.sync = parse_sync(sync, self.components)
+        check_fault_tolerance(fault_tolerance, self.sync, hierarchy)
+        self.fault_tolerance = fault_tolerance
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -162,8 +169,19 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             broadcast_buffers=self.broadcast_buffers,
             broadcast_from_rank0=broadcast_from_rank0,
             find_unused_parameters=self.find_unused_parameters,
+            fault_tolerance=self.fault_tolerance,
         )
         return self.sync.build(self.model, c, placement)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault tolerance each replica group reads its own shard: shard ``replica_group`` of
+        ``groups``."""
+        ft = self.fault_tolerance
+        if ft is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": ft.groups, "rank": ft.replica_group}
 
     # ---------------------------------------------------------------- forward passes
     @contextmanager

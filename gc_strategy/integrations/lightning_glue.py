@@ -69,8 +69,17 @@ class SynchronizerGlue:
         message = double_momentum(self.components, self.optimizers)  # type: ignore[attr-defined]
         if message is not None:
             rank_zero_warn(message)
+        if self.synchronizer is not None and self.synchronizer.votes_on_commit:
+            self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
+            self.synchronizer.share_state(loop_state(trainer))
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.synchronizer is not None and self.synchronizer.votes_on_commit:
+            output = closure()  # forward and backward, then the vote: a step that failed somewhere is not taken
+            if not self.synchronizer.should_commit():
+                self._log_telemetry()
+                return output
+            closure = lambda: output  # noqa: E731 (the optimizer calls it for the loss)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self.synchronizer is not None:
             self.synchronizer.after_optimizer_step()
@@ -128,6 +137,28 @@ class SynchronizerGlue:
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class _LoopProgress:
+    """The Trainer's step counters (``global_step`` and the epoch loop's progress) as a stateful
+    object, through the loop's own ``state_dict`` and ``load_state_dict``."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.loop = trainer.fit_loop.epoch_loop
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loop.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loop.load_state_dict(state)
+
+
+def loop_state(trainer: Any) -> dict[str, Any]:
+    """What a replica group joining late takes from a live peer besides the model and optimizers
+    (:meth:`~gc_strategy.sync.base.Synchronizer.share_state`): the Trainer's step counters, so that
+    ``global_step`` is the same in every group, and each LR scheduler's state."""
+    schedulers = {f"lr_scheduler_{i}": config.scheduler for i, config in enumerate(trainer.lr_scheduler_configs)}
+    return {"trainer_progress": _LoopProgress(trainer), **schedulers}
 
 
 def end_process_group() -> None:

@@ -63,6 +63,18 @@ class Synchronizer(ABC):
     def after_optimizer_step(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """After every optimizer step, on every rank."""
 
+    #: whether a step's exchange may fail and the optimizer step then be skipped: an integration
+    #: asks :meth:`should_commit` after backward, before the optimizer step (fault tolerance)
+    votes_on_commit = False
+
+    def should_commit(self) -> bool:
+        """After backward, before the optimizer step: whether to take it (always, by default)."""
+        return True
+
+    def share_state(self, objects: dict[str, Any]) -> None:  # noqa: B027 (a hook: nothing by default)
+        """Objects with ``state_dict`` and ``load_state_dict`` (optimizers, LR schedules, a loop's
+        counters) that a replica joining late must take from a live peer (fault tolerance)."""
+
     def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:  # noqa: B027 (a hook: nothing by default)
         """The training's optimizers, whose states a checkpoint keeps per rank where they differ
         between ranks (DiLoCo's inner optimizers); call it before saving or restoring."""

@@ -66,14 +66,16 @@ class FaultTolerance:
     """Where the lighthouse is and which replica group this process is.
 
     ``lighthouse``: the lighthouse's address (``http://HOST:PORT``; ``torchft_lighthouse`` prints
-    it). ``replica_group``: this group's id, unique among the groups (a group that comes back uses
-    its old id). ``min_replicas``: the fewest groups a step commits with. ``timeout_s``: the bound
-    on a collective, the commit vote and a healing transfer; ``quorum_timeout_s``: on waiting for a
-    quorum. ``host``: the address the peers reach this group's manager and store at (a healing
-    peer fetches state from it)."""
+    it). ``replica_group``: this group's id, 0 to ``groups - 1`` (a group that comes back uses its
+    old id); ``groups``: how many the run is planned with, the shards the data is split into (group
+    ``g`` reads shard ``g``; the integrations' samplers do so). ``min_replicas``: the fewest groups a
+    step commits with. ``timeout_s``: the bound on a collective, the commit vote and a healing
+    transfer; ``quorum_timeout_s``: on waiting for a quorum. ``host``: the address the peers reach
+    this group's manager and store at (a healing peer fetches state from it)."""
 
     lighthouse: str
     replica_group: int
+    groups: int = 1
     min_replicas: int = 1
     timeout_s: float = 30.0
     quorum_timeout_s: float = 120.0
@@ -85,10 +87,15 @@ class FaultTolerance:
                 f"fault_tolerance: lighthouse = {self.lighthouse!r} is invalid; allowed: the lighthouse's address "
                 "as http://HOST:PORT (torchft_lighthouse prints it)"
             )
-        for name, low in (("replica_group", 0), ("min_replicas", 1)):
+        for name, low in (("replica_group", 0), ("groups", 1), ("min_replicas", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: an integer >= {low}")
+        if self.replica_group >= self.groups:
+            raise ValueError(
+                f"fault_tolerance: replica_group = {self.replica_group} is invalid with groups = {self.groups}; "
+                f"allowed: 0 to {self.groups - 1}"
+            )
         for name in ("timeout_s", "quorum_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -312,6 +319,8 @@ class FaultTolerantSynchronizer(Synchronizer):
             self._restore(self._kept)
             self.failed_steps += 1
         self._kept = None
+        figures = {"participants": self.participants, "committed": float(committed), "failed_steps": self.failed_steps}
+        self.inner.telemetry.last.extra.update(figures)  # beside the step's exchange figures: gc/participants, ...
         return committed
 
     def _keep(self) -> dict[str, Any]:
@@ -365,9 +374,13 @@ class FaultTolerantSynchronizer(Synchronizer):
         with self.inner.no_sync():
             yield
 
+    votes_on_commit = True
+
     def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        for i, optimizer in enumerate(optimizers):
-            self.healed[f"optimizer_{i}"] = optimizer
+        self.share_state({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
+
+    def share_state(self, objects: dict[str, Any]) -> None:
+        self.healed.update(objects)
 
     @property
     def rank(self) -> int:  # type: ignore[override]

@@ -33,7 +33,8 @@ from ..registry import Configuration, Option, Registry
 from .base import Synchronizer
 from .diloco import DiLoCoSynchronizer
 from .every_step import GradientSynchronizer
-from .hierarchy import NodeHierarchy, hierarchy_of
+from .fault_tolerant import FaultTolerance, FaultTolerantSynchronizer
+from .hierarchy import NodeHierarchy, hierarchy_of, parse_hierarchy
 from .sharded import ShardedSynchronizer
 from .sharded_diloco import ShardedDiLoCo
 
@@ -51,12 +52,15 @@ class Replicated:
     a :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
     forward where ``broadcast_buffers`` and its parameters at the start where
     ``broadcast_from_rank0``, and, where ``find_unused_parameters``, takes steps in which a
-    parameter got no gradient (DDP's options)."""
+    parameter got no gradient (DDP's options). With ``fault_tolerance`` each process is a replica
+    group that the others survive (:mod:`gc_strategy.sync.fault_tolerant`)."""
 
     hierarchy: str | NodeHierarchy = "flat"
     broadcast_buffers: bool = True
     broadcast_from_rank0: bool = True
     find_unused_parameters: bool = False
+    #: replica groups that survive each other's loss (:mod:`gc_strategy.sync.fault_tolerant`)
+    fault_tolerance: FaultTolerance | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class SyncMode(Configuration):
     fixed_roles = False
     #: whether the mode counts the steps of one optimizer (an integration then refuses several)
     one_optimizer = False
+    #: whether the mode builds a synchroniser that survives lost replica groups (``fault_tolerance=``)
+    fault_tolerant = False
 
     def check(self, components: Components) -> None:
         """Refuse, before any work, roles the mode cannot serve (none, by default)."""
@@ -99,10 +105,15 @@ class EveryStep(SyncMode):
     roles (:class:`~gc_strategy.sync.every_step.GradientSynchronizer`), or across nodes over FSDP2's
     shards (:class:`~gc_strategy.sync.sharded.ShardedSynchronizer`)."""
 
+    fault_tolerant = True
+
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         if isinstance(placement, Sharded):
             return ShardedSynchronizer(module, components, placement.mesh)
         c = components
+        if placement.fault_tolerance is not None:
+            unused = placement.find_unused_parameters
+            return FaultTolerantSynchronizer(module, c, placement.fault_tolerance, find_unused_parameters=unused)
         return GradientSynchronizer(
             module,
             c,
@@ -188,6 +199,26 @@ class DiLoCo(SyncMode):
             return ShardedDiLoCo(module, components, self, placement.mesh)
         return DiLoCoSynchronizer(
             module, components, self, broadcast_buffers=placement.broadcast_buffers, hierarchy=placement.hierarchy
+        )
+
+
+def check_fault_tolerance(fault_tolerance: FaultTolerance | None, mode: SyncMode, hierarchy: Any) -> None:
+    """Refuse, before any work, what fault tolerance cannot serve: a mode that does not build a
+    fault-tolerant synchroniser, or a hierarchy (each process is its own replica group)."""
+    if fault_tolerance is None:
+        return
+    if not isinstance(fault_tolerance, FaultTolerance):
+        raise ValueError(
+            f"option fault_tolerance = {fault_tolerance!r} is invalid; allowed: None or "
+            "FaultTolerance(lighthouse=..., replica_group=...)"
+        )
+    if not mode.fault_tolerant:
+        allowed = sorted(name for name in SYNC_MODES.names() if SYNC_MODES.get(name).fault_tolerant)
+        raise ValueError(f"fault_tolerance with sync={mode.name!r} is not supported; allowed: sync in {allowed}")
+    if parse_hierarchy(hierarchy) is not None:
+        raise ValueError(
+            f"fault_tolerance with hierarchy = {hierarchy!r} is invalid; allowed: 'flat' (each process is its own "
+            "replica group)"
         )
 
 
