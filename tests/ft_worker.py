@@ -1,5 +1,6 @@
 """One replica group of the fault-tolerance tests (tests/test_fault_tolerance.py): a small MLP
-trained through FaultTolerantSynchronizer on data of its own, until a step at least ``--steps``
+trained through FaultTolerantSynchronizer (in a plain loop, or through Accelerate's ``prepare``
+with ``--via accelerate``) on data of its own, until a step at least ``--steps``
 that every one of ``--groups`` groups took part in. With ``--die-at S`` it kills itself (SIGKILL)
 after the forward of the first step from committed step ``S`` on that every group takes part in,
 before its exchange. Writes its final parameters, the
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--die-when", choices=["exchange", "between"], default="exchange")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
+    parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     net = model()
@@ -65,9 +67,19 @@ def main() -> None:
         quorum_timeout_s=args.quorum_timeout,
         host="127.0.0.1",
     )
-    roles = build_components(args.compressor, args.memory, fusion="groups:2")
-    sync = FaultTolerantSynchronizer(net, roles, options)
-    sync.use_optimizers([optimizer])
+    if args.via == "accelerate":
+        from accelerate import Accelerator
+
+        from gc_strategy.accelerate import prepare
+
+        roles = {"compressor": args.compressor, "memory": args.memory, "fusion": "groups:2"}
+        net, optimizer = prepare(Accelerator(cpu=True), net, optimizer, **roles, fault_tolerance=options)
+        sync = net.gc_synchronizer
+    else:
+        sync = FaultTolerantSynchronizer(
+            net, build_components(args.compressor, args.memory, fusion="groups:2"), options
+        )
+        sync.use_optimizers([optimizer])
     record = []
     while True:
         with sync.forward_pass():
@@ -79,9 +91,13 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         kept = snapshot(net, optimizer, sync)
         loss.backward()
-        committed = sync.should_commit()
-        if committed:
+        if args.via == "accelerate":  # its optimizer steps where the step commits
             optimizer.step()
+            committed = bool(sync.telemetry.last.extra["committed"])
+        else:
+            committed = sync.should_commit()
+            if committed:
+                optimizer.step()
         optimizer.zero_grad()
         record.append(
             {

@@ -74,19 +74,23 @@ def same(a: object, b: object) -> bool:
         ("qsgd", "none", "exchange"),
         ("powersgd", "none", "exchange"),
         ("topk", "residual", "between"),
+        ("topk", "residual", "accelerate"),
     ],
 )
 def test_a_group_killed_in_or_between_steps_is_survived_and_comes_back_bit_identical(
     lighthouse, tmp_path, compressor, memory, when
 ):
     """Three groups; group 2 kills itself (SIGKILL) at a step (from step 6 on) that all three take
-    part in: after its forward, before its exchange (``exchange``), or after its optimizer step
-    (``between``). The survivors go on as two without a restart, and redo at most the step in
-    flight: a failed step leaves their parameters, optimizer state, error feedback and compressor
-    state bit-identical to a snapshot taken before it. Group 2, started again under its id, heals
-    from a live peer; then every group holds the same parameters, optimizer state, compressor
-    state all groups share (PowerSGD's factors) and global step, to the bit."""
+    part in: after its forward, before its exchange (``exchange``, also through Accelerate's
+    ``prepare``), or after its optimizer step (``between``). The survivors go on as two without a
+    restart, and redo at most the step in flight: a failed step leaves their parameters, optimizer
+    state, error feedback and compressor state bit-identical to a snapshot taken before it. Group 2,
+    started again under its id, heals from a live peer; then every group holds the same parameters,
+    optimizer state, compressor state all groups share (PowerSGD's factors) and global step, to the
+    bit."""
     options = ["--steps", "30", "--compressor", compressor, "--memory", memory]
+    if when == "accelerate":  # through gc_strategy.accelerate.prepare, killed in the exchange
+        options, when = [*options, "--via", "accelerate"], "exchange"
     dying = ["--die-at", "6", "--die-when", when]
     groups = [start(lighthouse, g, 3, tmp_path, *options, *(dying if g == 2 else [])) for g in range(3)]
     groups[2].wait(timeout=120)
