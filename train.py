@@ -1,6 +1,8 @@
 """Train a recipe with compressed gradient synchronisation: ``python train.py compressor=dgc fusion=auto``.
 
-A Hydra app over ``conf/``: groups compressor/ memory/ communicator/ fusion/ sync/ model/ data/ trainer/ logger/.
+A Hydra app over ``conf/``: groups compressor/ memory/ communicator/ fusion/ sync/ model/ data/ trainer/ logger/;
+``fault_tolerance.*`` makes each process a replica group that survives the others' loss
+(``fault_tolerance.lighthouse=local``: a lighthouse and the groups on this machine, docs/fault_tolerance.md).
 Every option of a compressor or memory is a key of its group (``compressor.density=0.001``) and is
 validated before any work starts. Outputs (W&B offline run, checkpoints, ``summary.json``) go to
 Hydra's run directory, a new one per run.
@@ -21,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, GCFSDPStrategy, GCFusedStrategy
+from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, FaultTolerance, GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.integrations.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
 from gc_strategy.registry import closest
@@ -31,6 +33,7 @@ from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.console import StepProgressBar, quiet_harmless_messages
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
+from recipes.replica_groups import FinishTogether, KillAt, StepRecord, run_replica_groups
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
@@ -92,8 +95,42 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
         hierarchy=hierarchy_of(cfg.trainer.hierarchy, cfg.trainer.node_precision) or "flat",
         broadcast_buffers=cfg.trainer.broadcast_buffers,
         sync=sync_of(cfg.sync.name, _options(cfg.sync)),
+        fault_tolerance=fault_tolerance_of(cfg),
         **options,
     )
+
+
+def fault_tolerance_of(cfg: DictConfig) -> FaultTolerance | None:
+    """This process's replica group where ``fault_tolerance.lighthouse`` is an address; None where
+    it is null. Each group is one process: refused otherwise."""
+    ft, t = cfg.fault_tolerance, cfg.trainer
+    if ft.lighthouse is None:
+        return None
+    if t.devices != 1 or t.num_nodes != 1 or t.sharding != "none":
+        raise ValueError(
+            f"fault_tolerance: each replica group is one process; trainer.devices = {t.devices}, trainer.num_nodes = "
+            f"{t.num_nodes} and trainer.sharding = {t.sharding!r} are invalid with it; allowed: 1, 1 and 'none' "
+            "(start more groups instead: fault_tolerance.groups)"
+        )
+    options = {k: ft[k] for k in ("replica_group", "groups", "min_replicas", "timeout_s", "quorum_timeout_s")}
+    return FaultTolerance(lighthouse=ft.lighthouse, **options)
+
+
+def check_demo(cfg: DictConfig) -> None:
+    """``fault_tolerance.kill_group`` and ``kill_at`` (the demo): both or neither, within the run."""
+    ft = cfg.fault_tolerance
+    if (ft.kill_group is None) != (ft.kill_at is None):
+        raise ValueError("fault_tolerance.kill_group and fault_tolerance.kill_at go together: set both, or neither")
+    if ft.kill_group is not None and not 0 <= ft.kill_group < ft.groups:
+        raise ValueError(
+            f"fault_tolerance.kill_group = {ft.kill_group} is invalid with fault_tolerance.groups = {ft.groups}; "
+            f"allowed: 0 to {ft.groups - 1}"
+        )
+    if ft.kill_at is not None and not 1 <= ft.kill_at < cfg.trainer.max_steps:
+        raise ValueError(
+            f"fault_tolerance.kill_at = {ft.kill_at} is invalid with trainer.max_steps = {cfg.trainer.max_steps}; "
+            f"allowed: 1 to {cfg.trainer.max_steps - 1}"
+        )
 
 
 def build_sharded_strategy(cfg: DictConfig, options: dict) -> GCFSDPStrategy:
@@ -290,12 +327,17 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     monitor = ThroughputMonitor(
         cfg.data.batch_size, str(output_dir), cfg.speedup.baseline_steps, cfg.speedup.warmup_steps
     )
+    ft = cfg.fault_tolerance
+    demo = ft.kill_at is not None and ft.replica_group == ft.kill_group
+    tolerant = ft.lighthouse is not None  # each group ends with the others (FinishTogether), not at max_steps
+    record = [StepRecord(output_dir / "steps.csv"), FinishTogether(t.max_steps, ft.groups, ft.quorum_timeout_s)]
     trainer = pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         precision=t.precision,
-        max_steps=t.max_steps,
+        max_steps=-1 if tolerant else t.max_steps,
+        max_epochs=-1 if tolerant else None,
         val_check_interval=min(t.val_check_interval, t.max_steps),
         check_val_every_n_epoch=None,
         log_every_n_steps=t.log_every_n_steps,
@@ -307,6 +349,8 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
             StepProgressBar(),
             *build_lowrank_model(cfg, module),
             *build_checkpointing(cfg, checkpoints),
+            *([KillAt(ft.kill_at, ft.groups)] if demo else []),
+            *(record if tolerant else []),
         ],
     )
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
@@ -321,6 +365,12 @@ def main(cfg: DictConfig) -> None:
     quiet_harmless_messages()
     try:
         check_added_keys(cfg, list(hydra_config.overrides.task))
+        if cfg.fault_tolerance.lighthouse == "local":
+            check_demo(cfg)
+            check_run(cfg)
+            group = {"fault_tolerance": {"lighthouse": "http://127.0.0.1:1"}, "trainer": {"devices": 1}}
+            build_strategy(OmegaConf.merge(cfg, group))  # each group's options, checked before any starts
+            sys.exit(run_replica_groups(cfg, output_dir, list(hydra_config.overrides.task)))
         summary = run(cfg, output_dir)
     except (ValueError, MissingDataset) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -13,6 +13,7 @@ from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .fusion import FusionPlanner, parse_fusion
 from .sync.every_step import GradientSynchronizer
+from .sync.fault_tolerant import FaultTolerance, FaultTolerantSynchronizer
 from .sync.hierarchy import NodeHierarchy
 from .sync.modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode
 from .sync.presets import sparseloco
@@ -50,6 +51,8 @@ __all__ = [
     "Compressor",
     "DiLoCo",
     "EveryStep",
+    "FaultTolerance",
+    "FaultTolerantSynchronizer",
     "FusionPlanner",
     "GCFSDPStrategy",
     "GCFusedStrategy",

@@ -2,6 +2,7 @@
 torchft lighthouse on loopback, each replica group a process started here (tests/ft_worker.py), one
 killed with SIGKILL in the middle of a step and started again under its old id."""
 
+import csv
 import math
 import os
 import signal
@@ -229,3 +230,59 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
         assert same(results[0]["optimizer"], other["optimizer"])
         assert results[0]["scheduler"] == other["scheduler"]
         assert results[0]["global_step"] == other["global_step"]
+
+
+def _app(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_app_starts_a_lighthouse_and_the_groups_kills_one_restarts_it_and_plots_the_run(tmp_path):
+    """``fault_tolerance.lighthouse=local`` with a kill: two groups; group 1 kills itself at a step
+    both take part in, group 0's step fails and it goes on alone; group 1, started again, heals, and
+    both end together at the same step. The per-step CSV and the plot are written."""
+    done = _app(
+        tmp_path,
+        *("fault_tolerance.lighthouse=local", "fault_tolerance.groups=2", "fault_tolerance.kill_group=1"),
+        *("fault_tolerance.kill_at=4", "trainer.max_steps=12", "model=lstm", "data=synthetic_text"),
+        *("compressor=topk", "memory=residual", "logger=csv", "checkpoints=none"),
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "replica group 1 was killed (SIGKILL); starting it again" in done.stdout
+    run = tmp_path / "run"
+    rows = list(csv.DictReader((run / "fault_tolerance.csv").open()))
+    mine = [r for r in rows if r["group"] == "0"]
+    failed = [r for r in mine if r["committed"] == "0"]
+    assert failed and failed[0]["participants"] == "2"
+    after = mine[mine.index(failed[0]) + 1 :]
+    assert after[0]["participants"] == "1" and after[-1]["participants"] == "2"  # alone, then with group 1 again
+    last = {g: [r for r in rows if r["group"] == g][-1] for g in ("0", "1")}
+    assert last["0"]["step"] == last["1"]["step"] and int(last["0"]["step"]) >= 12
+    assert (run / "fault_tolerance.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fault_tolerance.kill_group=1"], "fault_tolerance.kill_group and fault_tolerance.kill_at go together"),
+        (
+            ["fault_tolerance.kill_group=5", "fault_tolerance.kill_at=2"],
+            "fault_tolerance.kill_group = 5 is invalid with fault_tolerance.groups = 3; allowed: 0 to 2",
+        ),
+        (["fault_tolerance.groups=0"], "fault_tolerance: groups = 0 is invalid; allowed: an integer >= 1"),
+        (["sync=diloco", "sync.inner_steps=2"], "fault_tolerance with sync='diloco' is not supported"),
+    ],
+)
+def test_the_app_refuses_bad_fault_tolerance_options_before_starting_any_group(tmp_path, args, message):
+    done = _app(tmp_path, "fault_tolerance.lighthouse=local", "trainer.max_steps=4", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert "lighthouse http" not in done.stdout
+
+
+def test_a_replica_group_of_several_processes_is_refused_in_the_app(tmp_path):
+    done = _app(tmp_path, "fault_tolerance.lighthouse=http://127.0.0.1:1", "trainer.devices=2")
+    assert done.returncode == 2
+    assert "trainer.devices = 2, trainer.num_nodes = 1 and trainer.sharding = 'none' are invalid" in done.stderr

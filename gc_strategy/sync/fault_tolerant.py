@@ -395,6 +395,11 @@ class FaultTolerantSynchronizer(Synchronizer):
         return self.inner.telemetry
 
     @property
+    def synchronizers(self) -> list[GradientSynchronizer]:
+        """The synchroniser that runs the exchanges (as DiLoCo's, for reports of the buckets)."""
+        return [self.inner]
+
+    @property
     def committed_steps(self) -> int:
         """The steps committed so far across the groups (the same on every participant; a healed
         group takes its peer's): the step to read data for."""
