@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -29,9 +28,8 @@ from ..sync.base import Synchronizer
 from ..sync.fault_tolerant import FaultTolerance
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
 from ..sync.modes import Replicated, SyncMode, check_fault_tolerance, parse_sync, refuse_misplaced_options
-from .checkpoint import load_rank_states, state_folder
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
-from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
+from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
 
 class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
@@ -128,7 +126,6 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             start_method=start_method,
         )
         self.synchronizer: Synchronizer | None = None
-        self._pending_state: tuple[dict[str, Any], str] | None = None  # (saved state, its folder)
         self._announced_plan: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- process group
@@ -141,9 +138,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     def configure_ddp(self) -> None:
         """Install the gradient synchroniser on the unwrapped LightningModule (no DDP wrapper)."""
         self.synchronizer = self._synchronizer(self.components)
-        if self._pending_state is not None:
-            load_rank_states(self.synchronizer, *self._pending_state)
-            self._pending_state = None
+        self.load_pending_state()
 
     def switch_components(self, components: Components, broadcast_from_rank0: bool = False) -> None:
         """Synchronise with other roles from now on (e.g. an uncompressed baseline phase, or the
@@ -215,32 +210,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     @override
     def teardown(self) -> None:
         self.close_synchronizer()
-        self._pending_state = None  # a checkpoint's state applies only to the run that loaded it
         super().teardown()
-
-    # ---------------------------------------------------------------- checkpoints
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Rank 0's optimizer states, as Lightning restores them; with DiLoCo then each rank's own
-        (inner phases let them differ)."""
-        super().load_optimizer_state_dict(checkpoint)
-        if self.synchronizer is not None:
-            self.synchronizer.use_optimizers(self.optimizers)
-            self.synchronizer.restore_optimizers()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        trainer = self._trainer()
-        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
-        if saved is not None and fitting:  # validate/test/predict(ckpt_path=...) have no synchroniser
-            folder = state_folder(checkpoint_path, saved=True)
-            if self.synchronizer is not None:
-                load_rank_states(self.synchronizer, saved, folder)
-            else:
-                self._pending_state = (saved, folder)
-        return checkpoint
 
     # ---------------------------------------------------------------- registration
     @classmethod

@@ -35,8 +35,7 @@ from ..registry import validate_options
 from ..sync.base import Synchronizer
 from ..sync.modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
 from ..sync.sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, shard_by_policy
-from .checkpoint import load_rank_states, state_folder
-from .lightning_glue import CHECKPOINT_KEY, LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
+from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
 START_METHODS = ("popen", "spawn", "fork")
 
@@ -158,6 +157,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self.synchronizer = self.sync.build(self.model, self.components.fresh(), Sharded(self.device_mesh))
+            self.load_pending_state()
 
     def _shard(self) -> None:
         """Shard the model inside each node by the policy (:func:`shard_by_policy`)."""
@@ -168,15 +168,6 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
     def teardown(self) -> None:
         self.close_synchronizer()
         super().teardown()
-
-    # ---------------------------------------------------------------- checkpoints
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is not None and self.synchronizer is not None:
-            load_rank_states(self.synchronizer, saved, state_folder(checkpoint_path, saved=True))
-        return checkpoint
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

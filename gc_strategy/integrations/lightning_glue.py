@@ -2,8 +2,9 @@
 :class:`~gc_strategy.sync.base.Synchronizer` they hold in ``self.synchronizer``, around the
 Trainer's loop: accumulation without exchange, the synchroniser's step after each optimizer step,
 its ``gc/...`` telemetry to the Trainer's loggers, the fusion plan once chosen, the warning where
-momentum would be applied twice, each rank's state beside a checkpoint (saved and removed with it),
-the process group's end at exit, and closing it at teardown."""
+momentum would be applied twice, each rank's state beside a checkpoint (saved, loaded and removed
+with it), the optimizer step taken only where the step commits (fault tolerance), the process
+group's end at exit, and closing it at teardown."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..components import Components, double_momentum
 from ..registry import Option
 from ..sync.base import Synchronizer
-from .checkpoint import remove_rank_states, save_rank_states, state_folder
+from .checkpoint import load_rank_states, remove_rank_states, save_rank_states, state_folder
 
 #: the key of the checkpoint's manifest of the ranks' synchroniser states (:mod:`gc_strategy.integrations.checkpoint`)
 CHECKPOINT_KEY = "gc_strategy"
@@ -44,10 +46,44 @@ class SynchronizerGlue:
         with self.synchronizer.no_sync():
             yield
 
+    #: a checkpoint's synchroniser state read before the synchroniser was built: (manifest, folder)
+    _pending_state: tuple[dict[str, Any], str] | None = None
+
     def close_synchronizer(self) -> None:
         if self.synchronizer is not None:
             self.synchronizer.close()
             self.synchronizer = None
+        self._pending_state = None  # a checkpoint's state applies only to the run that loaded it
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint, and each rank's synchroniser state beside it, when fitting (``validate``,
+        ``test`` and ``predict`` with ``ckpt_path=`` have no synchroniser): into the synchroniser, or
+        kept for :meth:`load_pending_state` where it is not built yet."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        trainer = self._trainer()
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        if saved is not None and fitting:
+            folder = state_folder(checkpoint_path, saved=True)
+            if self.synchronizer is not None:
+                load_rank_states(self.synchronizer, saved, folder)
+            else:
+                self._pending_state = (saved, folder)
+        return checkpoint
+
+    def load_pending_state(self) -> None:
+        """Right after the synchroniser is built: the state a checkpoint read earlier holds for it."""
+        if self._pending_state is not None and self.synchronizer is not None:
+            load_rank_states(self.synchronizer, *self._pending_state)
+            self._pending_state = None
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The optimizer states as Lightning restores them (rank 0's); with DiLoCo then each rank's
+        own (inner phases let them differ)."""
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        if self.synchronizer is not None:
+            self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
+            self.synchronizer.restore_optimizers()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its synchroniser state beside the checkpoint (:mod:`gc_strategy.integrations.checkpoint`);
