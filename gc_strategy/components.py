@@ -53,6 +53,11 @@ class Components:
         self.communicator.bind(group)
         self.compressor.bind(self.communicator.world_size, self.communicator.rank)
 
+    def begin_step(self, step: int) -> None:
+        """Before synchronised step ``step`` (0-based, the same on every rank): the compressor's
+        schedules (start_iter, warm-ups, per-step draws) move to it."""
+        self.compressor.begin_step(step)
+
     def exchange(self, flat: Tensor, bucket: Bucket) -> Exchange:
         """One bucket's exchange through the roles, one layer down at each call: the memory
         compensates and hands the compressor its input, which encodes and hands the communicator its

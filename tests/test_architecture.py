@@ -225,3 +225,33 @@ def test_the_roles_are_bound_in_one_place():
                 if name.endswith(("compressor", "communicator")):
                     binding.append((str(path.relative_to(PACKAGE)), node.lineno))
     assert [where for where, _ in binding] == ["components.py", "components.py"], binding
+
+
+def test_no_module_reads_another_objects_private_attributes_of_the_package():
+    """A private name the package's own classes define (``self._x = ...``, ``def _x``) is read
+    through ``self`` (or ``cls``, ``super()``) only: collaborators ask each other's public API.
+    Private names of torch, Lightning and Accelerate that the package depends on are not its own."""
+    trees = {path: ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
+    own = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+                own.add(node.name)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_"):
+                    own.add(node.attr)
+    # the LightningModule's own (read where Lightning has no public accessor), not the package's
+    lightning = {"_trainer", "_device_mesh"}
+    own = {name for name in own if not name.startswith("__")} - lightning
+    reads = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in own:
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            reads.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    assert not reads, reads

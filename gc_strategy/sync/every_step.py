@@ -187,7 +187,7 @@ class GradientSynchronizer(Synchronizer):
         self._recorded: list[str] = []
         self._usage: Usage | None = None
         self._step_telemetry = StepTelemetry()
-        self.compressor.begin_step(self.step)
+        self.roles.begin_step(self.step)
 
     def _hook_for(self, index: int):
         def hook(param: Tensor) -> None:

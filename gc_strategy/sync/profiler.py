@@ -111,7 +111,7 @@ def measure_costs(
     with ``hierarchy="node"`` only the owners report times, so the maximum across ranks is theirs."""
     roles = synchronizer.roles.fresh()
     roles.bind(synchronizer.communicator.group)  # the route's group: across nodes with hierarchy="node"
-    roles.compressor.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
+    roles.begin_step(1 << 30)  # steady state: past start_iter / density warm-up
     plain = {
         precision: build_components(name, communicator="allreduce")
         for precision, name in (("fp32", "none"), ("bf16", "bf16"))

@@ -199,7 +199,7 @@ class ShardedSynchronizer(Synchronizer):
         #: the roles' per-element state of the parameters outside every bucket (not reduced in the
         #: last reduction of their unit, or loaded before it): {role: {state name: {parameter: tensor}}}
         self._idle: dict[str, dict[str, dict[str, Tensor]]] = {"memory": {}, "compressor": {}}
-        self.compressor.begin_step(self.step)
+        self.roles.begin_step(self.step)
         for b, (_, fsdp_module) in enumerate(self.modules):
             fsdp_module.set_all_reduce_hook(self._hook_for(b))
 
@@ -255,7 +255,7 @@ class ShardedSynchronizer(Synchronizer):
         self._step_telemetry.extra = self.compressor.pop_metrics()
         self.telemetry.record(self._step_telemetry)
         self._step_telemetry = StepTelemetry()
-        self.compressor.begin_step(self.step)
+        self.roles.begin_step(self.step)
 
     def close(self) -> None:
         self.reduced.close()
@@ -279,7 +279,7 @@ class ShardedSynchronizer(Synchronizer):
         check_shard_place(state["shard"], self.place)
         self.step = int(state["step"])
         self.compressor.load_extra_state(state["compressor_extra"])
-        self.compressor.begin_step(self.step)
+        self.roles.begin_step(self.step)
         self.buckets = {}
         self.roles.clear_state()
         for key, _ in self.roles.stateful():

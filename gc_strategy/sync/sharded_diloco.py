@@ -103,7 +103,7 @@ class ShardedDiLoCo(Synchronizer):
                 [(self.outer[n].to(s.device) - s.float()).reshape(-1) for n, s in zip(group.names, group.shards())]
             )
             roles, bucket = group.roles, group.bucket
-            roles.compressor.begin_step(self.step)
+            roles.begin_step(self.step)
             running = RunningExchange(roles.exchange(flat, bucket))
             average, _ = running.finish()
             add_exchange(record, bucket.nbytes, running)
