@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
         done = sync.committed_steps if args.mode == "ft" else len(steps)
         if committed and done >= args.steps and participants == args.groups:  # every group ends at one step
             break
-    digest = float(sum(p.double().sum() for p in model.parameters()))
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
     result = {"steps": steps, "first_request": first_request, "digest": digest}
     Path(args.out).write_text(json.dumps(result))
     sync.close()

@@ -102,15 +102,29 @@ class FaultTolerance:
                 raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: a number of seconds > 0")
 
 
-def require_torchft() -> tuple[Any, Any]:
-    """torchft's ``Manager`` and reconfigurable ``ProcessGroupGloo``, or an error that says how to
-    install torchft."""
+def require_torchft() -> Any:
+    """The ``torchft`` module with the parts used here imported, or an error that says how to
+    install it."""
     try:
-        from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo
+        import torchft
+        import torchft.checkpointing.http_transport
+        import torchft.process_group
     except ImportError as error:
         raise ImportError('fault_tolerance needs torchft (torch >= 2.7): pip install "gc_strategy[ft]"') from error
-    return Manager, ProcessGroupGloo
+    return torchft
+
+
+def checkpoint_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (how a healing group fetches a peer's state), advertised
+    at ``host``: torchft's own advertises the machine's host name, which peers on another network
+    (a namespace, a container) may not reach."""
+
+    class Transport(torchft.checkpointing.http_transport.HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
 
 
 class _StepFailure:
@@ -208,7 +222,7 @@ class FaultTolerantSynchronizer(Synchronizer):
         healed: dict[str, Stateful] | None = None,
         find_unused_parameters: bool = False,
     ) -> None:
-        Manager, ProcessGroupGloo = require_torchft()
+        torchft = require_torchft()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(
                 "fault_tolerance: replica groups of one process are supported (each process its own group, "
@@ -232,9 +246,9 @@ class FaultTolerantSynchronizer(Synchronizer):
             self.inner.ready_order = list(self.inner.layout.order)
         timeout = timedelta(seconds=options.timeout_s)
         self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        self.process_group = ProcessGroupGloo(timeout=timeout)
+        self.process_group = torchft.process_group.ProcessGroupGloo(timeout=timeout)
         try:
-            self.manager = self._manager(Manager, options, timeout)
+            self.manager = self._manager(torchft, options, timeout)
         except RuntimeError as error:
             raise RuntimeError(
                 f"fault_tolerance: the lighthouse at {options.lighthouse} could not be reached within "
@@ -249,8 +263,8 @@ class FaultTolerantSynchronizer(Synchronizer):
         self.participants = 0
         self.failed_steps = 0
 
-    def _manager(self, manager_class: Any, options: FaultTolerance, timeout: timedelta) -> Any:
-        return manager_class(
+    def _manager(self, torchft: Any, options: FaultTolerance, timeout: timedelta) -> Any:
+        return torchft.Manager(
             pg=self.process_group,
             load_state_dict=self._load_peer_state,
             state_dict=self._peer_state,
@@ -266,6 +280,7 @@ class FaultTolerantSynchronizer(Synchronizer):
             lighthouse_addr=options.lighthouse,
             replica_id=str(options.replica_group),
             hostname=options.host,
+            checkpoint_transport=checkpoint_transport(torchft, options.host, timeout),
         )
 
     # ------------------------------------------------------------------ one step
