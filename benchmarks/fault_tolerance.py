@@ -2,11 +2,11 @@
 emulated node each) train ResNet-18 with and without ``fault_tolerance=``, then one group is killed
 and started again.
 
-Overhead: for each ``--compressors`` entry, rounds alternate between ``plain`` (a
-``GradientSynchronizer`` over a gloo group of the ``R`` processes, as ``gc_fused`` runs) and ``ft``
-(``FaultTolerantSynchronizer`` over torchft's quorum, the lighthouse on node 0), ``--steps`` steps
-each, in a new order each round; the median step time of the steps after ``--warmup``, and the
-ratio ``ft / plain`` of medians of the same round pairs.
+Overhead: for each ``--compressors`` entry, each round runs ``plain`` (a ``GradientSynchronizer``
+over a gloo group of the ``R`` processes, as ``gc_fused`` runs), ``plain, control`` (the same again:
+its ratio to ``plain`` is the noise of the measurement) and ``ft`` (``FaultTolerantSynchronizer``
+over torchft's quorum, the lighthouse on node 0), ``--steps`` steps each, in a new order each round;
+the median step time of the steps after ``--warmup``, and the ratios to ``plain`` of the same round.
 
 Failure: ``R`` groups with fault tolerance; group ``R-1`` kills itself (SIGKILL) before its
 exchange at step ``--kill-at``, and is started again at once. Reported: the survivors' failed steps
@@ -171,26 +171,30 @@ def main() -> None:
         url = f"http://{address}"
         rows = {}
         for compressor in args.compressors:
-            times = {"plain": [], "ft": []}
+            times = {"plain": [], "plain, control": [], "ft": []}
             for r in range(args.rounds):
-                order = ["plain", "ft"]
+                order = list(times)
                 random.Random(r).shuffle(order)
                 for mode in order:
-                    results = run_groups(nodes, url, mode, compressor, args.steps, folder)
+                    results = run_groups(nodes, url, mode.split(",")[0], compressor, args.steps, folder)
                     times[mode].append(statistics.median(median_step(res, args.warmup) for res in results))
                     print(f"{compressor} round {r} {mode}: {times[mode][-1]:.3f} s/step", file=sys.stderr, flush=True)
             ratios = [f / p for f, p in zip(times["ft"], times["plain"])]
-            rows[compressor] = (statistics.median(times["plain"]), statistics.median(times["ft"]), ratios)
+            control = [c / p for c, p in zip(times["plain, control"], times["plain"])]
+            rows[compressor] = (statistics.median(times["plain"]), statistics.median(times["ft"]), ratios, control)
         failure = run_groups(nodes, url, "ft", args.compressors[-1], args.steps * 2, folder, kill_at=args.kill_at)
     where = f"{args.groups} groups, {'links shaped to ' + args.rate if args.rate else 'loopback'}"
     print(f"\nResNet-18, 32x32, batch 32 per group, 1 thread per group; {where}")
     print(f"{args.rounds} rounds x {args.steps} steps per configuration, the modes in a new order each round")
-    print("\n| compressor | plain median step (s) | fault-tolerant (s) | ft / plain per round (median, range) |")
-    print("|---|---|---|---|")
-    for compressor, (plain, ft, ratios) in rows.items():
+    print(
+        "\n| compressor | plain median step (s) | fault-tolerant (s) | ft / plain (median, range) | control / plain |"
+    )
+    print("|---|---|---|---|---|")
+    for compressor, (plain, ft, ratios, control) in rows.items():
         print(
             f"| {compressor} | {plain:.3f} | {ft:.3f} | {statistics.median(ratios):.3f} "
-            f"({min(ratios):.3f} to {max(ratios):.3f}) |"
+            f"({min(ratios):.3f} to {max(ratios):.3f}) | {statistics.median(control):.3f} "
+            f"({min(control):.3f} to {max(control):.3f}) |"
         )
     survivors, restarted = failure[:-1], failure[-1]
     print(
