@@ -329,15 +329,14 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     )
     ft = cfg.fault_tolerance
     demo = ft.kill_at is not None and ft.replica_group == ft.kill_group
-    tolerant = ft.lighthouse is not None  # each group ends with the others (FinishTogether), not at max_steps
-    record = [StepRecord(output_dir / "steps.csv"), FinishTogether(t.max_steps, ft.groups, ft.quorum_timeout_s)]
+    tolerant = ft.lighthouse is not None  # each group ends with the others (FinishTogether)
+    record = [StepRecord(output_dir / "steps.csv"), FinishTogether(ft.groups, ft.quorum_timeout_s)]
     trainer = pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         precision=t.precision,
-        max_steps=-1 if tolerant else t.max_steps,
-        max_epochs=-1 if tolerant else None,
+        max_steps=t.max_steps,
         val_check_interval=min(t.val_check_interval, t.max_steps),
         check_val_every_n_epoch=None,
         log_every_n_steps=t.log_every_n_steps,

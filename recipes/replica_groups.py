@@ -50,23 +50,25 @@ class KillAt(pl.Callback):
 
 
 class FinishTogether(pl.Callback):
-    """End a replica group's run at the first step from ``steps`` on that every one of ``groups``
-    groups took part in and committed, so that a group that came back late still finds a live peer
-    to heal from, and all end at the same step; or ``wait_s`` seconds after step ``steps`` where one
-    does not come back."""
+    """End a replica group's run at the first step from ``trainer.max_steps`` on that every one of
+    ``groups`` groups took part in and committed, so that a group that came back late still finds a
+    live peer to heal from, and all end at the same step; or ``wait_s`` seconds after
+    ``max_steps`` where one does not come back. Each step past ``max_steps`` is allowed one at a
+    time (the LR schedule was made for ``max_steps``, and goes on past its end)."""
 
-    def __init__(self, steps: int, groups: int, wait_s: float) -> None:
-        self.steps, self.groups, self.wait_s = steps, groups, wait_s
+    def __init__(self, groups: int, wait_s: float) -> None:
+        self.groups, self.wait_s = groups, wait_s
         self.reached: float | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step < self.steps:
+        loop = trainer.fit_loop.epoch_loop
+        if trainer.global_step < loop.max_steps:
             return
         self.reached = self.reached or time.monotonic()
         extra = trainer.strategy.synchronizer.telemetry.last.extra
         together = extra.get("committed") and extra.get("participants") == self.groups
-        if together or time.monotonic() - self.reached > self.wait_s:
-            trainer.should_stop = True
+        if not together and time.monotonic() - self.reached <= self.wait_s:
+            loop.max_steps = trainer.global_step + 1  # one more step
 
 
 class StepRecord(pl.Callback):
