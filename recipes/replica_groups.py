@@ -37,6 +37,10 @@ GROUP_KEYS = (
 )
 
 
+#: a launcher's variables for one world of ranks, which each group (a world of its own) must not share
+LAUNCHER_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
 class KillAt(pl.Callback):
     """SIGKILL this process before the backward of the first step from global step ``step`` on
     in which every one of ``groups`` replica groups takes part (the demo's lost node)."""
@@ -119,7 +123,8 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
             f"hydra.run.dir={output_dir / f'group{group}'}",
         ]
         log = open(logs / f"group{group}.log", "ab")  # noqa: SIM115 (the child writes it)
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}  # each group its own world
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
         return subprocess.Popen([sys.executable, str(app), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
     groups = {g: start(g, ft.kill_at if g == ft.kill_group else None) for g in range(ft.groups)}

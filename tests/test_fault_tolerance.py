@@ -13,15 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 
+os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log (native, past pytest's capture): warnings only
 coordination = pytest.importorskip("torchft.coordination")
 
 from ft_worker import batch, model  # noqa: E402
 
 from gc_strategy import build_components  # noqa: E402
 from gc_strategy.sync.fault_tolerant import FaultTolerance, FaultTolerantSynchronizer  # noqa: E402
+from recipes.replica_groups import LAUNCHER_KEYS  # noqa: E402
 
 WORKER = Path(__file__).with_name("ft_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def group_env(**extra: str) -> dict[str, str]:
+    """A replica group's environment: a world of its own, sharing no launcher's variables."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    return {**env, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), **extra}
 
 
 @pytest.fixture
@@ -33,7 +41,7 @@ def lighthouse():
 
 
 def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+    env = group_env()
     args = [
         "--lighthouse",
         lighthouse,
@@ -206,7 +214,7 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
     counters from a peer. Every group ends with the same parameters, optimizer state, schedule and
     global step, to the bit."""
     worker = Path(__file__).with_name("ft_lightning_worker.py")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+    env = group_env()
 
     def run(group: int, *extra: str) -> subprocess.Popen:
         args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "3", "--steps", "25"]
@@ -233,7 +241,7 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
 
 
 def _app(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = group_env(OMP_NUM_THREADS="1")
     command = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 

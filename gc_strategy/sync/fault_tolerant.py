@@ -377,7 +377,9 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     # ------------------------------------------------------------------ the Synchronizer interface
     def before_forward(self) -> None:
-        if self._kept is None:
+        """The step's quorum before its first training forward; a forward without gradients
+        (validation, Lightning's sanity check) takes no part in quorums."""
+        if self._kept is None and torch.is_grad_enabled():
             self.start_step()
         self.inner.before_forward()
 
