@@ -5,6 +5,7 @@ killed with SIGKILL in the middle of a step and started again under its old id."
 import csv
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -272,6 +273,13 @@ def test_the_app_starts_a_lighthouse_and_the_groups_kills_one_restarts_it_and_pl
     assert (run / "fault_tolerance.png").stat().st_size > 10_000
 
 
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -280,17 +288,37 @@ def test_the_app_starts_a_lighthouse_and_the_groups_kills_one_restarts_it_and_pl
             ["fault_tolerance.kill_group=5", "fault_tolerance.kill_at=2"],
             "fault_tolerance.kill_group = 5 is invalid with fault_tolerance.groups = 3; allowed: 0 to 2",
         ),
-        (["fault_tolerance.groups=0"], "fault_tolerance: groups = 0 is invalid; allowed: an integer >= 1"),
-        (["sync=diloco", "sync.inner_steps=2"], "fault_tolerance with sync='diloco' is not supported"),
+        (["fault_tolerance.kill_group=1", "fault_tolerance.kill_at=9"], "fault_tolerance.kill_at = 9 is invalid"),
     ],
 )
-def test_the_app_refuses_bad_fault_tolerance_options_before_starting_any_group(tmp_path, args, message):
-    done = _app(tmp_path, "fault_tolerance.lighthouse=local", "trainer.max_steps=4", *args)
-    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
-    assert "lighthouse http" not in done.stdout
+def test_the_apps_demo_options_are_checked(args, message):
+    from train import check_demo
+
+    with pytest.raises(ValueError, match=message):
+        check_demo(_compose("trainer.max_steps=4", *args))
 
 
-def test_a_replica_group_of_several_processes_is_refused_in_the_app(tmp_path):
-    done = _app(tmp_path, "fault_tolerance.lighthouse=http://127.0.0.1:1", "trainer.devices=2")
-    assert done.returncode == 2
-    assert "trainer.devices = 2, trainer.num_nodes = 1 and trainer.sharding = 'none' are invalid" in done.stderr
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fault_tolerance.groups=0"], "fault_tolerance: groups = 0 is invalid; allowed: an integer >= 1"),
+        (["sync=diloco", "sync.inner_steps=2"], "fault_tolerance with sync='diloco' is not supported"),
+        (
+            ["trainer.devices=2"],
+            "trainer.devices = 2, trainer.num_nodes = 1 and trainer.sharding = 'none' are invalid with it",
+        ),
+        (["trainer.hierarchy=node"], "fault_tolerance with hierarchy = NodeHierarchy"),
+    ],
+)
+def test_the_app_refuses_what_fault_tolerance_cannot_serve(args, message):
+    from train import build_strategy
+
+    cfg = _compose("fault_tolerance.lighthouse=http://127.0.0.1:1", "trainer.devices=1", *args)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_strategy(cfg)
+
+
+def test_a_bad_fault_tolerance_option_stops_the_app_before_any_group_starts(tmp_path):
+    done = _app(tmp_path, "fault_tolerance.lighthouse=local", "trainer.max_steps=4", "fault_tolerance.groups=0")
+    assert done.returncode == 2 and "groups = 0 is invalid" in done.stderr, done.stderr[-2000:]
+    assert "lighthouse http" not in done.stdout and not (tmp_path / "run").exists()
