@@ -13,6 +13,7 @@ import signal
 
 import lightning as L
 import torch
+from ft_worker import group_arguments
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -63,14 +64,7 @@ class Watch(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lighthouse", required=True)
-    parser.add_argument("--group", type=int, required=True)
-    parser.add_argument("--groups", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--die-at", type=int, default=-1)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = group_arguments().parse_args()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 12, generator=g), torch.randn(4096, 3, generator=g))
     options = FaultTolerance(args.lighthouse, args.group, groups=args.groups, timeout_s=10, host="127.0.0.1")

@@ -41,20 +41,26 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def main() -> None:
+def group_arguments() -> argparse.ArgumentParser:
+    """The options every replica-group worker of the tests takes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--groups", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--die-at", type=int, default=-1)
+    parser.add_argument("--out", required=True)
+    return parser
+
+
+def main() -> None:
+    parser = group_arguments()
     parser.add_argument("--compressor", default="none")
     parser.add_argument("--memory", default="none")
-    parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--die-when", choices=["exchange", "between"], default="exchange")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
