@@ -52,7 +52,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from gc_strategy import build_components
     from gc_strategy.sync.every_step import GradientSynchronizer
-    from gc_strategy.sync.fault_tolerant import FaultTolerance, FaultTolerantSynchronizer
+    from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
+    from gc_strategy.sync.quorum import FaultTolerance
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -13,10 +13,11 @@ from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .fusion import FusionPlanner, parse_fusion
 from .sync.every_step import GradientSynchronizer
-from .sync.fault_tolerant import FaultTolerance, FaultTolerantSynchronizer
+from .sync.fault_tolerant import FaultTolerantSynchronizer
 from .sync.hierarchy import NodeHierarchy
 from .sync.modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode
 from .sync.presets import sparseloco
+from .sync.quorum import FaultTolerance
 from .telemetry import StepTelemetry
 
 #: public names that need Lightning

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gc_strategy import GCFusedStrategy
-from gc_strategy.sync.fault_tolerant import FaultTolerance
+from gc_strategy.sync.quorum import FaultTolerance
 
 
 class Regression(L.LightningModule):

@@ -4,19 +4,27 @@ with ``--via accelerate``) on data of its own, until a step at least ``--steps``
 that every one of ``--groups`` groups took part in. With ``--die-at S`` it kills itself (SIGKILL)
 after the forward of the first step from committed step ``S`` on that every group takes part in,
 before its exchange. Writes its final parameters, the
-roles' state and a record of every step to ``--out``."""
+roles' state and a record of every step to ``--out``.
+
+With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loop), until an outer
+step at least ``--steps`` that every group took part in, recording every round; ``--die-when inner``
+kills it in the inner step ``S`` (after its forward), ``outer`` in the first outer round from ``S``
+on that every group takes part in, after the exchange of the matrices' Δ started."""
 
 import argparse
 import copy
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from gc_strategy import build_components
-from gc_strategy.sync.fault_tolerant import FaultTolerance, FaultTolerantSynchronizer
+from gc_strategy import DiLoCo, build_components
+from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
+from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
+from gc_strategy.sync.quorum import FaultTolerance
 
 
 def batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +65,9 @@ def main() -> None:
     parser = group_arguments()
     parser.add_argument("--compressor", default="none")
     parser.add_argument("--memory", default="none")
-    parser.add_argument("--die-when", choices=["exchange", "between"], default="exchange")
+    parser.add_argument("--die-when", choices=["exchange", "between", "inner", "outer"], default="exchange")
+    parser.add_argument("--inner-steps", type=int, default=0)
+    parser.add_argument("--barrier", help="a folder: wait there for every group before the first step")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
@@ -73,6 +83,8 @@ def main() -> None:
         quorum_timeout_s=args.quorum_timeout,
         host="127.0.0.1",
     )
+    if args.inner_steps:
+        return diloco(args, net, optimizer, options)
     if args.via == "accelerate":
         from accelerate import Accelerator
 
@@ -121,6 +133,81 @@ def main() -> None:
     final = snapshot(net, optimizer, sync)
     torch.save({**final, "record": record, "committed_steps": sync.committed_steps}, args.out)
     sync.close()
+
+
+def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Optimizer, options: FaultTolerance) -> None:
+    roles = build_components(args.compressor, args.memory, fusion="groups:2")
+    sync = FaultTolerantDiLoCo(net, roles, DiLoCo(inner_steps=args.inner_steps, outer_lr=0.5), options)
+    sync.use_optimizers([optimizer])
+    record = []
+    try_round, start_vectors = sync.try_round, sync.synchronizers[1].start_synchronize
+
+    def recorded_round() -> bool:
+        kept = diloco_snapshot(net, optimizer, sync)
+        committed = try_round()
+        record.append(
+            {
+                "step": sync.inner_step,
+                "participants": sync.participants,
+                "contributors": sync.contributors if committed else None,
+                "committed": committed,
+                "state_kept": committed or same(kept, diloco_snapshot(net, optimizer, sync)),
+            }
+        )
+        return committed
+
+    def dying_vectors() -> None:  # the matrices' exchange is in flight
+        if args.die_when == "outer" and 0 <= args.die_at <= sync.inner_step and sync.participants == args.groups:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start_vectors()
+
+    sync.try_round, sync.synchronizers[1].start_synchronize = recorded_round, dying_vectors
+    if args.barrier:  # the groups start together, as a scheduler starts them
+        wait_for_groups(Path(args.barrier), args.group, args.groups)
+
+    def done() -> bool:
+        return sync.synced_at >= args.steps and sync.participants == args.groups and sync.synced_at == sync.inner_step
+
+    while True:
+        with sync.forward_pass():
+            step = sync.committed_steps
+            x, y = batch(args.group, step)
+            loss = (net(x) - y).square().mean()
+        if done():  # joined in the run's last outer step
+            break
+        if args.die_when == "inner" and 0 <= args.die_at <= step and sync.participants == args.groups:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.after_optimizer_step()
+        if done():
+            break
+        time.sleep(0.05)
+    final = diloco_snapshot(net, optimizer, sync)
+    torch.save({**final, "record": record, "inner_step": sync.inner_step}, args.out)
+    sync.close()
+
+
+def wait_for_groups(folder: Path, group: int, groups: int, timeout: float = 120) -> None:
+    """Wait until every group has reached this point (each leaves a file in ``folder``)."""
+    (folder / f"ready-{group}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("ready-*"))) < groups:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every group of {groups} started within {timeout} s")
+        time.sleep(0.05)
+
+
+def diloco_snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantDiLoCo) -> dict:
+    """Copies of the parameters, the inner and outer optimizers' and outer values, and the roles' state."""
+    return {
+        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "outer": {n: t.clone() for n, t in sync.outer.items()},
+        "outer_optimizer": copy.deepcopy(sync.outer_optimizer.state_dict()),
+        "states": [s.state_dict() for s in sync.synchronizers],
+    }
 
 
 def snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantSynchronizer) -> dict:

@@ -20,7 +20,8 @@ coordination = pytest.importorskip("torchft.coordination")
 from ft_worker import batch, model  # noqa: E402
 
 from gc_strategy import build_components  # noqa: E402
-from gc_strategy.sync.fault_tolerant import FaultTolerance, FaultTolerantSynchronizer  # noqa: E402
+from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer  # noqa: E402
+from gc_strategy.sync.quorum import FaultTolerance  # noqa: E402
 from recipes.replica_groups import LAUNCHER_KEYS  # noqa: E402
 
 WORKER = Path(__file__).with_name("ft_worker.py")
@@ -136,6 +137,53 @@ def test_a_group_killed_in_or_between_steps_is_survived_and_comes_back_bit_ident
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["inner", "outer"])
+def test_diloco_survives_a_group_killed_in_inner_steps_or_the_outer_exchange_and_heals_it(lighthouse, tmp_path, when):
+    """DiLoCo (``inner_steps=5``, ``topk`` + residual), three groups; group 2 kills itself in the
+    first inner step from 12 on after an outer step all three took part in (``inner``), or in the
+    first such outer exchange, with the matrices' Δ in flight (``outer``). The survivors go on
+    without restart: ``inner``: the next outer step averages the two survivors' Δ; ``outer``: that
+    outer step fails, leaves parameters, optimizers, outer values and the roles' state bit-identical
+    to a snapshot taken before it, and is redone as two at once (no inner step is lost). Group 2,
+    started again, heals in an outer step of the survivors and sends no Δ in it (it trained none);
+    then every group holds the same parameters, outer values, outer optimizer and inner step, to
+    the bit, and its own error feedback."""
+    options = ["--steps", "25", "--inner-steps", "5", "--compressor", "topk", "--memory", "residual"]
+    dying = ["--die-at", "12", "--die-when", when]
+    together = ["--barrier", str(tmp_path)]
+    groups = [start(lighthouse, g, 3, tmp_path, *options, *together, *(dying if g == 2 else [])) for g in range(3)]
+    groups[2].wait(timeout=120)
+    assert groups[2].returncode == -signal.SIGKILL
+    groups[2] = start(lighthouse, 2, 3, tmp_path, *options)
+    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    for survivor in results[:2]:
+        rounds = survivor["record"]
+        committed = [r for r in rounds if r["committed"]]
+        failed = [r for r in rounds if not r["committed"]]
+        steps = [r["step"] for r in committed]
+        assert steps == list(range(steps[0], steps[-1] + 1, 5))  # each outer step once, from the group's start
+        first_full = next(i for i, r in enumerate(committed) if r["participants"] == 3)
+        after_death = next(r for r in committed[first_full:] if r["participants"] == 2)
+        assert after_death["step"] >= 15 and after_death["contributors"] == 2
+        assert all(r["state_kept"] for r in failed)
+        if when == "outer":  # the round group 2 died in failed, and was redone as two at the same step
+            assert [(r["step"], r["participants"]) for r in failed] == [(after_death["step"], 3)]
+        else:
+            assert not failed
+        assert committed[-1]["participants"] == 3
+    joined = results[2]["record"][0]
+    assert joined["committed"] and joined["step"] > after_death["step"]  # healed: its peers' inner step, not 0
+    peers_round = next(r for r in results[0]["record"] if r["committed"] and r["step"] == joined["step"])
+    assert peers_round["participants"] == 3 and peers_round["contributors"] == 2 == joined["contributors"]
+    for other in results[1:]:
+        for key in ("params", "outer", "outer_optimizer"):
+            assert same(results[0][key], other[key]), key
+        assert other["inner_step"] == results[0]["inner_step"]
+    residuals = [r["states"][0]["memory"]["residual"] for r in results]
+    assert any(not torch.equal(residuals[2][p], residuals[0][p]) for p in residuals[0])  # its own, from zero
+
+
+@pytest.mark.slow
 def test_two_groups_without_failures_average_as_plain_data_parallel_training(lighthouse, tmp_path):
     """``compressor=none``, two groups, each step committed only with both (``min_replicas=2``):
     the parameters of every group equal those of plain SGD on the average of the two groups'
@@ -175,6 +223,16 @@ def test_two_groups_without_failures_average_as_plain_data_parallel_training(lig
 def test_bad_options_are_refused_with_the_option_the_value_and_what_is_allowed(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         FaultTolerance(**{"lighthouse": "http://127.0.0.1:29510", "replica_group": 0, **options})
+
+
+def test_sharded_training_refuses_fault_tolerance_saying_what_serves_it():
+    """``gc_fsdp`` takes no ``fault_tolerance``: refused before any work, naming what to use."""
+    from gc_strategy import GCFSDPStrategy
+
+    options = FaultTolerance("http://127.0.0.1:1", 0)
+    message = r"option fault_tolerance = FaultTolerance\(.*\) is invalid with sharding; allowed: None \(fault tolerance"
+    with pytest.raises(ValueError, match=message + " needs replicated training: strategy 'gc_fused'"):
+        GCFSDPStrategy(compressor="topk", fault_tolerance=options)
 
 
 def test_a_measured_fusion_plan_is_refused_before_any_work():
@@ -302,7 +360,11 @@ def test_the_apps_demo_options_are_checked(args, message):
     ("args", "message"),
     [
         (["fault_tolerance.groups=0"], "fault_tolerance: groups = 0 is invalid; allowed: an integer >= 1"),
-        (["sync=diloco", "sync.inner_steps=2"], "fault_tolerance with sync='diloco' is not supported"),
+        (
+            ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2"],
+            "fault_tolerance with Streaming DiLoCo (fragments = 2, overlap_steps = 0) is not supported; allowed: "
+            "fragments=1, overlap_steps=0",
+        ),
         (
             ["trainer.devices=2"],
             "trainer.devices = 2, trainer.num_nodes = 1 and trainer.sharding = 'none' are invalid with it",

@@ -53,9 +53,9 @@ from ..communicators import Communicator
 from ..components import DEFAULT_FUSION, build_components, double_momentum
 from ..fusion import FusionPlanner
 from ..sync.base import Synchronizer
-from ..sync.fault_tolerant import FaultTolerance
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
 from ..sync.modes import Replicated, Sharded, SyncMode, check_fault_tolerance, parse_sync, refuse_misplaced_options
+from ..sync.quorum import FaultTolerance
 from ..sync.sharded import MESH_DIMS, refuse_replicated_options, shard_by_policy
 from .checkpoint import load_rank_states, save_rank_states
 
@@ -117,7 +117,7 @@ def prepare(
     ``sync=DiLoCo(inner_steps=...)``: the one optimizer among ``objects`` takes the inner steps,
     and each of its steps counts towards the next outer step. ``sharding``: ``"auto"`` (``"fsdp"``
     under Accelerate's FSDP2 plugin, else ``"none"``), ``"none"`` or ``"fsdp"`` (see the module's
-    docstring). ``fault_tolerance``: a :class:`~gc_strategy.sync.fault_tolerant.FaultTolerance`;
+    docstring). ``fault_tolerance``: a :class:`~gc_strategy.sync.quorum.FaultTolerance`;
     each process is then a replica group that goes on when others die (docs/fault_tolerance.md):
     ``optimizer.step()`` steps only where the step commits, a group that comes back heals the model,
     the optimizers and the LR schedulers among ``objects``, and each group passes its own shard of
@@ -141,14 +141,13 @@ def prepare(
     handler = getattr(accelerator, "ddp_handler", None)
     if find_unused_parameters is None:
         find_unused_parameters = getattr(handler, "find_unused_parameters", False)
-    if sharded and fault_tolerance is not None:
-        raise ValueError("fault_tolerance with sharding='fsdp' is not supported; allowed: sharding='none'")
     if sharded:
         refuse_replicated_options(
             fusion=fusion,
             hierarchy=hierarchy,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            fault_tolerance=fault_tolerance,
         )
         mesh = _node_mesh(accelerator)
         model = model.to(accelerator.device)
@@ -167,7 +166,9 @@ def prepare(
         synchronizer = sync.build(model, components, placement)
     synchronizer.use_optimizers(optimizers)
     if synchronizer.votes_on_commit:
-        _step_where_committed(synchronizer, optimizers, objects)
+        _step_where_committed(synchronizer, optimizers)
+    schedulers = [o for o in objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+    synchronizer.share_state({f"lr_scheduler_{i}": scheduler for i, scheduler in enumerate(schedulers)})
     for optimizer in optimizers:
         optimizer.register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_optimizer_step())
     model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
@@ -192,9 +193,8 @@ def prepare(
     return accelerator.prepare(model, *objects)
 
 
-def _step_where_committed(synchronizer: Synchronizer, optimizers: list[Any], objects: tuple[Any, ...]) -> None:
-    """Each optimizer's ``step`` asks the synchroniser's vote first (fault tolerance), and the LR
-    schedulers among ``objects`` are healed with the rest of the state."""
+def _step_where_committed(synchronizer: Synchronizer, optimizers: list[Any]) -> None:
+    """Each optimizer's ``step`` asks the synchroniser's vote first (fault tolerance)."""
     for optimizer in optimizers:
         step = optimizer.step
 
@@ -202,8 +202,6 @@ def _step_where_committed(synchronizer: Synchronizer, optimizers: list[Any], obj
             return _step(*args, **kwargs) if synchronizer.should_commit() else None
 
         optimizer.step = step_if_committed
-    schedulers = [o for o in objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
-    synchronizer.share_state({f"lr_scheduler_{i}": scheduler for i, scheduler in enumerate(schedulers)})
 
 
 def _fsdp2(accelerator: Any) -> bool:

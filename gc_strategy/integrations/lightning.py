@@ -25,9 +25,9 @@ from ..components import Components, build_components
 from ..fusion import FusionPlanner
 from ..registry import Option, validate_options
 from ..sync.base import Synchronizer
-from ..sync.fault_tolerant import FaultTolerance
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
 from ..sync.modes import Replicated, SyncMode, check_fault_tolerance, parse_sync, refuse_misplaced_options
+from ..sync.quorum import FaultTolerance
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
@@ -43,7 +43,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         sync: ``"every_step"`` (every optimizer step's gradients) or
             :class:`~gc_strategy.sync.modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
             then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.
-        fault_tolerance: a :class:`~gc_strategy.sync.fault_tolerant.FaultTolerance`: each process is a
+        fault_tolerance: a :class:`~gc_strategy.sync.quorum.FaultTolerance`: each process is a
             replica group that goes on when others die and heals when it comes back (torchft;
             docs/fault_tolerance.md).
         hierarchy: ``"flat"`` (every rank exchanges with every rank), or ``"node"`` /

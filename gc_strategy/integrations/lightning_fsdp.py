@@ -99,7 +99,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers")
+        replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers", "fault_tolerance")
         refuse_replicated_options(**{key: options.pop(key) for key in replicated if key in options})
         refuse_misplaced_options(options)
         if start_method not in START_METHODS:

@@ -105,7 +105,7 @@ class SynchronizerGlue:
         message = double_momentum(self.components, self.optimizers)  # type: ignore[attr-defined]
         if message is not None:
             rank_zero_warn(message)
-        if self.synchronizer is not None and self.synchronizer.votes_on_commit:
+        if self.synchronizer is not None:
             self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
             self.synchronizer.share_state(loop_state(trainer))
 

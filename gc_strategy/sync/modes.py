@@ -33,8 +33,10 @@ from ..registry import Configuration, Option, Registry
 from .base import Synchronizer
 from .diloco import DiLoCoSynchronizer
 from .every_step import GradientSynchronizer
-from .fault_tolerant import FaultTolerance, FaultTolerantSynchronizer
+from .fault_tolerant import FaultTolerantSynchronizer
+from .fault_tolerant_diloco import FaultTolerantDiLoCo, refuse_streaming
 from .hierarchy import NodeHierarchy, hierarchy_of, parse_hierarchy
+from .quorum import FaultTolerance
 from .sharded import ShardedSynchronizer
 from .sharded_diloco import ShardedDiLoCo
 
@@ -89,6 +91,9 @@ class SyncMode(Configuration):
 
     def check(self, components: Components) -> None:
         """Refuse, before any work, roles the mode cannot serve (none, by default)."""
+
+    def check_fault_tolerant(self) -> None:
+        """Refuse, before any work, options that fault tolerance cannot serve (none, by default)."""
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         """The synchroniser of ``module`` with ``components``, placed as ``placement`` says."""
@@ -146,6 +151,7 @@ class DiLoCo(SyncMode):
     }
     fixed_roles = True
     one_optimizer = True
+    fault_tolerant = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -190,13 +196,19 @@ class DiLoCo(SyncMode):
                 f"the backward's gradients of the whole model; use a fixed plan (e.g. fusion={DEFAULT_FUSION!r})"
             )
 
+    def check_fault_tolerant(self) -> None:
+        refuse_streaming(self)
+
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         """Replicated: :class:`~gc_strategy.sync.diloco.DiLoCoSynchronizer` (every replica starts from rank
         0's values, and the inner steps use whichever parameters they use: ``broadcast_from_rank0``
         and ``find_unused_parameters`` do not apply); sharded:
-        :class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo`."""
+        :class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo`; with fault tolerance,
+        :class:`~gc_strategy.sync.fault_tolerant_diloco.FaultTolerantDiLoCo`."""
         if isinstance(placement, Sharded):
             return ShardedDiLoCo(module, components, self, placement.mesh)
+        if placement.fault_tolerance is not None:
+            return FaultTolerantDiLoCo(module, components, self, placement.fault_tolerance)
         return DiLoCoSynchronizer(
             module, components, self, broadcast_buffers=placement.broadcast_buffers, hierarchy=placement.hierarchy
         )
@@ -215,6 +227,7 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, mode: SyncMode
     if not mode.fault_tolerant:
         allowed = sorted(name for name in SYNC_MODES.names() if SYNC_MODES.get(name).fault_tolerant)
         raise ValueError(f"fault_tolerance with sync={mode.name!r} is not supported; allowed: sync in {allowed}")
+    mode.check_fault_tolerant()
     if parse_hierarchy(hierarchy) is not None:
         raise ValueError(
             f"fault_tolerance with hierarchy = {hierarchy!r} is invalid; allowed: 'flat' (each process is its own "

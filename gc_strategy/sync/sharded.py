@@ -113,6 +113,7 @@ def refuse_replicated_options(
     hierarchy: Any = "flat",
     find_unused_parameters: Any = False,
     broadcast_buffers: Any = False,
+    fault_tolerance: Any = None,
 ) -> None:
     """Refuse, before any work, the options of replicated training that sharded training does not
     take (through ``gc_fsdp`` and Accelerate alike)."""
@@ -127,6 +128,13 @@ def refuse_replicated_options(
             "False (each reduction holds the parameters that got a gradient, whatever the option)",
         ),
         ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "False (FSDP2 keeps each rank's buffers)"),
+        (
+            "fault_tolerance",
+            fault_tolerance,
+            fault_tolerance is not None,
+            "None (fault tolerance needs replicated training: strategy 'gc_fused', sharding='none'; a replica group "
+            "would have to heal every shard of a node at once)",
+        ),
     )
     for name, value, wrong, allowed in refused:
         if wrong:

@@ -1,0 +1,329 @@
+"""A replica group's place in torchft's quorums, shared by the fault-tolerant synchronisers
+(:mod:`gc_strategy.sync.fault_tolerant`: every step; :mod:`gc_strategy.sync.fault_tolerant_diloco`:
+every outer step). docs/fault_tolerance.md.
+
+A *replica group* is a set of ranks that live and die together; here each group is one process.
+torchft (Ma et al., "torchft", PyTorch 2025) runs a lighthouse that decides, at each request, which
+groups take part (the *quorum*), and a manager in each group that forms a process group over them
+anew whenever a group dies, joins or comes back. A group that joins, comes back or fell behind
+first *heals*: it loads a live peer's state, sent by torchft's checkpoint transport.
+
+:class:`Quorum` asks for a quorum, gives the exchanges its process group through
+:class:`QuorumRoute`, and holds the round's :class:`StepFailure`: an exchange whose peer died (a
+closed connection or the collective's timeout) reports it to the manager instead of raising, and
+every later exchange of the round is skipped, so that a round fails in one timeout at most and
+torchft's vote (:meth:`Quorum.vote`) then says, on every participant, not to commit it.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from torch import Tensor
+
+from ..bucket import Bucket
+from ..communicators import Exchange, Round
+from ..components import Components
+from .every_step import GradientSynchronizer
+from .routes import FlatRoute
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Where the lighthouse is and which replica group this process is.
+
+    ``lighthouse``: the lighthouse's address (``http://HOST:PORT``; ``torchft_lighthouse`` prints
+    it). ``replica_group``: this group's id, 0 to ``groups - 1`` (a group that comes back uses its
+    old id); ``groups``: how many the run is planned with, the shards the data is split into (group
+    ``g`` reads shard ``g``; the integrations' samplers do so). ``min_replicas``: the fewest groups a
+    step commits with. ``timeout_s``: the bound on a collective, the commit vote and a healing
+    transfer; ``quorum_timeout_s``: on waiting for a quorum. ``host``: the address the peers reach
+    this group's manager and store at (a healing peer fetches state from it)."""
+
+    lighthouse: str
+    replica_group: int
+    groups: int = 1
+    min_replicas: int = 1
+    timeout_s: float = 30.0
+    quorum_timeout_s: float = 120.0
+    host: str = socket.gethostname()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lighthouse, str) or not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(
+                f"fault_tolerance: lighthouse = {self.lighthouse!r} is invalid; allowed: the lighthouse's address "
+                "as http://HOST:PORT (torchft_lighthouse prints it)"
+            )
+        for name, low in (("replica_group", 0), ("groups", 1), ("min_replicas", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: an integer >= {low}")
+        if self.replica_group >= self.groups:
+            raise ValueError(
+                f"fault_tolerance: replica_group = {self.replica_group} is invalid with groups = {self.groups}; "
+                f"allowed: 0 to {self.groups - 1}"
+            )
+        for name in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: a number of seconds > 0")
+
+
+def require_torchft() -> Any:
+    """The ``torchft`` module with the parts used here imported, or an error that says how to
+    install it."""
+    try:
+        import torchft
+        import torchft.checkpointing.http_transport
+        import torchft.process_group
+    except ImportError as error:
+        raise ImportError('fault_tolerance needs torchft (torch >= 2.7): pip install "gc_strategy[ft]"') from error
+    return torchft
+
+
+def checkpoint_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (how a healing group fetches a peer's state), advertised
+    at ``host``: torchft's own advertises the machine's host name, which peers on another network
+    (a namespace, a container) may not reach."""
+
+    class Transport(torchft.checkpointing.http_transport.HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
+class StepFailure:
+    """Whether an exchange of the current step failed; the first failure goes to the manager."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.failed = False
+
+    def report(self, error: Exception) -> None:
+        if not self.failed:
+            self.failed = True
+            self.manager.report_error(error)
+
+
+class _GuardedRound(Round):
+    """A round whose wait reports a failure instead of raising (and then returns None)."""
+
+    def __init__(self, inner: Round, failure: StepFailure) -> None:
+        super().__init__([], inner.wait, inner.nbytes, inner.eager, inner.inside_node)
+        self.works, self.inner, self.failure = inner.works, inner, failure
+
+    def wait(self) -> Any:
+        try:
+            return self.inner.wait()
+        except Exception as error:  # a peer died: the collective closed or timed out
+            self.failure.report(error)
+            return None
+
+    @property
+    def duration(self) -> float:
+        return self.inner.duration
+
+
+def guarded(inner: Exchange, flat: Tensor, failure: StepFailure) -> Exchange:
+    """``inner`` driven round by round until it ends or a round fails; after a failure (this
+    exchange's or an earlier one's) it stops at once and returns ``flat`` as it is: the step will
+    not commit, so its value is never used."""
+    if failure.failed:
+        inner.close()
+        yield Round([], lambda: None, 0)
+        return flat, None
+    try:
+        current = next(inner)
+        while True:
+            value = yield _GuardedRound(current, failure)
+            if failure.failed:
+                inner.close()
+                return flat, None
+            current = inner.send(value)
+    except StopIteration as stop:
+        return stop.value
+    except Exception as error:  # issuing a collective on a broken group
+        failure.report(error)
+        yield Round([], lambda: None, 0)
+        return flat, None
+
+
+class QuorumRoute(FlatRoute):
+    """Every participating group exchanges with every other over ``quorum``'s process group, each
+    exchange guarded by the round's :class:`StepFailure`."""
+
+    def __init__(self, quorum: Quorum) -> None:
+        super().__init__(quorum.group)
+        self.quorum = quorum
+
+    def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
+        return guarded(super().exchange(flat, bucket, roles), flat, self.quorum.failure)
+
+
+def refuse_several_processes() -> None:
+    """Each replica group is one process: refuse a process group of several ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "fault_tolerance: replica groups of one process are supported (each process its own group, "
+            f"--replica_group); this process group has {dist.get_world_size()} ranks"
+        )
+
+
+class Quorum:
+    """This replica group's membership in torchft's quorums (see the module's docstring).
+    ``state_dict`` gives what a healing peer loads from this group, ``load_state_dict`` loads a
+    peer's; torchft calls them inside :meth:`start`, between rounds."""
+
+    def __init__(
+        self,
+        options: FaultTolerance,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        torchft = require_torchft()
+        self.options = options
+        timeout = timedelta(seconds=options.timeout_s)
+        self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.process_group = torchft.process_group.ProcessGroupGloo(timeout=timeout)
+        try:
+            self.manager = torchft.Manager(
+                pg=self.process_group,
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=options.min_replicas,
+                use_async_quorum=False,  # heal before the round; every group in the quorum takes part
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=0,
+                world_size=1,
+                store_addr=options.host,
+                store_port=self._store.port,
+                lighthouse_addr=options.lighthouse,
+                replica_id=str(options.replica_group),
+                hostname=options.host,
+                checkpoint_transport=checkpoint_transport(torchft, options.host, timeout),
+            )
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"fault_tolerance: the lighthouse at {options.lighthouse} could not be reached within "
+                f"timeout_s = {options.timeout_s} s; start it first (torchft_lighthouse --min_replicas 1 "
+                f"--join_timeout_ms 10000) or correct lighthouse=. {error}"
+            ) from error
+        self.failure = StepFailure(self.manager)
+        #: the quorum's process group (None before the first quorum, or where it could not be formed)
+        self.group: Any = None
+        #: the participating groups of the current round (0 before the first quorum)
+        self.participants = 0
+        self._short_since: float | None = None
+
+    def start(self) -> bool:
+        """The round's quorum (healing first where this group must); whether its process group
+        changed (then the roles must be bound to it again)."""
+        options = self.options
+        try:
+            self.manager.start_quorum()
+        except Exception as error:
+            raise RuntimeError(
+                f"fault_tolerance: no quorum within quorum_timeout_s = {options.quorum_timeout_s} s from the "
+                f"lighthouse at {options.lighthouse} (is it running, and are enough replica groups up?): {error}"
+            ) from error
+        self.failure = StepFailure(self.manager)
+        changed = False
+        if self.manager.errored() is not None:  # the group could not be formed: the round cannot commit
+            self.failure.failed = True
+        else:
+            group = self.process_group.parent  # a new object whenever the quorum changed
+            changed, self.group = group is not self.group, group
+        self.participants = self.manager.num_participants()
+        self._check_enough_groups()
+        return changed
+
+    def _check_enough_groups(self) -> None:
+        """Refuse to retry for longer than the quorum timeout rounds that cannot commit because
+        fewer than ``min_replicas`` groups take part."""
+        options = self.options
+        if self.participants >= options.min_replicas:
+            self._short_since = None
+            return
+        now = time.monotonic()
+        self._short_since = self._short_since or now
+        if now - self._short_since > options.quorum_timeout_s:
+            raise RuntimeError(
+                f"fault_tolerance: only {self.participants} replica group(s) took part for over quorum_timeout_s = "
+                f"{options.quorum_timeout_s} s, and min_replicas = {options.min_replicas}: no step can commit; start "
+                "more groups or lower min_replicas"
+            )
+
+    def sum(self, tensor: Tensor) -> None:
+        """``tensor`` summed in place over the participants, guarded as the exchanges are (after a
+        failure its value is meaningless: the round will not commit)."""
+        if self.failure.failed:
+            return
+        try:
+            dist.all_reduce(tensor, group=self.group, async_op=True).wait()
+        except Exception as error:  # a peer died
+            self.failure.report(error)
+
+    def vote(self) -> bool:
+        """torchft's vote: True where every participant's round succeeded."""
+        return self.manager.should_commit()
+
+    @property
+    def step(self) -> int:
+        """The rounds committed so far (the same on every participant; a healed group takes its peer's)."""
+        return self.manager.current_step()
+
+    def close(self) -> None:
+        """Leave the quorums: the others go on without this group."""
+        self.manager.shutdown(wait=False)
+
+
+def keep_roles(synchronizer: GradientSynchronizer) -> dict[str, Any]:
+    """The roles' state (error feedback, compressor state) and the step counter of
+    ``synchronizer``, copied on their device: what a round that does not commit puts back."""
+    per_element = synchronizer.roles.state_by_parameter(synchronizer.buckets)
+    return {
+        "step": synchronizer.step,
+        "per_element": {
+            role: {name: {p: t.clone() for p, t in by_param.items()} for name, by_param in states.items()}
+            for role, states in per_element.items()
+        },
+        "extra": copy.deepcopy(synchronizer.compressor.extra_state()),
+    }
+
+
+def restore_roles(synchronizer: GradientSynchronizer, kept: dict[str, Any]) -> None:
+    """Put back what :func:`keep_roles` kept."""
+    synchronizer.step = kept["step"]
+    synchronizer.roles.clear_state()
+    synchronizer.roles.load_state_by_parameter(kept["per_element"], synchronizer.buckets)
+    synchronizer.compressor.load_extra_state(kept["extra"])
+
+
+def shared_state(synchronizer: GradientSynchronizer) -> dict[str, Any]:
+    """``synchronizer``'s state that a healing group takes from a peer: all but the per-rank
+    error feedback and compressor state, which hold what the *peer's* own gradients left unsent (a
+    copy would apply the peer's correction twice: once there, once here)."""
+    return {**synchronizer.state_dict(), "memory": {}, "compressor": {}}
+
+
+def load_shared_state(synchronizer: GradientSynchronizer, state: dict[str, Any]) -> None:
+    """Load a peer's :func:`shared_state`; this group's own error feedback starts at zero."""
+    synchronizer.roles.clear_state()
+    synchronizer.load_state_dict(state)
