@@ -1,10 +1,11 @@
 """One replica group of the Lightning fault-tolerance test (tests/test_fault_tolerance.py): a
-LightningModule trained by ``Trainer(strategy=GCFusedStrategy(..., fault_tolerance=...))``, one
-process, its own shard of the data. With ``--die-at S`` it kills itself (SIGKILL) in the first
-training step from global step ``S`` on that every group takes part in, before its backward
-(and so before its exchange). It stops at
-a step from ``--steps`` on that every group took part in, and writes its parameters, optimizer and
-scheduler state, global step and a record of the steps to ``--out``."""
+LightningModule trained by ``Trainer(strategy=GCFusedStrategy(..., fault_tolerance=...))``, the
+ranks of one torchrun, each on its own shard of the data. With ``--die-at S`` every rank kills
+itself (SIGKILL) in the first training step from global step ``S`` on that every group takes part
+in, after a step they all took part in, before its backward (and so before its exchange). It
+stops at a step from ``--steps`` on that every group took part in, and each rank writes its
+parameters, optimizer and scheduler state, global step and a record of the steps to ``--out`` with
+``.rank{r}.pt`` for ``.pt``."""
 
 import argparse
 import copy
@@ -13,7 +14,7 @@ import signal
 
 import lightning as L
 import torch
-from ft_worker import group_arguments
+from ft_worker import all_took_part, group_arguments, wait_for_groups
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,9 +44,13 @@ class Watch(L.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.record = args, []
 
+    def on_train_start(self, trainer, module):
+        wait_for_groups(self.args)  # the synchroniser (its manager) exists: the groups start together
+
     def on_before_backward(self, trainer, module, loss):
         sync = trainer.strategy.synchronizer
-        if 0 <= self.args.die_at <= trainer.global_step and sync.participants == self.args.groups:
+        together = all_took_part(self.record, self.args.groups)
+        if 0 <= self.args.die_at <= trainer.global_step and sync.participants == self.args.groups and together:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
@@ -73,7 +78,7 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=1,
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),  # torchrun's ranks: the group's
         max_epochs=100,
         logger=False,
         enable_checkpointing=False,
@@ -93,7 +98,7 @@ def main() -> None:
             "batches_per_epoch": trainer.num_training_batches,
             "record": watch.record,
         },
-        args.out,
+        args.out.replace(".pt", f".rank{trainer.global_rank}.pt"),
     )
 
 

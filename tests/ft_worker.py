@@ -3,8 +3,12 @@ trained through FaultTolerantSynchronizer (in a plain loop, or through Accelerat
 with ``--via accelerate``) on data of its own, until a step at least ``--steps``
 that every one of ``--groups`` groups took part in. With ``--die-at S`` it kills itself (SIGKILL)
 after the forward of the first step from committed step ``S`` on that every group takes part in,
-before its exchange. Writes its final parameters, the
+after a step they all took part in and committed, before its exchange. Writes its final parameters, the
 roles' state and a record of every step to ``--out``.
+
+Started by torchrun, it is a group of several ranks, rank ``r`` of group ``g`` reading shard
+``g · ranks + r`` and writing ``OUT`` with ``.rank{r}.pt`` for ``.pt``; with ``--die-at`` every rank
+of the group kills itself at the same point (a lost node).
 
 With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loop), until an outer
 step at least ``--steps`` that every group took part in, recording every round; ``--die-when inner``
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gc_strategy import DiLoCo, build_components
@@ -27,9 +32,9 @@ from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
 from gc_strategy.sync.quorum import FaultTolerance
 
 
-def batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group ``group``'s own batch for committed step ``step``."""
-    g = torch.Generator().manual_seed(1000 * group + step)
+def batch(shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard ``shard``'s own batch for committed step ``step`` (a group's, or a rank's of a group)."""
+    g = torch.Generator().manual_seed(1000 * shard + step)
     return torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
 
 
@@ -58,6 +63,7 @@ def group_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--barrier", help="a folder: wait there for every rank of every group before the first step")
     return parser
 
 
@@ -67,11 +73,12 @@ def main() -> None:
     parser.add_argument("--memory", default="none")
     parser.add_argument("--die-when", choices=["exchange", "between", "inner", "outer"], default="exchange")
     parser.add_argument("--inner-steps", type=int, default=0)
-    parser.add_argument("--barrier", help="a folder: wait there for every group before the first step")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
     args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ and args.via == "loop":  # a group of several ranks, started by torchrun
+        dist.init_process_group("gloo")
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     options = FaultTolerance(
@@ -98,13 +105,15 @@ def main() -> None:
             net, build_components(args.compressor, args.memory, fusion="groups:2"), options
         )
         sync.use_optimizers([optimizer])
+    wait_for_groups(args)
     record = []
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     while True:
         with sync.forward_pass():
             step = sync.committed_steps
-            x, y = batch(args.group, step)
+            x, y = batch(args.group * ranks + rank, step)
             loss = (net(x) - y).square().mean()
-        dies = 0 <= args.die_at <= step and sync.participants == args.groups
+        dies = 0 <= args.die_at <= step and sync.participants == args.groups and all_took_part(record, args.groups)
         if dies and args.die_when == "exchange":
             os.kill(os.getpid(), signal.SIGKILL)
         kept = snapshot(net, optimizer, sync)
@@ -131,8 +140,17 @@ def main() -> None:
             break
         time.sleep(0.02)
     final = snapshot(net, optimizer, sync)
-    torch.save({**final, "record": record, "committed_steps": sync.committed_steps}, args.out)
+    out = args.out if ranks == 1 else args.out.replace(".pt", f".rank{rank}.pt")
+    torch.save({**final, "record": record, "committed_steps": sync.committed_steps}, out)
     sync.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_took_part(record: list[dict], groups: int) -> bool:
+    """Whether every group took part in the last step and it committed (a group that has just
+    joined took part in it: it is not healing from this one any more)."""
+    return bool(record) and record[-1]["committed"] and record[-1]["participants"] == groups
 
 
 def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Optimizer, options: FaultTolerance) -> None:
@@ -162,16 +180,16 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
         start_vectors()
 
     sync.try_round, sync.synchronizers[1].start_synchronize = recorded_round, dying_vectors
-    if args.barrier:  # the groups start together, as a scheduler starts them
-        wait_for_groups(Path(args.barrier), args.group, args.groups)
+    wait_for_groups(args)
 
     def done() -> bool:
         return sync.synced_at >= args.steps and sync.participants == args.groups and sync.synced_at == sync.inner_step
 
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     while True:
         with sync.forward_pass():
             step = sync.committed_steps
-            x, y = batch(args.group, step)
+            x, y = batch(args.group * ranks + rank, step)
             loss = (net(x) - y).square().mean()
         if done():  # joined in the run's last outer step
             break
@@ -189,13 +207,18 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
     sync.close()
 
 
-def wait_for_groups(folder: Path, group: int, groups: int, timeout: float = 120) -> None:
-    """Wait until every group has reached this point (each leaves a file in ``folder``)."""
-    (folder / f"ready-{group}").touch()
+def wait_for_groups(args: argparse.Namespace, timeout: float = 120) -> None:
+    """With ``--barrier FOLDER``, wait until every rank of every group has reached this point (each
+    leaves a file there): the groups start together, as a scheduler starts them."""
+    if not args.barrier:
+        return
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    folder = Path(args.barrier)
+    (folder / f"ready-{args.group}-{rank}").touch()
     deadline = time.monotonic() + timeout
-    while len(list(folder.glob("ready-*"))) < groups:
+    while len(list(folder.glob("ready-*"))) < args.groups * ranks:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not every group of {groups} started within {timeout} s")
+            raise TimeoutError(f"not every rank of {args.groups} groups started within {timeout} s")
         time.sleep(0.05)
 
 

@@ -26,6 +26,8 @@ from recipes.replica_groups import LAUNCHER_KEYS  # noqa: E402
 
 WORKER = Path(__file__).with_name("ft_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
+#: a replica group of several ranks: torchrun with a rendezvous of its own on this machine
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
 
 
 def group_env(**extra: str) -> dict[str, str]:
@@ -42,7 +44,8 @@ def lighthouse():
     server.shutdown()
 
 
-def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str) -> subprocess.Popen:
+def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str, ranks: int = 1) -> subprocess.Popen:
+    """Replica group ``group``: one process, or ``ranks`` started by one torchrun of its own."""
     env = group_env()
     args = [
         "--lighthouse",
@@ -54,16 +57,17 @@ def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str) -> s
         "--out",
         str(out / f"{group}.pt"),
     ]
+    launcher = [sys.executable] if ranks == 1 else [*TORCHRUN, f"--nproc_per_node={ranks}"]
     log = open(out / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
-    return subprocess.Popen([sys.executable, str(WORKER), *args, *extra], env=env, stdout=log, stderr=log)
+    return subprocess.Popen([*launcher, str(WORKER), *args, *extra], env=env, stdout=log, stderr=log)
 
 
-def finish(process: subprocess.Popen, out: Path, group: int, timeout: float = 240) -> dict:
+def finish(process: subprocess.Popen, out: Path, group: int, timeout: float = 240, load: bool = True) -> dict | None:
     try:
         assert process.wait(timeout=timeout) == 0, (out / f"{group}.log").read_text()[-3000:]
     finally:
         process.kill()
-    return torch.load(out / f"{group}.pt")
+    return torch.load(out / f"{group}.pt") if load else None
 
 
 def same(a: object, b: object) -> bool:
@@ -103,7 +107,8 @@ def test_a_group_killed_in_or_between_steps_is_survived_and_comes_back_bit_ident
     if when == "accelerate":  # through gc_strategy.accelerate.prepare, killed in the exchange
         options, when = [*options, "--via", "accelerate"], "exchange"
     dying = ["--die-at", "6", "--die-when", when]
-    groups = [start(lighthouse, g, 3, tmp_path, *options, *(dying if g == 2 else [])) for g in range(3)]
+    together = ["--barrier", str(tmp_path)]  # the three start together
+    groups = [start(lighthouse, g, 3, tmp_path, *options, *together, *(dying if g == 2 else [])) for g in range(3)]
     groups[2].wait(timeout=120)
     assert groups[2].returncode == -signal.SIGKILL
     groups[2] = start(lighthouse, 2, 3, tmp_path, *options)
@@ -211,6 +216,68 @@ def test_two_groups_without_failures_average_as_plain_data_parallel_training(lig
             torch.testing.assert_close(result["params"][name], value.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_two_groups_of_two_ranks_without_failures_average_as_plain_data_parallel_training(lighthouse, tmp_path):
+    """``compressor=none``, two groups of two ranks each (one torchrun each), every step committed
+    with both: each rank's parameters equal plain SGD on the average of the four ranks' gradients,
+    computed here step by step."""
+    steps = 8
+    options = ["--steps", str(steps), "--min-replicas", "2"]
+    groups = [start(lighthouse, g, 2, tmp_path, *options, ranks=2) for g in range(2)]
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = [torch.load(tmp_path / f"{g}.rank{r}.pt") for g in range(2) for r in range(2)]
+    for result in results:
+        assert [r["step"] for r in result["record"] if r["committed"]] == list(range(steps))
+        assert all(r["participants"] == 2 for r in result["record"] if r["committed"])
+    reference = model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    for step in range(steps):
+        grads = []
+        for shard in range(4):
+            reference.zero_grad()
+            x, y = batch(shard, step)
+            (reference(x) - y).square().mean().backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])
+        for p, *each in zip(reference.parameters(), *grads):
+            p.grad = sum(each) / 4
+        optimizer.step()
+    for name, value in reference.named_parameters():
+        for result in results:
+            torch.testing.assert_close(result["params"][name], value.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_group_of_two_ranks_killed_in_its_exchange_is_survived_and_comes_back_bit_identical(lighthouse, tmp_path):
+    """Two groups of two ranks (one torchrun each), ``topk`` + residual; both ranks of group 1 kill
+    themselves in a step both groups take part in (a lost node). Group 0 goes on alone without a
+    restart; its failed step leaves both its ranks' parameters, optimizer, error feedback and
+    compressor state bit-identical to a snapshot before it. Group 1, started again, heals rank by
+    rank from group 0; then all four ranks hold bit-identical parameters and optimizer state, and
+    the same global step."""
+    options = ["--steps", "20", "--compressor", "topk", "--memory", "residual"]
+    dying, together = ["--die-at", "4"], ["--barrier", str(tmp_path)]
+    groups = [start(lighthouse, g, 2, tmp_path, *options, *together, *(dying if g else []), ranks=2) for g in range(2)]
+    assert groups[1].wait(timeout=120) != 0
+    groups[1] = start(lighthouse, 1, 2, tmp_path, *options, ranks=2)
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = {(g, r): torch.load(tmp_path / f"{g}.rank{r}.pt") for g in range(2) for r in range(2)}
+    for rank in range(2):
+        record = results[0, rank]["record"]
+        failed = [r for r in record if not r["committed"]]
+        assert failed and failed[0]["participants"] == 2 and all(r["state_kept"] for r in failed)
+        assert len({r["step"] for r in failed}) == 1  # only the step in flight is redone
+        assert any(r["committed"] and r["participants"] == 1 for r in record)  # then on alone
+        assert record[-1]["participants"] == 2
+        assert results[1, rank]["record"][0]["step"] > failed[0]["step"]  # healed: its peer's step
+    first = results[0, 0]
+    for other in results.values():
+        assert same(first["params"], other["params"])
+        assert same(first["optimizer"], other["optimizer"])
+        assert other["committed_steps"] == first["committed_steps"]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -266,37 +333,42 @@ def test_without_torchft_the_error_says_how_to_install_it(monkeypatch):
 
 @pytest.mark.slow
 def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_schedule(lighthouse, tmp_path):
-    """``GCFusedStrategy(compressor="topk", memory="residual", fault_tolerance=...)``, three groups
-    of one process each, each reading its shard. Group 2 is killed before its backward at a step
-    from global step 5 on, so the others' exchange of that step fails; the survivors go on; group
-    2, started again, heals the model, the optimizer, the LR schedule and the Trainer's step
-    counters from a peer. Every group ends with the same parameters, optimizer state, schedule and
-    global step, to the bit."""
+    """``GCFusedStrategy(compressor="topk", memory="residual", fault_tolerance=...)``, two groups of
+    two ranks, one torchrun each, each rank reading its quarter of the data. Both ranks of group 1
+    are killed before their backward at a step from global step 5 on, so group 0's exchange of that
+    step fails; group 0 goes on alone; group 1, started again, heals the model, the optimizer, the
+    LR schedule and the Trainer's step counters rank by rank. Every rank ends with the same
+    parameters, optimizer state, schedule and global step, to the bit."""
     worker = Path(__file__).with_name("ft_lightning_worker.py")
     env = group_env()
 
     def run(group: int, *extra: str) -> subprocess.Popen:
-        args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "3", "--steps", "25"]
+        args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "2", "--steps", "40"]
         log = open(tmp_path / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
         args += ["--out", str(tmp_path / f"{group}.pt"), *extra]
-        return subprocess.Popen([sys.executable, str(worker), *args], env=env, stdout=log, stderr=log)
+        command = [*TORCHRUN, "--nproc_per_node=2", str(worker), *args]
+        return subprocess.Popen(command, env=env, stdout=log, stderr=log)
 
-    groups = [run(g, *(["--die-at", "5"] if g == 2 else [])) for g in range(3)]
-    assert groups[2].wait(timeout=180) == -signal.SIGKILL
-    groups[2] = run(2)
-    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
-    for survivor in results[:2]:
-        record = survivor["record"]
-        assert any(not r["committed"] and r["participants"] == 3 for r in record)  # the step in flight failed
-        assert any(r["committed"] and r["participants"] == 2 for r in record)  # then on as two
-        assert record[-1]["participants"] == 3
-    assert results[2]["record"][0]["global_step"] > 5  # healed: it took its peer's counters
-    assert all(r["batches_per_epoch"] == math.ceil(4096 / 3 / 8) for r in results)  # a third of the data each
-    for other in results[1:]:
-        assert same(results[0]["params"], other["params"])
-        assert same(results[0]["optimizer"], other["optimizer"])
-        assert results[0]["scheduler"] == other["scheduler"]
-        assert results[0]["global_step"] == other["global_step"]
+    together = ["--barrier", str(tmp_path)]
+    groups = [run(g, *together, *(["--die-at", "5"] if g == 1 else [])) for g in range(2)]
+    assert groups[1].wait(timeout=180) != 0
+    groups[1] = run(1)
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = {(g, r): torch.load(tmp_path / f"{g}.rank{r}.pt") for g in range(2) for r in range(2)}
+    for rank in range(2):
+        record = results[0, rank]["record"]
+        assert any(not r["committed"] and r["participants"] == 2 for r in record)  # the step in flight failed
+        assert any(r["committed"] and r["participants"] == 1 for r in record)  # then on alone
+        assert record[-1]["participants"] == 2
+        assert results[1, rank]["record"][0]["global_step"] > 5  # healed: it took its peer's counters
+    assert all(r["batches_per_epoch"] == math.ceil(4096 / 4 / 8) for r in results.values())  # a quarter each
+    first = results[0, 0]
+    for other in results.values():
+        assert same(first["params"], other["params"])
+        assert same(first["optimizer"], other["optimizer"])
+        assert first["scheduler"] == other["scheduler"]
+        assert first["global_step"] == other["global_step"]
 
 
 def _app(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -118,7 +118,8 @@ def prepare(
     and each of its steps counts towards the next outer step. ``sharding``: ``"auto"`` (``"fsdp"``
     under Accelerate's FSDP2 plugin, else ``"none"``), ``"none"`` or ``"fsdp"`` (see the module's
     docstring). ``fault_tolerance``: a :class:`~gc_strategy.sync.quorum.FaultTolerance`;
-    each process is then a replica group that goes on when others die (docs/fault_tolerance.md):
+    the processes of this launch are then a replica group that goes on when others die
+    (docs/fault_tolerance.md):
     ``optimizer.step()`` steps only where the step commits, a group that comes back heals the model,
     the optimizers and the LR schedulers among ``objects``, and each group passes its own shard of
     the data (Accelerate splits a loader over the processes of one group only)."""

@@ -43,8 +43,8 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         sync: ``"every_step"`` (every optimizer step's gradients) or
             :class:`~gc_strategy.sync.modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
             then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.
-        fault_tolerance: a :class:`~gc_strategy.sync.quorum.FaultTolerance`: each process is a
-            replica group that goes on when others die and heals when it comes back (torchft;
+        fault_tolerance: a :class:`~gc_strategy.sync.quorum.FaultTolerance`: the Trainer's ranks
+            are a replica group that goes on when others die and heals when it comes back (torchft;
             docs/fault_tolerance.md).
         hierarchy: ``"flat"`` (every rank exchanges with every rank), or ``"node"`` /
             :class:`~gc_strategy.sync.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
@@ -171,12 +171,15 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With fault tolerance each replica group reads its own shard: shard ``replica_group`` of
-        ``groups``."""
+        """With fault tolerance each rank of each replica group reads its own shard: of ``groups``
+        times the group's ranks, shard ``replica_group`` times those plus the rank in the group."""
         ft = self.fault_tolerance
         if ft is None:
             return super().distributed_sampler_kwargs
-        return {"num_replicas": ft.groups, "rank": ft.replica_group}
+        return {
+            "num_replicas": ft.groups * self.world_size,
+            "rank": ft.replica_group * self.world_size + self.global_rank,
+        }
 
     # ---------------------------------------------------------------- forward passes
     @contextmanager

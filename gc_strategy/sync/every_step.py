@@ -131,8 +131,7 @@ class GradientSynchronizer(Synchronizer):
         self.compressor, self.memory, self.communicator = roles.compressor, roles.memory, roles.communicator
         self.planner = parse_fusion(roles.fusion)
         self.process_group = process_group
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters, self.broadcast_buffers = find_unused_parameters, broadcast_buffers
         self._buffers_due = True  # broadcast the buffers before the next forward (DDP's rule)
         initialized = dist.is_available() and dist.is_initialized()
         #: the process group's size and this process's rank in it
@@ -170,11 +169,12 @@ class GradientSynchronizer(Synchronizer):
             broadcast_from_rank0(tensors, self.process_group)
 
     def rebind(self, route: Route) -> None:
-        """Synchronise over ``route`` from the next step on (a group that changed: fault tolerance's
-        quorum), the roles bound to its group and checked again. No role's state depends on its size."""
+        """Synchronise over ``route`` from the next step on (fault tolerance's new quorum): the roles
+        bound to its group and checked again, the buckets placed on its ranks (no state depends on its size)."""
         self.route, self.process_group = route, route.group
         self.roles.bind(route.group)
         self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
+        self.layout.use_route(route)
         self.compressor.check_group(route.group, self.buckets)
 
     # ------------------------------------------------------------------ one backward

@@ -1,6 +1,9 @@
 """Per-step fault tolerance across replica groups, on torchft (docs/fault_tolerance.md).
 
-A *replica group* is a set of ranks that live and die together; here each group is one process.
+A *replica group* is a set of ranks that live and die together: one process, or the ranks of one
+launch (a torchrun per node, its default process group), which reduce inside the group and exchange
+across groups each its share of the buckets, with the same rank of every other group
+(:class:`~gc_strategy.sync.quorum.QuorumNodeRoute`).
 The groups train the same model on their own data and average their compressed gradients every
 step, as with :class:`~gc_strategy.sync.every_step.GradientSynchronizer`, but over a process group
 that torchft (Ma et al., "torchft", PyTorch 2025) forms anew whenever a group dies, joins or comes
@@ -47,11 +50,10 @@ from .every_step import GradientSynchronizer
 from .quorum import (
     FaultTolerance,
     Quorum,
-    QuorumRoute,
     Stateful,
     keep_roles,
     load_shared_state,
-    refuse_several_processes,
+    quorum_route,
     restore_roles,
     shared_state,
 )
@@ -84,7 +86,6 @@ class FaultTolerantSynchronizer(Synchronizer):
         healed: dict[str, Stateful] | None = None,
         find_unused_parameters: bool = False,
     ) -> None:
-        refuse_several_processes()
         if isinstance(roles.fusion, AutoPlanner):
             raise ValueError(
                 "fault_tolerance: fusion = 'auto' is invalid (its plan is measured with collectives the groups "
@@ -95,7 +96,6 @@ class FaultTolerantSynchronizer(Synchronizer):
         self.inner = GradientSynchronizer(
             module,
             roles,
-            broadcast_from_rank0=False,
             broadcast_buffers=False,
             find_unused_parameters=find_unused_parameters,
         )
@@ -110,7 +110,7 @@ class FaultTolerantSynchronizer(Synchronizer):
         """The step's quorum (healing first where this group must), then the roles bound to its
         group and their state kept. Called by :meth:`before_forward` once per optimizer step."""
         if self.quorum.start():
-            self.inner.rebind(QuorumRoute(self.quorum))
+            self.inner.rebind(quorum_route(self.quorum))
         self._kept = keep_roles(self.inner)
 
     @property

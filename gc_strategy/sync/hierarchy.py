@@ -39,6 +39,7 @@ launchers number them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,12 +262,19 @@ def gather_node_state(
 
 
 def node_exchange(
-    flat: Tensor, bucket: Bucket, roles: Components, groups: NodeGroups, owner: int, precision: str = "full"
+    flat: Tensor,
+    bucket: Bucket,
+    roles: Components,
+    groups: NodeGroups,
+    owner: int,
+    precision: str = "full",
+    across: Callable[[Tensor, Bucket], Exchange] | None = None,
 ) -> Exchange:
     """One bucket's hierarchical exchange (the module's steps 1–3); returns ``(average, finite)``
     like :meth:`~gc_strategy.algos.base.Memory.exchange`, ``finite`` None except on the owner. The
     communicator is bound to ``groups.inter``, the compressor to the nodes. ``precision`` is that of
-    the collectives inside the node: ``"full"`` (the gradients' dtype) or ``"bf16"``."""
+    the collectives inside the node: ``"full"`` (the gradients' dtype) or ``"bf16"``. ``across``: the
+    exchange across nodes (by default ``roles.exchange``; fault tolerance guards it)."""
     source = groups.rank_of(owner)
     local = groups.ranks_per_node > 1
     wire = flat.to(torch.bfloat16) if precision == "bf16" and local else flat
@@ -279,7 +287,7 @@ def node_exchange(
             flat.copy_(wire)
         if local:
             flat.div_(groups.ranks_per_node)
-        average, finite = yield from roles.exchange(flat, bucket)
+        average, finite = yield from (across or roles.exchange)(flat, bucket)
         if average is not wire:
             wire.copy_(average)
     yield Round([], lambda: None, 0, inside_node=True)  # the broadcasts: after backward, in bucket order

@@ -126,6 +126,13 @@ class BucketLayout:
         self.roles.load_state_by_parameter(state, self.buckets)
         self.keep_owned_state()
 
+    def use_route(self, route: Route) -> None:
+        """Exchange along ``route`` from now on: the buckets placed on its ranks, per-element state
+        kept for those this rank compresses."""
+        self.route = route
+        route.place([b.nbytes for b in self.buckets])
+        self.keep_owned_state()
+
     def keep_owned_state(self) -> None:
         """Per-element state only for the buckets this rank compresses (all of them, but with
         ``hierarchy="node"``)."""

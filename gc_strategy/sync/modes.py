@@ -54,8 +54,8 @@ class Replicated:
     a :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
     forward where ``broadcast_buffers`` and its parameters at the start where
     ``broadcast_from_rank0``, and, where ``find_unused_parameters``, takes steps in which a
-    parameter got no gradient (DDP's options). With ``fault_tolerance`` each process is a replica
-    group that the others survive (:mod:`gc_strategy.sync.fault_tolerant`)."""
+    parameter got no gradient (DDP's options). With ``fault_tolerance`` the ranks of this launch are a
+    replica group that the others survive (:mod:`gc_strategy.sync.fault_tolerant`)."""
 
     hierarchy: str | NodeHierarchy = "flat"
     broadcast_buffers: bool = True
@@ -216,7 +216,7 @@ class DiLoCo(SyncMode):
 
 def check_fault_tolerance(fault_tolerance: FaultTolerance | None, mode: SyncMode, hierarchy: Any) -> None:
     """Refuse, before any work, what fault tolerance cannot serve: a mode that does not build a
-    fault-tolerant synchroniser, or a hierarchy (each process is its own replica group)."""
+    fault-tolerant synchroniser, or a hierarchy (a replica group's ranks reduce inside the group on their own)."""
     if fault_tolerance is None:
         return
     if not isinstance(fault_tolerance, FaultTolerance):
@@ -230,8 +230,8 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, mode: SyncMode
     mode.check_fault_tolerant()
     if parse_hierarchy(hierarchy) is not None:
         raise ValueError(
-            f"fault_tolerance with hierarchy = {hierarchy!r} is invalid; allowed: 'flat' (each process is its own "
-            "replica group)"
+            f"fault_tolerance with hierarchy = {hierarchy!r} is invalid; allowed: 'flat' (a replica group of several "
+            "ranks reduces inside the group and exchanges across groups on its own)"
         )
 
 

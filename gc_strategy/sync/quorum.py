@@ -2,7 +2,8 @@
 (:mod:`gc_strategy.sync.fault_tolerant`: every step; :mod:`gc_strategy.sync.fault_tolerant_diloco`:
 every outer step). docs/fault_tolerance.md.
 
-A *replica group* is a set of ranks that live and die together; here each group is one process.
+A *replica group* is a set of ranks that live and die together: one process, or the ranks of one
+launch (its default process group).
 torchft (Ma et al., "torchft", PyTorch 2025) runs a lighthouse that decides, at each request, which
 groups take part (the *quorum*), and a manager in each group that forms a process group over them
 anew whenever a group dies, joins or comes back. A group that joins, comes back or fell behind
@@ -18,6 +19,7 @@ torchft's vote (:meth:`Quorum.vote`) then says, on every participant, not to com
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -32,7 +34,8 @@ from ..bucket import Bucket
 from ..communicators import Exchange, Round
 from ..components import Components
 from .every_step import GradientSynchronizer
-from .routes import FlatRoute
+from .hierarchy import NodeGroups, NodeRoute, node_exchange
+from .routes import FlatRoute, Route
 
 
 class Stateful(Protocol):
@@ -164,8 +167,8 @@ def guarded(inner: Exchange, flat: Tensor, failure: StepFailure) -> Exchange:
 
 
 class QuorumRoute(FlatRoute):
-    """Every participating group exchanges with every other over ``quorum``'s process group, each
-    exchange guarded by the round's :class:`StepFailure`."""
+    """Groups of one rank: every participating group exchanges with every other over ``quorum``'s
+    process group, each exchange guarded by the round's :class:`StepFailure`."""
 
     def __init__(self, quorum: Quorum) -> None:
         super().__init__(quorum.group)
@@ -175,12 +178,37 @@ class QuorumRoute(FlatRoute):
         return guarded(super().exchange(flat, bucket, roles), flat, self.quorum.failure)
 
 
+class QuorumNodeRoute(NodeRoute):
+    """Groups of several ranks (:mod:`gc_strategy.sync.hierarchy`'s exchange, a group as a node):
+    each bucket is reduced onto its owner inside the group, exchanged by the owners across the
+    groups over ``quorum``'s process group (the same local rank of every group; guarded), and
+    broadcast back inside the group. The collectives inside the group run whatever happened across,
+    so that every rank of a group issues the same ones."""
+
+    def __init__(self, quorum: Quorum) -> None:
+        groups = NodeGroups(quorum.participants, quorum.local_world, 0, quorum.local_rank, None, quorum.group)
+        super().__init__(groups)
+        self.quorum = quorum
+
+    def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
+        def across(flat: Tensor, bucket: Bucket) -> Exchange:
+            return guarded(roles.exchange(flat, bucket), flat, self.quorum.failure)
+
+        return node_exchange(flat, bucket, roles, self.groups, self.owners[bucket.index], across=across)
+
+
+def quorum_route(quorum: Quorum) -> Route:
+    """The route of the quorum's round: flat for groups of one rank, through each group's ranks
+    otherwise."""
+    return QuorumRoute(quorum) if quorum.local_world == 1 else QuorumNodeRoute(quorum)
+
+
 def refuse_several_processes() -> None:
-    """Each replica group is one process: refuse a process group of several ranks."""
+    """Replica groups of one process only (DiLoCo): refuse a process group of several ranks."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
-            "fault_tolerance: replica groups of one process are supported (each process its own group, "
-            f"--replica_group); this process group has {dist.get_world_size()} ranks"
+            "fault_tolerance with sync=DiLoCo: replica groups of one process are supported (each process its "
+            f"own group); this process group has {dist.get_world_size()} ranks"
         )
 
 
@@ -198,7 +226,14 @@ class Quorum:
         torchft = require_torchft()
         self.options = options
         timeout = timedelta(seconds=options.timeout_s)
-        self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        #: this process's place in its replica group: a group of several ranks is the default process group
+        self.local_rank, self.local_world = (dist.get_rank(), dist.get_world_size()) if several else (0, 1)
+        if several:  # the group's launcher's store, where torchft's manager of the group registers
+            store_port = int(os.environ["MASTER_PORT"])
+        else:
+            self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            store_port = self._store.port
         self.process_group = torchft.process_group.ProcessGroupGloo(timeout=timeout)
         try:
             self.manager = torchft.Manager(
@@ -210,10 +245,10 @@ class Quorum:
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
                 connect_timeout=timeout,
-                rank=0,
-                world_size=1,
+                rank=self.local_rank,
+                world_size=self.local_world,
                 store_addr=options.host,
-                store_port=self._store.port,
+                store_port=store_port,
                 lighthouse_addr=options.lighthouse,
                 replica_id=str(options.replica_group),
                 hostname=options.host,
