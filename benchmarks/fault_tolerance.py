@@ -7,15 +7,18 @@ over a gloo group of the ``R`` processes, as ``gc_fused`` runs), ``plain, contro
 its ratio to ``plain`` is the noise of the measurement) and ``ft`` (``FaultTolerantSynchronizer``
 over torchft's quorum, the lighthouse on node 0), ``--steps`` steps each, in a new order each round;
 the median step time of the steps after ``--warmup``, and the ratios to ``plain`` of the same round.
+An entry ``diloco:C`` runs DiLoCo (``inner_steps`` = ``--inner-steps``, outer exchange through
+``C``): ``DiLoCoSynchronizer`` against ``FaultTolerantDiLoCo``, its step time the median over the
+inner phases of a phase's time (its outer step included) over ``inner_steps``.
 
-Failure: ``R`` groups with fault tolerance; group ``R-1`` kills itself (SIGKILL) before its
-exchange at step ``--kill-at``, and is started again at once. Reported: the survivors' failed steps
+Failure: ``R`` groups with fault tolerance and ``--failure-compressor``; group ``R-1`` kills itself
+(SIGKILL) before its exchange at step ``--kill-at``, and is started again at once. Reported: the survivors' failed steps
 (steps lost), the stall (the longest time between two committed steps of a survivor, less its
 median step), the restarted group's start-up and the time from its first quorum request to its
 first committed step (healing included), and whether every group ended bit-identical.
 
     python benchmarks/fault_tolerance.py --rate 1gbit --groups 3 --rounds 3 --steps 20 \\
-        --compressors none topk+residual
+        --compressors none topk+residual diloco:topk+residual
 """
 
 from __future__ import annotations
@@ -50,26 +53,32 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torchvision
 
-    from gc_strategy import build_components
+    from gc_strategy import DiLoCo, build_components
+    from gc_strategy.sync.diloco import DiLoCoSynchronizer
     from gc_strategy.sync.every_step import GradientSynchronizer
     from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
+    from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
     from gc_strategy.sync.quorum import FaultTolerance
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    name, memory = (args.compressor.split("+") + ["none"])[:2]
+    diloco = DiLoCo(inner_steps=args.inner_steps) if args.compressor.startswith("diloco:") else None
+    name, memory = (args.compressor.removeprefix("diloco:").split("+") + ["none"])[:2]
     roles = build_components(name, memory, density=0.01) if name == "topk" else build_components(name, memory)
     if args.mode == "plain":
         store = f"tcp://{args.store_host}:{STORE_PORT}"
         dist.init_process_group("gloo", init_method=store, rank=args.group, world_size=args.groups)
-        sync = GradientSynchronizer(model, roles)
+        sync = DiLoCoSynchronizer(model, roles, diloco) if diloco else GradientSynchronizer(model, roles)
     else:
         options = FaultTolerance(
             args.lighthouse, args.group, groups=args.groups, timeout_s=5, quorum_timeout_s=60, host=args.host
         )
-        sync = FaultTolerantSynchronizer(model, roles, options)
+        if diloco:
+            sync = FaultTolerantDiLoCo(model, roles, diloco, options)
+        else:
+            sync = FaultTolerantSynchronizer(model, roles, options)
         sync.use_optimizers([optimizer])
     g = torch.Generator().manual_seed(args.group)
     x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
@@ -87,6 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         if committed:
             optimizer.step()
         optimizer.zero_grad()
+        sync.after_optimizer_step()  # DiLoCo's outer step every inner_steps
         end = time.perf_counter()
         steps.append({"s": end - begin, "end": time.time(), "committed": committed, "participants": participants})
         done = sync.committed_steps if args.mode == "ft" else len(steps)
@@ -106,12 +116,13 @@ def launch(node: netns.NodeNetwork, args: list[str], log: Path) -> subprocess.Po
     return subprocess.Popen(command, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
-def run_groups(nodes, lighthouse, mode, compressor, steps, folder: Path, kill_at: int = -1) -> list[dict]:
+def run_groups(nodes, lighthouse, mode, compressor, steps, inner_steps, folder: Path, kill_at: int = -1) -> list[dict]:
     """One run of every group; with ``kill_at`` the last group dies there and is started again."""
     groups = len(nodes)
 
     def start(g: int, die_at: int) -> subprocess.Popen:
         args = ["--mode", mode, "--group", str(g), "--groups", str(groups), "--compressor", compressor]
+        args += ["--inner-steps", str(inner_steps)]
         args += ["--steps", str(steps), "--lighthouse", lighthouse, "--host", nodes[g].address]
         args += ["--store-host", nodes[0].address, "--die-at", str(die_at), "--out", str(folder / f"{g}.json")]
         return launch(nodes[g], args, folder / f"{g}.log")
@@ -131,8 +142,22 @@ def run_groups(nodes, lighthouse, mode, compressor, steps, folder: Path, kill_at
     return results
 
 
-def median_step(result: dict, warmup: int) -> float:
-    return statistics.median(s["s"] for s in result["steps"][warmup:] if s["committed"])
+def median_step(results: list[dict], warmup: int, period: int = 1) -> float:
+    """The median over the groups of each one's median step time after ``warmup`` steps; for DiLoCo
+    (``period`` inner steps between outer steps) of the median over its whole inner phases of a
+    phase's time over ``period`` (a group that joined late, with no whole phase after the warm-up,
+    left out)."""
+    if period == 1:
+        return statistics.median(
+            statistics.median(s["s"] for s in result["steps"][warmup:] if s["committed"]) for result in results
+        )
+    start = -(-warmup // period) * period
+    medians = []
+    for result in results:
+        times = [s["s"] for s in result["steps"]]
+        phases = [sum(times[i : i + period]) / period for i in range(start, len(times) - period + 1, period)]
+        medians += [statistics.median(phases)] if phases else []
+    return statistics.median(medians)
 
 
 def main() -> None:
@@ -152,7 +177,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=8)
-    parser.add_argument("--compressors", nargs="+", default=["none", "topk+residual"])
+    parser.add_argument("--compressors", nargs="+", default=["none", "topk+residual", "diloco:topk+residual"])
+    parser.add_argument("--inner-steps", type=int, default=5)
+    parser.add_argument("--failure-compressor", default="topk+residual")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -177,13 +204,16 @@ def main() -> None:
                 order = list(times)
                 random.Random(r).shuffle(order)
                 for mode in order:
-                    results = run_groups(nodes, url, mode.split(",")[0], compressor, args.steps, folder)
-                    times[mode].append(statistics.median(median_step(res, args.warmup) for res in results))
+                    plain_or_ft = mode.split(",")[0]
+                    results = run_groups(nodes, url, plain_or_ft, compressor, args.steps, args.inner_steps, folder)
+                    period = args.inner_steps if compressor.startswith("diloco:") else 1
+                    times[mode].append(median_step(results, args.warmup, period))
                     print(f"{compressor} round {r} {mode}: {times[mode][-1]:.3f} s/step", file=sys.stderr, flush=True)
             ratios = [f / p for f, p in zip(times["ft"], times["plain"])]
             control = [c / p for c, p in zip(times["plain, control"], times["plain"])]
             rows[compressor] = (statistics.median(times["plain"]), statistics.median(times["ft"]), ratios, control)
-        failure = run_groups(nodes, url, "ft", args.compressors[-1], args.steps * 2, folder, kill_at=args.kill_at)
+        kill_at, failing = args.kill_at, args.failure_compressor
+        failure = run_groups(nodes, url, "ft", failing, args.steps * 2, args.inner_steps, folder, kill_at=kill_at)
     where = f"{args.groups} groups, {'links shaped to ' + args.rate if args.rate else 'loopback'}"
     print(f"\nResNet-18, 32x32, batch 32 per group, 1 thread per group; {where}")
     print(f"{args.rounds} rounds x {args.steps} steps per configuration, the modes in a new order each round")
@@ -198,9 +228,8 @@ def main() -> None:
             f"({min(control):.3f} to {max(control):.3f}) |"
         )
     survivors, restarted = failure[:-1], failure[-1]
-    print(
-        f"\nFailure ({args.compressors[-1]}): group {args.groups - 1} killed before its exchange at step {args.kill_at}"
-    )
+    killed = f"group {args.groups - 1} killed before its exchange at step {args.kill_at}"
+    print(f"\nFailure ({args.failure_compressor}): {killed}")
     for g, res in enumerate(survivors):
         committed = [s for s in res["steps"] if s["committed"]]
         gaps = [b["end"] - a["end"] for a, b in zip(committed, committed[1:])]

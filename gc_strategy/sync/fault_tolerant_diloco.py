@@ -105,6 +105,7 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
         #: the contributors of the last committed round, and the rounds that did not commit
         self.contributors = 0
         self.failed_steps = 0
+        self._spares: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ the schedule
     def before_forward(self) -> None:
@@ -133,7 +134,9 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
             for synchronizer in self.synchronizers:
                 synchronizer.rebind(route)
             self.world_size, self.rank = fragment.synchronizers[0].world_size, fragment.synchronizers[0].rank
-        kept = [keep_roles(synchronizer) for synchronizer in self.synchronizers]
+        spares = self._spares or [None] * len(self.synchronizers)
+        kept = [keep_roles(synchronizer, spare) for synchronizer, spare in zip(self.synchronizers, spares)]
+        self._spares = kept  # the next round's copies go there
         count = torch.tensor([float(self.inner_step > self.synced_at)])
         self.quorum.sum(count)
         contributors = int(count.item())

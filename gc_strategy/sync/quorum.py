@@ -329,18 +329,31 @@ class Quorum:
         self.manager.shutdown(wait=False)
 
 
-def keep_roles(synchronizer: GradientSynchronizer) -> dict[str, Any]:
+def keep_roles(synchronizer: GradientSynchronizer, spare: dict[str, Any] | None = None) -> dict[str, Any]:
     """The roles' state (error feedback, compressor state) and the step counter of
-    ``synchronizer``, copied on their device: what a round that does not commit puts back."""
+    ``synchronizer``, copied on their device: what a round that does not commit puts back. The
+    copies go into ``spare`` (an earlier round's, no longer needed) where its tensors fit: copying
+    into memory already held costs a fraction of allocating the model's size anew every step."""
     per_element = synchronizer.roles.state_by_parameter(synchronizer.buckets)
+    old = spare["per_element"] if spare is not None else {}
     return {
         "step": synchronizer.step,
         "per_element": {
-            role: {name: {p: t.clone() for p, t in by_param.items()} for name, by_param in states.items()}
+            role: {
+                name: {p: _copy(t, old.get(role, {}).get(name, {}).get(p)) for p, t in by_param.items()}
+                for name, by_param in states.items()
+            }
             for role, states in per_element.items()
         },
         "extra": copy.deepcopy(synchronizer.compressor.extra_state()),
     }
+
+
+def _copy(tensor: Tensor, into: Tensor | None) -> Tensor:
+    """A copy of ``tensor``: in ``into`` where it has its shape, dtype and device."""
+    if into is None or (into.shape, into.dtype, into.device) != (tensor.shape, tensor.dtype, tensor.device):
+        return tensor.clone()
+    return into.copy_(tensor)
 
 
 def restore_roles(synchronizer: GradientSynchronizer, kept: dict[str, Any]) -> None:
