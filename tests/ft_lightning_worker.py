@@ -5,7 +5,8 @@ itself (SIGKILL) in the first training step from global step ``S`` on that every
 in, after a step they all took part in, before its backward (and so before its exchange). It
 stops at a step from ``--steps`` on that every group took part in, and each rank writes its
 parameters, optimizer and scheduler state, global step and a record of the steps to ``--out`` with
-``.rank{r}.pt`` for ``.pt``."""
+``.rank{r}.pt`` for ``.pt``. With ``--checkpoints DIR`` a checkpoint is saved at each epoch's end;
+``--resume PATH`` starts from one."""
 
 import argparse
 import copy
@@ -15,6 +16,7 @@ import signal
 import lightning as L
 import torch
 from ft_worker import all_took_part, group_arguments, wait_for_groups
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,6 +45,8 @@ class Watch(L.Callback):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.record = args, []
+        #: per epoch: whether this group writes the checkpoint
+        self.writers: list[bool] = []
 
     def on_train_start(self, trainer, module):
         wait_for_groups(self.args)  # the synchroniser (its manager) exists: the groups start together
@@ -67,27 +71,40 @@ class Watch(L.Callback):
         if extra["committed"] and trainer.global_step >= self.args.steps and sync.participants == self.args.groups:
             trainer.should_stop = True
 
+    def on_train_epoch_end(self, trainer, module):
+        self.writers.append(trainer.strategy.synchronizer.writes_checkpoints)
+
 
 def main() -> None:
-    args = group_arguments().parse_args()
+    parser = group_arguments()
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--checkpoints", help="a folder: a checkpoint at each epoch's end")
+    parser.add_argument("--resume", help="a checkpoint to resume from")
+    args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(4096, 12, generator=g), torch.randn(4096, 3, generator=g))
-    options = FaultTolerance(args.lighthouse, args.group, groups=args.groups, timeout_s=10, host="127.0.0.1")
+    data = TensorDataset(torch.randn(args.samples, 12, generator=g), torch.randn(args.samples, 3, generator=g))
+    options = FaultTolerance(
+        args.lighthouse, args.group, groups=args.groups, min_replicas=args.min_replicas, timeout_s=10, host="127.0.0.1"
+    )
     strategy = GCFusedStrategy(compressor="topk", memory="residual", density=0.3, fault_tolerance=options)
     watch = Watch(args)
+    every_epoch = ModelCheckpoint(args.checkpoints, "{epoch}", save_top_k=-1, enable_version_counter=False)
+    saving = [every_epoch] if args.checkpoints else []
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),  # torchrun's ranks: the group's
-        max_epochs=100,
+        max_epochs=args.epochs,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(saving),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[watch],
+        callbacks=[watch, *saving],
     )
     module = Regression()
-    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True))
+    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True), ckpt_path=args.resume)
     optimizer = trainer.optimizers[0]
     torch.save(
         {
@@ -97,6 +114,7 @@ def main() -> None:
             "global_step": trainer.global_step,
             "batches_per_epoch": trainer.num_training_batches,
             "record": watch.record,
+            "writers": watch.writers,
         },
         args.out.replace(".pt", f".rank{trainer.global_rank}.pt"),
     )

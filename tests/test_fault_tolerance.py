@@ -371,6 +371,54 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
         assert first["global_step"] == other["global_step"]
 
 
+@pytest.fixture
+def lighthouse_of_two():
+    """A lighthouse that forms no quorum of fewer than two groups: a group started first waits."""
+    server = coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500)
+    yield server.address()
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_under_lightning_one_group_writes_each_checkpoint_and_a_full_restart_resumes_exactly(
+    lighthouse_of_two, tmp_path
+):
+    """Two groups (``topk`` + residual; a lighthouse and groups with ``min_replicas=2``: every step
+    with both), a checkpoint at each of three epochs' end. Each checkpoint is written by one group
+    (the first participant) and holds both groups' own state files beside it. Both groups started
+    again from the first epoch's checkpoint end with the same parameters, optimizer state,
+    schedule and global step as the run that was not stopped, to the bit: each took its own error
+    feedback back, and the rounds' counter."""
+    worker = Path(__file__).with_name("ft_lightning_worker.py")
+    folder = tmp_path / "checkpoints"
+    lighthouse = lighthouse_of_two
+
+    def run(group: int, out: str, *extra: str) -> subprocess.Popen:
+        args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "2", "--steps", "1000000"]
+        args += ["--samples", "64", "--epochs", "3", "--min-replicas", "2", "--out", str(tmp_path / out), *extra]
+        log = open(tmp_path / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
+        command = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args]
+        return subprocess.Popen(command, env=group_env(), stdout=log, stderr=log)
+
+    first = [run(g, f"{g}.pt", "--checkpoints", str(folder)) for g in range(2)]
+    for g, process in enumerate(first):
+        finish(process, tmp_path, g, load=False)
+    uninterrupted = [torch.load(tmp_path / f"{g}.rank0.pt") for g in range(2)]
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
+    assert all(a != b for a, b in zip(uninterrupted[0]["writers"], uninterrupted[1]["writers"]))  # one group each
+    states = Path(f"{folder}.gc_state")
+    assert sorted(p.name for p in (states / "epoch=0.ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
+    resume = ["--resume", str(folder / "epoch=0.ckpt")]
+    second = [run(g, f"{g}.resumed.pt", *resume) for g in range(2)]
+    for g, process in enumerate(second):
+        finish(process, tmp_path, g, load=False)
+    for g in range(2):
+        resumed = torch.load(tmp_path / f"{g}.resumed.rank0.pt")
+        assert resumed["record"][0]["global_step"] == 5  # the first step after the checkpoint's 4
+        for key in ("params", "optimizer", "scheduler", "global_step"):
+            assert same(resumed[key], uninterrupted[g][key]), key
+
+
 def _app(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = group_env(OMP_NUM_THREADS="1")
     command = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]

@@ -92,10 +92,14 @@ class SynchronizerGlue:
             self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
             manifest = save_rank_states(self.synchronizer, state_folder(filepath))
             checkpoint = {**checkpoint, CHECKPOINT_KEY: manifest}
+            if not self.synchronizer.writes_checkpoints:  # fault tolerance: another group writes it
+                return
         super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """The checkpoint and the ranks' state files beside it."""
+        """The checkpoint and the ranks' state files beside it (by the group that writes them)."""
+        if self.synchronizer is not None and not self.synchronizer.writes_checkpoints:
+            return
         super().remove_checkpoint(filepath)  # type: ignore[misc]
         if self.is_global_zero:  # type: ignore[attr-defined]
             remove_rank_states(state_folder(filepath))

@@ -71,6 +71,12 @@ class Synchronizer(ABC):
         """After backward, before the optimizer step: whether to take it (always, by default)."""
         return True
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process's group writes the checkpoint file (every rank writes its own
+        state beside it): always, but with fault tolerance, where one replica group does."""
+        return True
+
     def share_state(self, objects: dict[str, Any]) -> None:  # noqa: B027 (a hook: nothing by default)
         """Objects with ``state_dict`` and ``load_state_dict`` (optimizers, LR schedules, a loop's
         counters) that a replica joining late must take from a live peer (fault tolerance)."""

@@ -174,11 +174,17 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     @property
     def rank(self) -> int:  # type: ignore[override]
-        return self.inner.rank
+        """This process's place among the run's planned ranks (``groups`` times the ranks of a
+        group): the name of its state file beside a checkpoint, whatever the quorum."""
+        return self.options.replica_group * self.quorum.local_world + self.quorum.local_rank
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
-        return self.inner.world_size
+        return self.options.groups * self.quorum.local_world
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.quorum.writes_checkpoints
 
     @property
     def telemetry(self) -> TelemetryLog:  # type: ignore[override]
@@ -196,14 +202,16 @@ class FaultTolerantSynchronizer(Synchronizer):
         return self.quorum.step
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        """This rank's synchroniser state and the rounds committed (a checkpoint's)."""
+        return {"synchronizer": self.inner.state_dict(), "quorum": self.quorum.state_dict()}
 
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Whether this group keeps state of its own (no collective: the groups are not all there)."""
-        return bool(state["memory"] or state["compressor"])
+        return bool(state["synchronizer"]["memory"] or state["synchronizer"]["compressor"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+        self.inner.load_state_dict(state["synchronizer"])
+        self.quorum.load_state_dict(state["quorum"])
 
     def close(self) -> None:
         """Leave the quorum (the others go on without this group) and remove the hooks."""

@@ -99,6 +99,8 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
         self.options = options
         self.healed: dict[str, Stateful] = dict(healed or {})
         self.quorum = Quorum(options, self._peer_state, self._load_peer_state)
+        #: this group's place among the planned groups: the name of its state file beside a checkpoint
+        self.rank, self.world_size = options.replica_group, options.groups
         #: the inner step of the last committed round (a group that did none since contributes no Δ)
         self.synced_at = 0
         self.joined = False
@@ -133,7 +135,6 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
             route = QuorumRoute(self.quorum)
             for synchronizer in self.synchronizers:
                 synchronizer.rebind(route)
-            self.world_size, self.rank = fragment.synchronizers[0].world_size, fragment.synchronizers[0].rank
         spares = self._spares or [None] * len(self.synchronizers)
         kept = [keep_roles(synchronizer, spare) for synchronizer, spare in zip(self.synchronizers, spares)]
         self._spares = kept  # the next round's copies go there
@@ -202,6 +203,19 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
 
     def share_state(self, objects: dict[str, Any]) -> None:
         self.healed.update(objects)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.quorum.writes_checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """DiLoCo's state of this group and the rounds committed (a checkpoint's)."""
+        return {"diloco": super().state_dict(), "quorum": self.quorum.state_dict(), "synced_at": self.synced_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state["diloco"])
+        self.quorum.load_state_dict(state["quorum"])
+        self.synced_at, self.joined = int(state["synced_at"]), True  # at the checkpoint's round
 
     def close(self) -> None:
         super().close()

@@ -324,6 +324,21 @@ class Quorum:
         """The rounds committed so far (the same on every participant; a healed group takes its peer's)."""
         return self.manager.current_step()
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the run's checkpoint: the first participant of the last
+        quorum, so that one group writes at a time (every group holds the same parameters)."""
+        return self.manager.participating_rank() == 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The manager's counters (the rounds committed), for a checkpoint."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """A checkpoint's counters: groups restarted from one checkpoint start at its round, and no
+        group heals from another (which would reset its error feedback)."""
+        self.manager.load_state_dict(state)
+
     def close(self) -> None:
         """Leave the quorums: the others go on without this group."""
         self.manager.shutdown(wait=False)
