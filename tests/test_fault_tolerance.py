@@ -189,58 +189,33 @@ def test_diloco_survives_a_group_killed_in_inner_steps_or_the_outer_exchange_and
 
 
 @pytest.mark.slow
-def test_two_groups_without_failures_average_as_plain_data_parallel_training(lighthouse, tmp_path):
-    """``compressor=none``, two groups, each step committed only with both (``min_replicas=2``):
-    the parameters of every group equal those of plain SGD on the average of the two groups'
-    gradients, computed here step by step."""
-    steps = 12
-    options = ["--steps", str(steps), "--min-replicas", "2"]
-    groups = [start(lighthouse, g, 2, tmp_path, *options) for g in range(2)]
-    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
-    for result in results:
-        assert [r["step"] for r in result["record"] if r["committed"]] == list(range(steps))
-    reference = model()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    for step in range(steps):
-        grads = []
-        for group in range(2):
-            reference.zero_grad()
-            x, y = batch(group, step)
-            (reference(x) - y).square().mean().backward()
-            grads.append([p.grad.clone() for p in reference.parameters()])
-        for p, *each in zip(reference.parameters(), *grads):
-            p.grad = sum(each) / 2
-        optimizer.step()
-    for name, value in reference.named_parameters():
-        for result in results:
-            torch.testing.assert_close(result["params"][name], value.detach(), rtol=0, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_two_groups_of_two_ranks_without_failures_average_as_plain_data_parallel_training(lighthouse, tmp_path):
-    """``compressor=none``, two groups of two ranks each (one torchrun each), every step committed
-    with both: each rank's parameters equal plain SGD on the average of the four ranks' gradients,
-    computed here step by step."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_two_groups_without_failures_average_as_plain_data_parallel_training(lighthouse, tmp_path, ranks):
+    """``compressor=none``, two groups of one rank, or of two ranks (one torchrun each), each step
+    committed only with both (``min_replicas=2``): every rank's parameters equal those of plain SGD
+    on the average of all ranks' gradients, each rank on its own shard, computed here step by step."""
     steps = 8
     options = ["--steps", str(steps), "--min-replicas", "2"]
-    groups = [start(lighthouse, g, 2, tmp_path, *options, ranks=2) for g in range(2)]
+    groups = [start(lighthouse, g, 2, tmp_path, *options, ranks=ranks) for g in range(2)]
     for g, process in enumerate(groups):
         finish(process, tmp_path, g, load=False)
-    results = [torch.load(tmp_path / f"{g}.rank{r}.pt") for g in range(2) for r in range(2)]
+    names = [f"{g}.pt" for g in range(2)] if ranks == 1 else [f"{g}.rank{r}.pt" for g in range(2) for r in range(2)]
+    results = [torch.load(tmp_path / name) for name in names]
     for result in results:
         assert [r["step"] for r in result["record"] if r["committed"]] == list(range(steps))
         assert all(r["participants"] == 2 for r in result["record"] if r["committed"])
     reference = model()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    shards = 2 * ranks
     for step in range(steps):
         grads = []
-        for shard in range(4):
+        for shard in range(shards):
             reference.zero_grad()
             x, y = batch(shard, step)
             (reference(x) - y).square().mean().backward()
             grads.append([p.grad.clone() for p in reference.parameters()])
         for p, *each in zip(reference.parameters(), *grads):
-            p.grad = sum(each) / 4
+            p.grad = sum(each) / shards
         optimizer.step()
     for name, value in reference.named_parameters():
         for result in results:
