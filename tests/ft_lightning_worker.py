@@ -6,7 +6,8 @@ in, after a step they all took part in, before its backward (and so before its e
 stops at a step from ``--steps`` on that every group took part in, and each rank writes its
 parameters, optimizer and scheduler state, global step and a record of the steps to ``--out`` with
 ``.rank{r}.pt`` for ``.pt``. With ``--checkpoints DIR`` a checkpoint is saved at each epoch's end;
-``--resume PATH`` starts from one."""
+``--resume PATH`` starts from one. ``--inner-steps H`` trains with DiLoCo, stopping at an outer
+step."""
 
 import argparse
 import copy
@@ -20,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gc_strategy import GCFusedStrategy
+from gc_strategy import DiLoCo, GCFusedStrategy
 from gc_strategy.sync.quorum import FaultTolerance
 
 
@@ -68,7 +69,9 @@ class Watch(L.Callback):
                 "committed": bool(extra["committed"]),
             }
         )
-        if extra["committed"] and trainer.global_step >= self.args.steps and sync.participants == self.args.groups:
+        outer_step = not self.args.inner_steps or trainer.global_step % self.args.inner_steps == 0
+        together = extra["committed"] and sync.participants == self.args.groups
+        if together and trainer.global_step >= self.args.steps and outer_step:
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, module):
@@ -82,13 +85,15 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--checkpoints", help="a folder: a checkpoint at each epoch's end")
     parser.add_argument("--resume", help="a checkpoint to resume from")
+    parser.add_argument("--inner-steps", type=int, default=0, help="DiLoCo's (0: every step)")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(args.samples, 12, generator=g), torch.randn(args.samples, 3, generator=g))
     options = FaultTolerance(
         args.lighthouse, args.group, groups=args.groups, min_replicas=args.min_replicas, timeout_s=10, host="127.0.0.1"
     )
-    strategy = GCFusedStrategy(compressor="topk", memory="residual", density=0.3, fault_tolerance=options)
+    sync = DiLoCo(inner_steps=args.inner_steps) if args.inner_steps else "every_step"
+    strategy = GCFusedStrategy(compressor="topk", memory="residual", density=0.3, sync=sync, fault_tolerance=options)
     watch = Watch(args)
     every_epoch = ModelCheckpoint(args.checkpoints, "{epoch}", save_top_k=-1, enable_version_counter=False)
     saving = [every_epoch] if args.checkpoints else []

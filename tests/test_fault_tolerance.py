@@ -17,6 +17,7 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log (native, past pytest's capture): warnings only
 coordination = pytest.importorskip("torchft.coordination")
 
+from ft_lightning_worker import Regression  # noqa: E402
 from ft_worker import batch, model  # noqa: E402
 
 from gc_strategy import build_components  # noqa: E402
@@ -392,6 +393,29 @@ def test_under_lightning_one_group_writes_each_checkpoint_and_a_full_restart_res
         assert resumed["record"][0]["global_step"] == 5  # the first step after the checkpoint's 4
         for key in ("params", "optimizer", "scheduler", "global_step"):
             assert same(resumed[key], uninterrupted[g][key]), key
+
+
+@pytest.mark.slow
+def test_under_lightning_diloco_groups_train_their_inner_steps_and_meet_at_each_outer_step(lighthouse_of_two, tmp_path):
+    """``GCFusedStrategy(sync=DiLoCo(inner_steps=4), fault_tolerance=...)``, two groups (every outer
+    step with both), each on its half of the data: after the last outer step both hold the same
+    parameters and ``global_step`` to the bit, and differ from where they started."""
+    worker = Path(__file__).with_name("ft_lightning_worker.py")
+    args = ["--lighthouse", lighthouse_of_two, "--groups", "2", "--steps", "12", "--inner-steps", "4"]
+    args += ["--min-replicas", "2", "--out"]
+    groups = []
+    for g in range(2):
+        log = open(tmp_path / f"{g}.log", "ab")  # noqa: SIM115 (the child writes it)
+        command = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args, str(tmp_path / f"{g}.pt"), "--group", str(g)]
+        groups.append(subprocess.Popen(command, env=group_env(), stdout=log, stderr=log))
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = [torch.load(tmp_path / f"{g}.rank0.pt") for g in range(2)]
+    assert results[0]["global_step"] == results[1]["global_step"] == 12
+    assert [r["participants"] for r in results[0]["record"]] == [2] * 12
+    assert same(results[0]["params"], results[1]["params"])
+    start = {n: p.detach() for n, p in Regression().named_parameters()}
+    assert not same(results[0]["params"], start)
 
 
 def _app(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
