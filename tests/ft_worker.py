@@ -8,7 +8,9 @@ roles' state and a record of every step to ``--out``.
 
 Started by torchrun, it is a group of several ranks, rank ``r`` of group ``g`` reading shard
 ``g · ranks + r`` and writing ``OUT`` with ``.rank{r}.pt`` for ``.pt``; with ``--die-at`` every rank
-of the group kills itself at the same point (a lost node).
+of the group kills itself at the same point (a lost node); with ``--lose-first-healing R`` its
+rank ``R`` alone fails to fetch the first peer state it heals from (the transport raises, as where
+the peer died while sending it).
 
 With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loop), until an outer
 step at least ``--steps`` that every group took part in, recording every round; ``--die-when inner``
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gc_strategy import DiLoCo, build_components
+from gc_strategy.sync import quorum
 from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
 from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
 from gc_strategy.sync.quorum import FaultTolerance
@@ -76,9 +79,12 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
+    parser.add_argument("--lose-first-healing", type=int, default=-1, help="a rank of the group")
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ and args.via == "loop":  # a group of several ranks, started by torchrun
         dist.init_process_group("gloo")
+        if dist.get_rank() == args.lose_first_healing:
+            lose_first_healing()
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     options = FaultTolerance(
@@ -134,6 +140,8 @@ def main() -> None:
                 "state_kept": same(kept, snapshot(net, optimizer, sync)),
             }
         )
+        if committed:
+            print(f"group {args.group} rank {rank}: committed step {step}", flush=True)
         if dies:  # between steps: after this step's optimizer step, before the next quorum
             os.kill(os.getpid(), signal.SIGKILL)
         if committed and step + 1 >= args.steps and sync.participants == args.groups:
@@ -145,6 +153,26 @@ def main() -> None:
     sync.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def lose_first_healing() -> None:
+    """Make this process's first fetch of a peer's state fail, as where the peer died sending it."""
+    make = quorum.checkpoint_transport
+
+    def losing_transport(*args: object) -> object:
+        transport = make(*args)
+        receive, lost = transport.recv_checkpoint, []
+
+        def recv_checkpoint(**kwargs: object) -> object:
+            if not lost:
+                lost.append(True)
+                raise EOFError("the peer was lost while sending its state (the test's failure)")
+            return receive(**kwargs)
+
+        transport.recv_checkpoint = recv_checkpoint
+        return transport
+
+    quorum.checkpoint_transport = losing_transport
 
 
 def all_took_part(record: list[dict], groups: int) -> bool:

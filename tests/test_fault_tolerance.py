@@ -2,6 +2,7 @@
 torchft lighthouse on loopback, each replica group a process started here (tests/ft_worker.py), one
 killed with SIGKILL in the middle of a step and started again under its old id."""
 
+import contextlib
 import csv
 import math
 import os
@@ -9,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,18 @@ def group_env(**extra: str) -> dict[str, str]:
     return {**env, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), **extra}
 
 
+#: the groups a test started: none outlives it
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _groups_end_with_their_test():
+    yield
+    while STARTED:  # every process of each group's session (torchrun's workers too)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(STARTED.pop().pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def lighthouse():
     """torchft's lighthouse on loopback: a quorum as soon as the live groups asked (or after 0.5 s)."""
@@ -47,7 +61,6 @@ def lighthouse():
 
 def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str, ranks: int = 1) -> subprocess.Popen:
     """Replica group ``group``: one process, or ``ranks`` started by one torchrun of its own."""
-    env = group_env()
     args = [
         "--lighthouse",
         lighthouse,
@@ -59,15 +72,18 @@ def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str, rank
         str(out / f"{group}.pt"),
     ]
     launcher = [sys.executable] if ranks == 1 else [*TORCHRUN, f"--nproc_per_node={ranks}"]
-    log = open(out / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
-    return subprocess.Popen([*launcher, str(WORKER), *args, *extra], env=env, stdout=log, stderr=log)
+    return launch([*launcher, str(WORKER), *args, *extra], out / f"{group}.log")
+
+
+def launch(command: list[str], log: Path) -> subprocess.Popen:
+    """``command`` in a session of its own (ended with the test), writing to ``log``."""
+    with open(log, "ab") as file:
+        STARTED.append(subprocess.Popen(command, env=group_env(), stdout=file, stderr=file, start_new_session=True))
+    return STARTED[-1]
 
 
 def finish(process: subprocess.Popen, out: Path, group: int, timeout: float = 240, load: bool = True) -> dict | None:
-    try:
-        assert process.wait(timeout=timeout) == 0, (out / f"{group}.log").read_text()[-3000:]
-    finally:
-        process.kill()
+    assert process.wait(timeout=timeout) == 0, (out / f"{group}.log").read_text()[-3000:]
     return torch.load(out / f"{group}.pt") if load else None
 
 
@@ -254,6 +270,34 @@ def test_a_group_of_two_ranks_killed_in_its_exchange_is_survived_and_comes_back_
         assert other["committed_steps"] == first["committed_steps"]
 
 
+@pytest.mark.slow
+def test_a_healing_that_fails_on_one_rank_of_a_group_is_applied_by_none_and_retried(lighthouse, tmp_path):
+    """Two groups of two ranks (one torchrun each); group 0 trains alone for a few steps, then group 1
+    joins and heals, but the first fetch of a peer's state fails on its rank 1 alone (as where the
+    peer died while sending it). Neither of its ranks applies a peer's state: that round commits
+    nowhere in group 1 and leaves both its ranks at step 0; the next heals both, and then all four
+    ranks hold bit-identical parameters and optimizer state, and the same global step."""
+    options = ["--steps", "12", "--compressor", "topk", "--memory", "residual"]
+    first = start(lighthouse, 0, 2, tmp_path, *options, ranks=2)
+    log, deadline = tmp_path / "0.log", time.monotonic() + 120
+    while b"committed step 3" not in log.read_bytes():
+        assert time.monotonic() < deadline and first.poll() is None, log.read_text()
+        time.sleep(0.1)
+    groups = [first, start(lighthouse, 1, 2, tmp_path, *options, "--lose-first-healing", "1", ranks=2)]
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = {(g, r): torch.load(tmp_path / f"{g}.rank{r}.pt") for g in range(2) for r in range(2)}
+    for rank in range(2):
+        record = results[1, rank]["record"]
+        assert not record[0]["committed"] and record[0]["step"] == 0  # the failed healing: applied by neither rank
+        assert record[1]["committed"] and record[1]["step"] > 3  # healed at the next round: its peer's step
+    first = results[0, 0]
+    for other in results.values():
+        assert same(first["params"], other["params"])
+        assert same(first["optimizer"], other["optimizer"])
+        assert other["committed_steps"] == first["committed_steps"]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -316,14 +360,11 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
     LR schedule and the Trainer's step counters rank by rank. Every rank ends with the same
     parameters, optimizer state, schedule and global step, to the bit."""
     worker = Path(__file__).with_name("ft_lightning_worker.py")
-    env = group_env()
 
     def run(group: int, *extra: str) -> subprocess.Popen:
         args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "2", "--steps", "40"]
-        log = open(tmp_path / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
         args += ["--out", str(tmp_path / f"{group}.pt"), *extra]
-        command = [*TORCHRUN, "--nproc_per_node=2", str(worker), *args]
-        return subprocess.Popen(command, env=env, stdout=log, stderr=log)
+        return launch([*TORCHRUN, "--nproc_per_node=2", str(worker), *args], tmp_path / f"{group}.log")
 
     together = ["--barrier", str(tmp_path)]
     groups = [run(g, *together, *(["--die-at", "5"] if g == 1 else [])) for g in range(2)]
@@ -372,9 +413,7 @@ def test_under_lightning_one_group_writes_each_checkpoint_and_a_full_restart_res
     def run(group: int, out: str, *extra: str) -> subprocess.Popen:
         args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "2", "--steps", "1000000"]
         args += ["--samples", "64", "--epochs", "3", "--min-replicas", "2", "--out", str(tmp_path / out), *extra]
-        log = open(tmp_path / f"{group}.log", "ab")  # noqa: SIM115 (the child writes it)
-        command = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args]
-        return subprocess.Popen(command, env=group_env(), stdout=log, stderr=log)
+        return launch([*TORCHRUN, "--nproc_per_node=1", str(worker), *args], tmp_path / f"{group}.log")
 
     first = [run(g, f"{g}.pt", "--checkpoints", str(folder)) for g in range(2)]
     for g, process in enumerate(first):
@@ -403,11 +442,10 @@ def test_under_lightning_diloco_groups_train_their_inner_steps_and_meet_at_each_
     worker = Path(__file__).with_name("ft_lightning_worker.py")
     args = ["--lighthouse", lighthouse_of_two, "--groups", "2", "--steps", "12", "--inner-steps", "4"]
     args += ["--min-replicas", "2", "--out"]
-    groups = []
-    for g in range(2):
-        log = open(tmp_path / f"{g}.log", "ab")  # noqa: SIM115 (the child writes it)
-        command = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args, str(tmp_path / f"{g}.pt"), "--group", str(g)]
-        groups.append(subprocess.Popen(command, env=group_env(), stdout=log, stderr=log))
+    launcher = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args]
+    groups = [
+        launch([*launcher, str(tmp_path / f"{g}.pt"), "--group", str(g)], tmp_path / f"{g}.log") for g in range(2)
+    ]
     for g, process in enumerate(groups):
         finish(process, tmp_path, g, load=False)
     results = [torch.load(tmp_path / f"{g}.rank0.pt") for g in range(2)]

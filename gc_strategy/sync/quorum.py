@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -235,10 +236,15 @@ class Quorum:
             self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
             store_port = self._store.port
         self.process_group = torchft.process_group.ProcessGroupGloo(timeout=timeout)
+        self._load_state_dict = load_state_dict
+        self._received: dict[str, Any] | None = None
+        #: the group's own ranks, on the host, to agree at each round whether all of them formed it
+        agreement = timeout + timedelta(seconds=options.quorum_timeout_s)
+        self._ranks = dist.new_group(backend="gloo", timeout=agreement) if several else None
         try:
             self.manager = torchft.Manager(
                 pg=self.process_group,
-                load_state_dict=load_state_dict,
+                load_state_dict=self._receive,
                 state_dict=state_dict,
                 min_replica_size=options.min_replicas,
                 use_async_quorum=False,  # heal before the round; every group in the quorum takes part
@@ -271,6 +277,7 @@ class Quorum:
         """The round's quorum (healing first where this group must); whether its process group
         changed (then the roles must be bound to it again)."""
         options = self.options
+        counters = self.manager.state_dict()
         try:
             self.manager.start_quorum()
         except Exception as error:
@@ -279,15 +286,37 @@ class Quorum:
                 f"lighthouse at {options.lighthouse} (is it running, and are enough replica groups up?): {error}"
             ) from error
         self.failure = StepFailure(self.manager)
+        received, self._received = self._received, None
         changed = False
-        if self.manager.errored() is not None:  # the group could not be formed: the round cannot commit
+        if not self._all_ranks_formed_it():  # the round cannot commit, and no rank applies a peer's state
+            if self.manager.errored() is None:
+                self.failure.report(RuntimeError("fault_tolerance: another rank of this group could not join"))
             self.failure.failed = True
+            self.manager.load_state_dict(counters)  # a rank that healed drops the peer's counters too
         else:
+            if received is not None:
+                self._load_state_dict(received)
             group = self.process_group.parent  # a new object whenever the quorum changed
             changed, self.group = group is not self.group, group
         self.participants = self.manager.num_participants()
         self._check_enough_groups()
         return changed
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        """torchft hands over a peer's state: it is applied once every rank of the group has its own."""
+        self._received = state
+
+    def _all_ranks_formed_it(self) -> bool:
+        """Whether every rank of this group formed the round's process group and, where it heals,
+        received its peer's state. A healing rank whose transfer failed (the peer died while sending)
+        would otherwise leave the others healed alone, at another step than its own: the group's
+        ranks would then run different rounds, and wait for each other for ever."""
+        formed = self.manager.errored() is None
+        if self._ranks is None:
+            return formed
+        flag = torch.tensor([int(formed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ranks)
+        return bool(flag.item())
 
     def _check_enough_groups(self) -> None:
         """Refuse to retry for longer than the quorum timeout rounds that cannot commit because
