@@ -178,14 +178,25 @@ def join_by_parameter(buckets: Iterable[Bucket], tensors: dict[str, Tensor], dev
 class BucketState:
     """Named per-element fp32 state, one flat vector per bucket, created lazily as zeros.
 
-    Subclasses (memories, stateful compressors) call :meth:`buffer`; the synchroniser saves and restores
-    the state with :meth:`state_by_parameter` / :meth:`load_state_by_parameter`, which also carries it
-    across a rebuild of the buckets.
+    Subclasses (memories, stateful compressors) call :meth:`buffer` (or :meth:`rewritten`); the
+    synchroniser saves and restores the state with :meth:`state_by_parameter` /
+    :meth:`load_state_by_parameter`, which also carries it across a rebuild of the buckets.
+
+    A round that may not commit (fault tolerance) holds a rollback point (:meth:`hold`): the first
+    write of each vector after it goes to a second vector and the first is kept, so that
+    :meth:`release` can put it back. A writer that forms the new value from the old in one pass
+    (``e ← e + g``) reads the old vector and writes the other (:meth:`rewritten`): the rollback point
+    then costs no pass at all; :meth:`buffer` copies the old values across first.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[str, dict[int, Tensor]] = {}
         self._workspaces: dict[tuple[str, int], Tensor] = {}
+        #: under a rollback point: each vector written since, as it was (None: there was none), by (name, bucket)
+        self._held: dict[tuple[str, int], Tensor | None] | None = None
+        #: vectors of earlier rollback points, no longer needed: the next round's second vectors
+        self._spares: dict[tuple[str, int], Tensor] = {}
+        self._names: set[str] = set()  # the states there were at the rollback point
 
     def workspace(self, name: str, bucket: Bucket, dtype: torch.dtype = torch.float32) -> Tensor:
         """A bucket-sized scratch vector kept from step to step but never saved, its contents left
@@ -200,10 +211,53 @@ class BucketState:
         return scratch
 
     def buffer(self, name: str, bucket: Bucket) -> Tensor:
-        per_bucket = self.buffers.setdefault(name, {})
-        if bucket.index not in per_bucket:
-            per_bucket[bucket.index] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
-        return per_bucket[bucket.index]
+        """State ``name`` of ``bucket``, to read and update in place."""
+        values, target = self.rewritten(name, bucket)
+        return target if target is values else target.copy_(values)
+
+    def rewritten(self, name: str, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        """``(values, target)``: state ``name`` of ``bucket`` as it is, and the vector to write its
+        new value into, in full: the same vector, except at the first write under a rollback point,
+        where ``values`` is kept for :meth:`release` and ``target`` takes its place."""
+        per_bucket, key = self.buffers.setdefault(name, {}), (name, bucket.index)
+        values = per_bucket.get(bucket.index)
+        if self._held is None or key in self._held:
+            if values is None:
+                values = per_bucket[bucket.index] = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+            return values, values
+        self._held[key] = values
+        if values is None:
+            values = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+        target = self._spares.pop(key, None)
+        if target is None or (target.shape, target.device) != (values.shape, values.device):
+            target = torch.empty_like(values)
+        per_bucket[bucket.index] = target
+        return values, target
+
+    def hold(self) -> None:
+        """A rollback point: the state as it is now is what :meth:`release` puts back (an earlier
+        rollback point not released is kept to)."""
+        self.release(keep_changes=True)
+        self._held, self._names = {}, set(self.buffers)
+
+    def release(self, keep_changes: bool) -> None:
+        """End the rollback point: keep the state written since (``True``), or put it back as it was."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        for (name, index), old in held.items():
+            per_bucket = self.buffers[name]
+            if keep_changes:
+                spare = old
+            else:
+                spare = per_bucket.pop(index)
+                if old is not None:
+                    per_bucket[index] = old
+            if spare is not None:
+                self._spares[(name, index)] = spare
+        if not keep_changes:  # a state first written since
+            for name in set(self.buffers) - self._names:
+                del self.buffers[name]
 
     def move_state(self, device: torch.device) -> None:
         """Move the per-element state to ``device`` and drop the scratch workspaces: for state
@@ -211,7 +265,10 @@ class BucketState:
         for per_bucket in self.buffers.values():
             for index, tensor in per_bucket.items():
                 per_bucket[index] = tensor.to(device)
+        for key, old in (self._held or {}).items():
+            self._held[key] = None if old is None else old.to(device)
         self._workspaces.clear()
+        self._spares.clear()
 
     def state_by_parameter(self, buckets: list[Bucket]) -> dict[str, dict[str, Tensor]]:
         return {name: split_by_parameter(buckets, flats) for name, flats in self.buffers.items()}

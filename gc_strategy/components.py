@@ -105,6 +105,16 @@ class Components:
                 taken = {n: held.pop(n) for n in new.names if n in held}
                 role.buffers.setdefault(state_name, {}).update(join_by_parameter([new], taken, new.device))
 
+    def hold_state(self) -> None:
+        """A rollback point on the per-element state (:meth:`~gc_strategy.bucket.BucketState.hold`)."""
+        for _, role in self.stateful():
+            role.hold()
+
+    def release_state(self, keep_changes: bool) -> None:
+        """End the rollback point: keep the per-element state written since, or put it back."""
+        for _, role in self.stateful():
+            role.release(keep_changes)
+
     def clear_state(self) -> None:
         """Forget the per-element state (of every bucket)."""
         for _, role in self.stateful():

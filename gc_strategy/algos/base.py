@@ -123,12 +123,16 @@ class Compressor(BucketState):
         payload without a dense decode."""
         return kernels.nonzero_positions(self.local_estimate(payload, bucket))
 
-    def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload | None:
+    def encode_with_residual(
+        self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, into: Tensor | None = None
+    ) -> Payload | None:
         """The kernel of residual error feedback fused into the encode: the payload of ``x = grad +
-        residual``, having set ``residual ← x − decode(payload)`` (unchanged where the 0-d ``finite``
-        is False) in its own passes; ``grad`` (the bucket's gradient buffer) may be overwritten. None
-        where this compressor has no such kernel for these tensors: the memory then compensates,
-        exchanges and updates in separate passes."""
+        residual``, having set ``into ← x − decode(payload)`` (``residual`` where the 0-d ``finite`` is
+        False) in its own passes; ``into`` is ``residual`` itself unless given (a second vector,
+        :meth:`~gc_strategy.bucket.BucketState.rewritten`; ``residual`` is then left as it is);
+        ``grad`` (the bucket's gradient buffer) may be overwritten. None where this compressor has no
+        such kernel for these tensors, ``into`` untouched: the memory then compensates, exchanges and
+        updates in separate passes."""
         return None
 
     # ------------------------------------------------------------------ multi-round

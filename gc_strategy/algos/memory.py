@@ -73,11 +73,15 @@ class ResidualMemory(Memory):
     def exchange(self, grad: Tensor, bucket: Bucket, compressor: Compressor, communicator: Communicator) -> Exchange:
         """With ``β = γ = 1`` (``x = g + e``, ``e ← x − decode``) the compressor's fused kernel
         (:meth:`~gc_strategy.algos.base.Compressor.encode_with_residual`) forms the payload and
-        updates ``e`` in its own passes, where it has one; otherwise compensate, exchange, update."""
+        updates ``e`` in its own passes, where it has one (under a rollback point into a second
+        vector: no copy); otherwise compensate, exchange, update."""
         finite = all_finite(grad)
-        plain = self.options["beta"] == 1 and self.options["gamma"] == 1
-        residual = self.buffer("residual", bucket)
-        payload = compressor.encode_with_residual(grad, residual, finite, bucket) if plain else None
+        payload = None
+        if self.options["beta"] == 1 and self.options["gamma"] == 1:
+            residual, into = self.rewritten("residual", bucket)
+            payload = compressor.encode_with_residual(grad, residual, finite, bucket, into=into)
+            if payload is None and into is not residual:  # no kernel: the separate passes update ``into``
+                into.copy_(residual)
         if payload is None:
             return (yield from self.compensated_exchange(compressor, grad, bucket, communicator, finite))
         received = yield from communicator.exchange(payload, compressor.variable_size)

@@ -86,9 +86,13 @@ class _ScaledSigns(_SignBits):
     def levels(self, g: Tensor, bucket: Bucket) -> Tensor:
         return self.levels_from_sums(self.sums(g, bucket), bucket)
 
-    def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload | None:
+    def encode_with_residual(
+        self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, into: Tensor | None = None
+    ) -> Payload | None:
         if not kernels.uses_triton(grad):
             return None
+        if into is not None and into is not residual:  # the kernels update the residual in place
+            residual = into.copy_(residual)
         boundaries = bucket.boundaries(grad.device)
         levels = self.levels_from_sums(triton_bits.sign_sums(grad, residual, boundaries, self.split_sums), bucket)
         return [levels, triton_bits.sign_encode(grad, residual, finite, *self.level_pair(levels), boundaries)]

@@ -65,22 +65,27 @@ class _Positional(Compressor):
     def decode_into(self, payload: Payload, bucket: Bucket, scratch: Tensor) -> Tensor:
         return scatter(bucket, *self.sent(payload, bucket), out=scratch)
 
-    def encode_with_residual(self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket) -> Payload:
+    def encode_with_residual(
+        self, grad: Tensor, residual: Tensor, finite: Tensor, bucket: Bucket, into: Tensor | None = None
+    ) -> Payload:
         """Residual error feedback without a dense decode: ``x = g + e`` is encoded, the sent values
         are subtracted from ``x`` at their (distinct) positions (0 where they travel exactly), and
         ``e ← x`` unless the bucket is not finite (``e`` then stays as it was). No new bucket-sized
-        tensor. Where the flag is known on the host to be True (CPU) ``x`` is formed in ``e`` itself,
-        one dense pass (``e += g``); otherwise in the gradient buffer when it is fp32, then copied to
-        ``e`` if finite (two passes)."""
+        tensor. Where the flag is known on the host to be True (CPU) ``x`` is formed in ``into`` (``e``
+        itself, or a second vector) in one dense pass; otherwise in the gradient buffer when it is
+        fp32, then copied to ``into`` if finite (two passes)."""
+        into = residual if into is None else into
         if finite_on_host(finite):
-            x = residual.add_(grad)
+            x = residual.add_(grad) if into is residual else torch.add(residual, grad, out=into)
         else:
             x = grad.add_(residual) if grad.dtype == residual.dtype else torch.add(residual, grad.float())
         payload = self.encode(x, bucket)
         positions, sent = self.sent(payload, bucket)
         x.index_add_(0, positions, sent.to(x.dtype), alpha=-1)
-        if x is not residual:
-            assign_if_finite(residual, x, finite)
+        if x is not into:
+            if into is not residual:  # its value where the bucket is not finite
+                into.copy_(residual)
+            assign_if_finite(into, x, finite)
         return payload
 
 

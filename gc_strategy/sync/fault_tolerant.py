@@ -54,7 +54,7 @@ from .quorum import (
     keep_roles,
     load_shared_state,
     quorum_route,
-    restore_roles,
+    settle_roles,
     shared_state,
 )
 
@@ -103,7 +103,6 @@ class FaultTolerantSynchronizer(Synchronizer):
             self.inner.ready_order = list(self.inner.layout.order)
         self.quorum = Quorum(options, self._peer_state, self._load_peer_state)
         self._kept: dict[str, Any] | None = None
-        self._spare: dict[str, Any] | None = None  # the last step's copies, refilled by the next
         self.failed_steps = 0
 
     # ------------------------------------------------------------------ one step
@@ -112,7 +111,7 @@ class FaultTolerantSynchronizer(Synchronizer):
         group and their state kept. Called by :meth:`before_forward` once per optimizer step."""
         if self.quorum.start():
             self.inner.rebind(quorum_route(self.quorum))
-        self._kept = keep_roles(self.inner, self._spare)
+        self._kept = keep_roles(self.inner)
 
     @property
     def participants(self) -> int:
@@ -125,10 +124,9 @@ class FaultTolerantSynchronizer(Synchronizer):
         if self._kept is None:
             raise RuntimeError("should_commit: no step was started (run the forward inside sync.forward_pass())")
         committed = self.quorum.vote()
-        if not committed:
-            restore_roles(self.inner, self._kept)
-            self.failed_steps += 1
-        self._spare, self._kept = self._kept, None
+        settle_roles(self.inner, self._kept, committed)
+        self.failed_steps += not committed
+        self._kept = None
         figures = {"participants": self.participants, "committed": float(committed), "failed_steps": self.failed_steps}
         self.inner.telemetry.last.extra.update(figures)  # beside the step's exchange figures: gc/participants, ...
         return committed

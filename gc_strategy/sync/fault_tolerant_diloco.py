@@ -51,7 +51,7 @@ from .quorum import (
     keep_roles,
     load_shared_state,
     refuse_several_processes,
-    restore_roles,
+    settle_roles,
     shared_state,
 )
 
@@ -107,7 +107,6 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
         #: the contributors of the last committed round, and the rounds that did not commit
         self.contributors = 0
         self.failed_steps = 0
-        self._spares: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ the schedule
     def before_forward(self) -> None:
@@ -135,9 +134,7 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
             route = QuorumRoute(self.quorum)
             for synchronizer in self.synchronizers:
                 synchronizer.rebind(route)
-        spares = self._spares or [None] * len(self.synchronizers)
-        kept = [keep_roles(synchronizer, spare) for synchronizer, spare in zip(self.synchronizers, spares)]
-        self._spares = kept  # the next round's copies go there
+        kept = [keep_roles(synchronizer) for synchronizer in self.synchronizers]
         count = torch.tensor([float(self.inner_step > self.synced_at)])
         self.quorum.sum(count)
         contributors = int(count.item())
@@ -145,9 +142,9 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
             self._start(fragment)
             averaged = self._collect(fragment)
         committed = self.quorum.vote()
+        for synchronizer, state in zip(self.synchronizers, kept):
+            settle_roles(synchronizer, state, committed)
         if not committed:
-            for synchronizer, state in zip(self.synchronizers, kept):
-                restore_roles(synchronizer, state)
             fragment.started, fragment.averaged = None, None
             return False
         if contributors:

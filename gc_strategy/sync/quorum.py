@@ -373,39 +373,23 @@ class Quorum:
         self.manager.shutdown(wait=False)
 
 
-def keep_roles(synchronizer: GradientSynchronizer, spare: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The roles' state (error feedback, compressor state) and the step counter of
-    ``synchronizer``, copied on their device: what a round that does not commit puts back. The
-    copies go into ``spare`` (an earlier round's, no longer needed) where its tensors fit: copying
-    into memory already held costs a fraction of allocating the model's size anew every step."""
-    per_element = synchronizer.roles.state_by_parameter(synchronizer.buckets)
-    old = spare["per_element"] if spare is not None else {}
-    return {
-        "step": synchronizer.step,
-        "per_element": {
-            role: {
-                name: {p: _copy(t, old.get(role, {}).get(name, {}).get(p)) for p, t in by_param.items()}
-                for name, by_param in states.items()
-            }
-            for role, states in per_element.items()
-        },
-        "extra": copy.deepcopy(synchronizer.compressor.extra_state()),
-    }
+def keep_roles(synchronizer: GradientSynchronizer) -> dict[str, Any]:
+    """A rollback point on ``synchronizer``'s roles for a round that may not commit: their
+    per-element state (error feedback, compressor state) is held copy-on-write
+    (:meth:`~gc_strategy.bucket.BucketState.hold`: the residual's update of the fused sparsifiers
+    writes a second vector, costing no pass), and copies of the step counter and the compressor's
+    other state are returned; :func:`settle_roles` ends it."""
+    synchronizer.roles.hold_state()
+    return {"step": synchronizer.step, "extra": copy.deepcopy(synchronizer.compressor.extra_state())}
 
 
-def _copy(tensor: Tensor, into: Tensor | None) -> Tensor:
-    """A copy of ``tensor``: in ``into`` where it has its shape, dtype and device."""
-    if into is None or (into.shape, into.dtype, into.device) != (tensor.shape, tensor.dtype, tensor.device):
-        return tensor.clone()
-    return into.copy_(tensor)
-
-
-def restore_roles(synchronizer: GradientSynchronizer, kept: dict[str, Any]) -> None:
-    """Put back what :func:`keep_roles` kept."""
-    synchronizer.step = kept["step"]
-    synchronizer.roles.clear_state()
-    synchronizer.roles.load_state_by_parameter(kept["per_element"], synchronizer.buckets)
-    synchronizer.compressor.load_extra_state(kept["extra"])
+def settle_roles(synchronizer: GradientSynchronizer, kept: dict[str, Any], committed: bool) -> None:
+    """End :func:`keep_roles`' rollback point: a committed round keeps the roles' new state, one
+    that did not commit puts back the state as it was."""
+    synchronizer.roles.release_state(keep_changes=committed)
+    if not committed:
+        synchronizer.step = kept["step"]
+        synchronizer.compressor.load_extra_state(kept["extra"])
 
 
 def shared_state(synchronizer: GradientSynchronizer) -> dict[str, Any]:

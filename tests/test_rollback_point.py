@@ -1,0 +1,125 @@
+"""Rollback points on the roles' per-element state (gc_strategy/bucket.py, ``BucketState.hold``):
+what fault tolerance puts back when a round does not commit, written copy-on-write."""
+
+from collections import Counter
+
+import pytest
+import torch
+from compressor_helpers import finish
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gc_strategy.algos import COMPRESSORS, MEMORIES
+from gc_strategy.bucket import Bucket, BucketState
+from gc_strategy.communicators import COMMUNICATORS
+
+
+def _bucket(n: int, index: int) -> Bucket:
+    return Bucket(index, ["w"], [torch.Size([n])], torch.float32, torch.device("cpu"))
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operators run inside it, counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_rollback_point_puts_back_what_was_written_since_and_drops_what_was_created():
+    state, first, second = BucketState(), _bucket(4, 0), _bucket(3, 1)
+    state.buffer("e", first).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    before = state.buffer("e", first)
+    state.hold()
+    state.buffer("e", first).mul_(10)  # updated in place: on a copy, the old vector kept
+    values, target = state.rewritten("e", second)  # none before: zeros to read, a vector to fill
+    assert torch.equal(values, torch.zeros(3)) and target is not values
+    target.fill_(7.0)
+    assert torch.equal(before, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    state.release(keep_changes=False)
+    assert state.buffer("e", first) is before and 1 not in state.buffers["e"]
+
+    state.hold()
+    written = state.buffer("e", first).add_(1)
+    state.release(keep_changes=True)
+    assert torch.equal(state.buffer("e", first), torch.tensor([2.0, 3.0, 4.0, 5.0]))
+    state.hold()
+    values, target = state.rewritten("e", first)
+    assert values is written and target is before  # the last point's kept vector: no new memory
+    assert state.rewritten("e", first) == (target, target)  # written once per point, then in place
+
+
+@pytest.mark.parametrize(
+    ("compressor", "memory", "options"),
+    [
+        ("topk", "residual", {"density": 0.1}),  # the fused update: into the second vector
+        ("qsgd", "residual", {}),  # compensate, exchange, update in place: on a copy
+        ("topk", "dgc", {"density": 0.1}),  # u and v
+        ("powersgd", "none", {"rank": 1, "start_iter": 0}),  # its own error feedback, and the factors
+        ("efsignsgd", "residual", {}),  # its fused kernel on Triton only: here, the separate passes
+    ],
+)
+def test_under_a_rollback_point_the_exchange_is_unchanged_and_release_restores_to_the_bit(compressor, memory, options):
+    """Two twins (one process); the second holds a rollback point at every step: its averages and
+    per-element state equal the first's to the bit; releasing without keeping (every other step)
+    leaves its state as before that step, and the first is set back to it too."""
+    shapes = [torch.Size([12, 10]), torch.Size([7])]
+    b = Bucket(0, ["a", "b"], shapes, torch.float32, torch.device("cpu"))
+    twins = [(COMPRESSORS.build(compressor, **options), MEMORIES.build(memory)) for _ in range(2)]
+    communicator = COMMUNICATORS.build("allreduce" if twins[0][0].summable else "allgather")
+    communicator.bind(None)
+
+    def state(roles: tuple) -> list[dict]:
+        return [
+            {n: {p: t.clone() for p, t in ts.items()} for n, ts in r.state_by_parameter([b]).items()} for r in roles
+        ]
+
+    for step in range(4):
+        g = torch.randn(b.numel, generator=torch.Generator().manual_seed(step))
+        before = state(twins[1])
+        for role in twins[1]:
+            role.hold()
+        averages = []
+        for c, m in twins:
+            c.begin_step(step)
+            averages.append(finish(m.exchange(g.clone(), b, c, communicator))[0])
+        assert torch.equal(averages[0], averages[1])
+        assert same(state(twins[0]), state(twins[1]))
+        committed = step % 2 == 1
+        for role in twins[1]:
+            role.release(keep_changes=committed)
+        if not committed:
+            assert same(state(twins[1]), before)
+            for plain, held in zip(*twins):
+                plain.load_state_by_parameter(held.state_by_parameter([b]), [b])
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def test_the_fused_residual_update_under_a_rollback_point_copies_nothing():
+    """``topk`` + residual: held, the exchange runs the same operators as without a rollback point,
+    the update of ``e`` out of place instead of in place, and no copy."""
+    b = _bucket(1000, 0)
+    communicator = COMMUNICATORS.build("allgather")
+    communicator.bind(None)
+    counts = []
+    for held in (False, True):
+        compressor, memory = COMPRESSORS.build("topk", density=0.05), MEMORIES.build("residual")
+        finish(memory.exchange(torch.randn(b.numel), b, compressor, communicator))  # e exists
+        memory.release(keep_changes=True)
+        if held:
+            memory.hold()
+        with _Ops() as ops:
+            finish(memory.exchange(torch.randn(b.numel), b, compressor, communicator))
+        counts.append(ops.counts)
+    assert counts[1]["aten.copy_"] == counts[0]["aten.copy_"]
+    assert counts[1]["aten.add"] == counts[0]["aten.add"] + 1 and counts[1]["aten.add_"] == counts[0]["aten.add_"] - 1
