@@ -331,7 +331,9 @@ def test_fused_exchange_equals_the_unfused_one(kernels, name, monkeypatch):
     runs = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(type(COMPRESSORS.build(name)), "encode_with_residual", lambda self, *args, **kwargs: None)
+            monkeypatch.setattr(
+                type(COMPRESSORS.build(name)), "encode_with_residual", lambda self, *args, **kwargs: None
+            )
         compressor, memory, communicator = (
             COMPRESSORS.build(name),
             MEMORIES.build("residual"),

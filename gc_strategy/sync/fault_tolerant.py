@@ -18,8 +18,8 @@ back, so that the survivors go on instead of ending the run. Each step:
    a peer's copy would apply the peer's correction twice (once there, once here).
 2. **Bind.** Where the quorum changed, the roles are bound again to the new group
    (:meth:`GradientSynchronizer.rebind`): the average is over the participants, the communicator's
-   size. The roles' per-element and shared state are kept (a copy on their device) before any
-   exchange of the step.
+   size. The roles' state is held at a rollback point before any exchange of the step
+   (:func:`~gc_strategy.sync.healing.keep_roles`: copy-on-write, no pass for the fused sparsifiers).
 3. **Exchange.** Backward runs each bucket's compressed exchange over that group. An exchange that
    fails (a peer died: a closed connection or the collective's timeout) is reported to the manager
    and every later exchange of the step is skipped, so a step fails in one timeout at most.
@@ -47,19 +47,11 @@ from ..fusion import AutoPlanner
 from ..telemetry import TelemetryLog
 from .base import Synchronizer
 from .every_step import GradientSynchronizer
-from .quorum import (
-    FaultTolerance,
-    Quorum,
-    Stateful,
-    keep_roles,
-    load_shared_state,
-    quorum_route,
-    settle_roles,
-    shared_state,
-)
+from .healing import HealedObjects, Stateful, keep_roles, load_shared_state, settle_roles, shared_state
+from .quorum import FaultTolerance, Quorum, quorum_route
 
 
-class FaultTolerantSynchronizer(Synchronizer):
+class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
     """See the module's docstring. ``module``'s gradients are averaged through ``roles`` across the
     participating replica groups; ``healed`` names further objects with ``state_dict`` and
     ``load_state_dict`` that a healing group takes from a peer (optimizers, LR schedules, a loop's
@@ -136,14 +128,13 @@ class FaultTolerantSynchronizer(Synchronizer):
         """What a healing group loads from this one: called by torchft between steps."""
         return {
             "module": self.module.state_dict(),
-            "healed": {name: obj.state_dict() for name, obj in self.healed.items()},
+            "healed": self.healed_state(),
             "synchronizer": shared_state(self.inner),
         }
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["module"])
-        for name, obj in self.healed.items():
-            obj.load_state_dict(state["healed"][name])
+        self.load_healed_state(state["healed"])
         load_shared_state(self.inner, state["synchronizer"])
 
     # ------------------------------------------------------------------ the Synchronizer interface
@@ -164,12 +155,6 @@ class FaultTolerantSynchronizer(Synchronizer):
 
     votes_on_commit = True
 
-    def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.share_state({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
-
-    def share_state(self, objects: dict[str, Any]) -> None:
-        self.healed.update(objects)
-
     @property
     def rank(self) -> int:  # type: ignore[override]
         """This process's place among the run's planned ranks (``groups`` times the ranks of a
@@ -179,10 +164,6 @@ class FaultTolerantSynchronizer(Synchronizer):
     @property
     def world_size(self) -> int:  # type: ignore[override]
         return self.options.groups * self.quorum.local_world
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        return self.quorum.writes_checkpoints
 
     @property
     def telemetry(self) -> TelemetryLog:  # type: ignore[override]

@@ -43,17 +43,8 @@ from torch import nn
 from ..components import Components
 from ..registry import Configuration
 from .diloco import DiLoCoSynchronizer
-from .quorum import (
-    FaultTolerance,
-    Quorum,
-    QuorumRoute,
-    Stateful,
-    keep_roles,
-    load_shared_state,
-    refuse_several_processes,
-    settle_roles,
-    shared_state,
-)
+from .healing import HealedObjects, Stateful, keep_roles, load_shared_state, settle_roles, shared_state
+from .quorum import FaultTolerance, Quorum, QuorumRoute, refuse_several_processes
 
 
 def refuse_streaming(config: Configuration) -> None:
@@ -66,7 +57,7 @@ def refuse_streaming(config: Configuration) -> None:
         )
 
 
-class FaultTolerantDiLoCo(DiLoCoSynchronizer):
+class FaultTolerantDiLoCo(HealedObjects, DiLoCoSynchronizer):
     """See the module's docstring: ``module`` trained as ``config`` (a
     :class:`~gc_strategy.sync.modes.DiLoCo`) says, its outer steps over the participating replica
     groups. ``healed``: further objects with ``state_dict`` and ``load_state_dict`` that a healing
@@ -173,7 +164,7 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
             "module": self.module.state_dict(),
             "outer": self.outer,
             "outer_optimizer": self.outer_optimizer.state_dict(),
-            "healed": {name: obj.state_dict() for name, obj in self.healed.items()},
+            "healed": self.healed_state(),
             "synchronizers": [shared_state(s) for s in self.synchronizers],
             "inner_step": self.inner_step,
             "step": self.step,
@@ -186,25 +177,13 @@ class FaultTolerantDiLoCo(DiLoCoSynchronizer):
                 self.outer[name].copy_(state["outer"][name])
                 p.copy_(self.outer[name])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        for name, obj in self.healed.items():
-            obj.load_state_dict(state["healed"][name])
+        self.load_healed_state(state["healed"])
         for synchronizer, shared in zip(self.synchronizers, state["synchronizers"]):
             load_shared_state(synchronizer, shared)
         self.inner_step = self.synced_at = int(state["inner_step"])
         self.step = int(state["step"])
 
     # ------------------------------------------------------------------ the Synchronizer interface
-    def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        super().use_optimizers(optimizers)
-        self.share_state({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
-
-    def share_state(self, objects: dict[str, Any]) -> None:
-        self.healed.update(objects)
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        return self.quorum.writes_checkpoints
-
     def state_dict(self) -> dict[str, Any]:
         """DiLoCo's state of this group and the rounds committed (a checkpoint's)."""
         return {"diloco": super().state_dict(), "quorum": self.quorum.state_dict(), "synced_at": self.synced_at}

@@ -18,14 +18,13 @@ torchft's vote (:meth:`Quorum.vote`) then says, on every participant, not to com
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,15 +33,8 @@ from torch import Tensor
 from ..bucket import Bucket
 from ..communicators import Exchange, Round
 from ..components import Components
-from .every_step import GradientSynchronizer
 from .hierarchy import NodeGroups, NodeRoute, node_exchange
 from .routes import FlatRoute, Route
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -371,35 +363,3 @@ class Quorum:
     def close(self) -> None:
         """Leave the quorums: the others go on without this group."""
         self.manager.shutdown(wait=False)
-
-
-def keep_roles(synchronizer: GradientSynchronizer) -> dict[str, Any]:
-    """A rollback point on ``synchronizer``'s roles for a round that may not commit: their
-    per-element state (error feedback, compressor state) is held copy-on-write
-    (:meth:`~gc_strategy.bucket.BucketState.hold`: the residual's update of the fused sparsifiers
-    writes a second vector, costing no pass), and copies of the step counter and the compressor's
-    other state are returned; :func:`settle_roles` ends it."""
-    synchronizer.roles.hold_state()
-    return {"step": synchronizer.step, "extra": copy.deepcopy(synchronizer.compressor.extra_state())}
-
-
-def settle_roles(synchronizer: GradientSynchronizer, kept: dict[str, Any], committed: bool) -> None:
-    """End :func:`keep_roles`' rollback point: a committed round keeps the roles' new state, one
-    that did not commit puts back the state as it was."""
-    synchronizer.roles.release_state(keep_changes=committed)
-    if not committed:
-        synchronizer.step = kept["step"]
-        synchronizer.compressor.load_extra_state(kept["extra"])
-
-
-def shared_state(synchronizer: GradientSynchronizer) -> dict[str, Any]:
-    """``synchronizer``'s state that a healing group takes from a peer: all but the per-rank
-    error feedback and compressor state, which hold what the *peer's* own gradients left unsent (a
-    copy would apply the peer's correction twice: once there, once here)."""
-    return {**synchronizer.state_dict(), "memory": {}, "compressor": {}}
-
-
-def load_shared_state(synchronizer: GradientSynchronizer, state: dict[str, Any]) -> None:
-    """Load a peer's :func:`shared_state`; this group's own error feedback starts at zero."""
-    synchronizer.roles.clear_state()
-    synchronizer.load_state_dict(state)
