@@ -33,7 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -142,6 +143,23 @@ def run_groups(nodes, lighthouse, mode, compressor, steps, inner_steps, folder: 
     return results
 
 
+@contextmanager
+def lighthouse(node: netns.NodeNetwork, join_timeout_ms: int, folder: Path) -> Iterator[str]:
+    """torchft's lighthouse on ``node`` (its address), alone on its port: a new one for each
+    configuration."""
+    binary = Path(sys.executable).with_name("torchft_lighthouse")
+    address = f"{node.address}:{LIGHTHOUSE_PORT}"
+    command = [*node.command, str(binary), "--min_replicas", "1", "--join_timeout_ms", str(join_timeout_ms)]
+    with (folder / "lighthouse.log").open("ab") as log:
+        server = subprocess.Popen([*command, "--bind", address], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(1.0)
+        yield f"http://{address}"
+    finally:
+        server.kill()
+        server.wait()
+
+
 def median_step(results: list[dict], warmup: int, period: int = 1) -> float:
     """The median over the groups of each one's median step time after ``warmup`` steps; for DiLoCo
     (``period`` inner steps between outer steps) of the median over its whole inner phases of a
@@ -180,6 +198,10 @@ def main() -> None:
     parser.add_argument("--compressors", nargs="+", default=["none", "topk+residual", "diloco:topk+residual"])
     parser.add_argument("--inner-steps", type=int, default=5)
     parser.add_argument("--failure-compressor", default="topk+residual")
+    parser.add_argument("--join-timeout-ms", type=int, default=2000, help="the lighthouse's, every step")
+    parser.add_argument(
+        "--diloco-join-timeout-ms", type=int, default=10000, help="the lighthouse's for DiLoCo: above an inner phase"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -189,16 +211,10 @@ def main() -> None:
             netns.emulated_network(args.groups, args.rate) if args.rate else netns.loopback(args.groups)
         )
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gc_ft_bench")))
-        lighthouse_log = (folder / "lighthouse.log").open("ab")
-        binary = Path(sys.executable).with_name("torchft_lighthouse")
-        address = f"{nodes[0].address}:{LIGHTHOUSE_PORT}"
-        command = [*nodes[0].command, str(binary), "--min_replicas", "1", "--join_timeout_ms", "2000"]
-        lighthouse = subprocess.Popen([*command, "--bind", address], stdout=lighthouse_log, stderr=subprocess.STDOUT)
-        stack.callback(lighthouse.kill)
-        time.sleep(1.0)
-        url = f"http://{address}"
         rows = {}
         for compressor in args.compressors:
+            join_ms = args.diloco_join_timeout_ms if compressor.startswith("diloco:") else args.join_timeout_ms
+            url = stack.enter_context(lighthouse(nodes[0], join_ms, folder))
             times = {"plain": [], "plain, control": [], "ft": []}
             for r in range(args.rounds):
                 order = list(times)
@@ -213,6 +229,7 @@ def main() -> None:
             control = [c / p for c, p in zip(times["plain, control"], times["plain"])]
             rows[compressor] = (statistics.median(times["plain"]), statistics.median(times["ft"]), ratios, control)
         kill_at, failing = args.kill_at, args.failure_compressor
+        url = stack.enter_context(lighthouse(nodes[0], args.join_timeout_ms, folder))
         failure = run_groups(nodes, url, "ft", failing, args.steps * 2, args.inner_steps, folder, kill_at=kill_at)
     where = f"{args.groups} groups, {'links shaped to ' + args.rate if args.rate else 'loopback'}"
     print(f"\nResNet-18, 32x32, batch 32 per group, 1 thread per group; {where}")
