@@ -161,19 +161,29 @@ def lighthouse(node: netns.NodeNetwork, join_timeout_ms: int, folder: Path) -> I
 
 
 def median_step(results: list[dict], warmup: int, period: int = 1) -> float:
-    """The median over the groups of each one's median step time after ``warmup`` steps; for DiLoCo
-    (``period`` inner steps between outer steps) of the median over its whole inner phases of a
-    phase's time over ``period`` (a group that joined late, with no whole phase after the warm-up,
-    left out)."""
+    """The median over the groups of each one's median step time after ``warmup`` steps, over the
+    committed steps every group took part in (a group alone, before the others joined, is not
+    held against plain synchronisation); for DiLoCo (``period`` inner steps between outer steps) of
+    the median over its whole inner phases of a phase's time over ``period`` (a group that joined
+    late, with no whole phase after the warm-up, left out)."""
+    groups = len(results)
+
+    def together(step: dict) -> bool:
+        return step["committed"] and step["participants"] == groups
+
     if period == 1:
         return statistics.median(
-            statistics.median(s["s"] for s in result["steps"][warmup:] if s["committed"]) for result in results
+            statistics.median(s["s"] for s in result["steps"][warmup:] if together(s)) for result in results
         )
     start = -(-warmup // period) * period
     medians = []
     for result in results:
-        times = [s["s"] for s in result["steps"]]
-        phases = [sum(times[i : i + period]) / period for i in range(start, len(times) - period + 1, period)]
+        steps = result["steps"]
+        phases = [
+            sum(s["s"] for s in steps[i : i + period]) / period
+            for i in range(start, len(steps) - period + 1, period)
+            if all(together(s) for s in steps[i : i + period])
+        ]
         medians += [statistics.median(phases)] if phases else []
     return statistics.median(medians)
 

@@ -103,7 +103,9 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
     from torchft.coordination import LighthouseServer
 
     ft = cfg.fault_tolerance
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=ft.min_replicas, join_timeout_ms=1000)
+    # the join timeout exceeds the time between two quorums: a step, or DiLoCo's inner phase (docs/fault_tolerance.md)
+    join_timeout_ms = 60_000 if cfg.sync.name == "diloco" else 1000
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=ft.min_replicas, join_timeout_ms=join_timeout_ms)
     address = lighthouse.address()
     print(f"lighthouse {address}; {ft.groups} replica groups, outputs in {output_dir}/group<g>", flush=True)
     own = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in GROUP_KEYS]
