@@ -224,23 +224,24 @@ def main() -> None:
         rows = {}
         for compressor in args.compressors:
             join_ms = args.diloco_join_timeout_ms if compressor.startswith("diloco:") else args.join_timeout_ms
-            url = stack.enter_context(lighthouse(nodes[0], join_ms, folder))
             times = {"plain": [], "plain, control": [], "ft": []}
-            for r in range(args.rounds):
-                order = list(times)
-                random.Random(r).shuffle(order)
-                for mode in order:
-                    plain_or_ft = mode.split(",")[0]
-                    results = run_groups(nodes, url, plain_or_ft, compressor, args.steps, args.inner_steps, folder)
-                    period = args.inner_steps if compressor.startswith("diloco:") else 1
-                    times[mode].append(median_step(results, args.warmup, period))
-                    print(f"{compressor} round {r} {mode}: {times[mode][-1]:.3f} s/step", file=sys.stderr, flush=True)
+            with lighthouse(nodes[0], join_ms, folder) as url:
+                for r in range(args.rounds):
+                    order = list(times)
+                    random.Random(r).shuffle(order)
+                    for mode in order:
+                        plain_or_ft = mode.split(",")[0]
+                        results = run_groups(nodes, url, plain_or_ft, compressor, args.steps, args.inner_steps, folder)
+                        period = args.inner_steps if compressor.startswith("diloco:") else 1
+                        times[mode].append(median_step(results, args.warmup, period))
+                        line = f"{compressor} round {r} {mode}: {times[mode][-1]:.3f} s/step"
+                        print(line, file=sys.stderr, flush=True)
             ratios = [f / p for f, p in zip(times["ft"], times["plain"])]
             control = [c / p for c, p in zip(times["plain, control"], times["plain"])]
             rows[compressor] = (statistics.median(times["plain"]), statistics.median(times["ft"]), ratios, control)
         kill_at, failing = args.kill_at, args.failure_compressor
-        url = stack.enter_context(lighthouse(nodes[0], args.join_timeout_ms, folder))
-        failure = run_groups(nodes, url, "ft", failing, args.steps * 2, args.inner_steps, folder, kill_at=kill_at)
+        with lighthouse(nodes[0], args.join_timeout_ms, folder) as url:
+            failure = run_groups(nodes, url, "ft", failing, args.steps * 2, args.inner_steps, folder, kill_at=kill_at)
     where = f"{args.groups} groups, {'links shaped to ' + args.rate if args.rate else 'loopback'}"
     print(f"\nResNet-18, 32x32, batch 32 per group, 1 thread per group; {where}")
     print(f"{args.rounds} rounds x {args.steps} steps per configuration, the modes in a new order each round")
