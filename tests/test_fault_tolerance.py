@@ -46,7 +46,7 @@ STARTED: list[subprocess.Popen] = []
 @pytest.fixture(autouse=True)
 def _groups_end_with_their_test():
     yield
-    while STARTED:  # every process of each group's session (torchrun's workers too)
+    while STARTED:  # every process of each group, by its process group id (torchrun's workers too)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(STARTED.pop().pid, signal.SIGKILL)
 
@@ -76,7 +76,7 @@ def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str, rank
 
 
 def launch(command: list[str], log: Path) -> subprocess.Popen:
-    """``command`` in a session of its own (ended with the test), writing to ``log``."""
+    """``command`` in a process group of its own (killed when the test ends), writing to ``log``."""
     with open(log, "ab") as file:
         STARTED.append(subprocess.Popen(command, env=group_env(), stdout=file, stderr=file, start_new_session=True))
     return STARTED[-1]
