@@ -2,22 +2,26 @@
 emulated node each) train ResNet-18 with and without ``fault_tolerance=``, then one group is killed
 and started again.
 
-Overhead: for each ``--compressors`` entry, each round runs ``plain`` (a ``GradientSynchronizer``
-over a gloo group of the ``R`` processes, as ``gc_fused`` runs), ``plain, control`` (the same again:
-its ratio to ``plain`` is the noise of the measurement) and ``ft`` (``FaultTolerantSynchronizer``
-over torchft's quorum, the lighthouse on node 0), ``--steps`` steps each, in a new order each round;
-the median step time of the steps after ``--warmup``, and the ratios to ``plain`` of the same round.
-An entry ``diloco:C`` runs DiLoCo (``inner_steps`` = ``--inner-steps``, outer exchange through
-``C``): ``DiLoCoSynchronizer`` against ``FaultTolerantDiLoCo``, its step time the median over the
-inner phases of a phase's time (its outer step included) over ``inner_steps``.
+Overhead: for each ``--compressors`` entry, each run starts the ``R`` groups, each holding three
+models started alike: ``plain`` (a ``GradientSynchronizer`` over a gloo group of the ``R``
+processes, as ``gc_fused`` runs), ``plain, control`` (the same again: its ratio to ``plain`` is the
+noise of the measurement) and ``ft`` (``FaultTolerantSynchronizer`` over torchft's quorum, the
+lighthouse on node 0). Block by block every mode trains a block, the modes in an order drawn anew
+for each block (the same on every group), so that whatever else the machine does falls on all three
+alike. A block is a step, or for an entry ``diloco:C`` an inner phase of DiLoCo (``inner_steps`` =
+``--inner-steps``, outer exchange through ``C``; ``DiLoCoSynchronizer`` against
+``FaultTolerantDiLoCo``) with its outer step. Reported per run: the median over the groups of each
+one's median time per step of a block after ``--warmup`` blocks (``ft``: of the blocks whose steps
+all committed with every group), the ratios to ``plain``, and ``ft``'s median quorum request and
+commit vote.
 
 Failure: ``R`` groups with fault tolerance and ``--failure-compressor``; group ``R-1`` kills itself
-(SIGKILL) before its exchange at step ``--kill-at``, and is started again at once. Reported: the survivors' failed steps
-(steps lost), the stall (the longest time between two committed steps of a survivor, less its
-median step), the restarted group's start-up and the time from its first quorum request to its
-first committed step (healing included), and whether every group ended bit-identical.
+(SIGKILL) before its exchange at step ``--kill-at``, and is started again at once. Reported: the
+survivors' failed steps (steps lost), the stall (the longest time between two committed steps of a
+survivor, less its median step), the restarted group's start-up and the time from its first quorum
+request to its first committed step (healing included), and whether every group ended bit-identical.
 
-    python benchmarks/fault_tolerance.py --rate 1gbit --groups 3 --rounds 3 --steps 20 \\
+    python benchmarks/fault_tolerance.py --rate 1gbit --groups 3 --rounds 5 --steps 30 \\
         --compressors none topk+residual diloco:topk+residual
 """
 
@@ -47,11 +51,13 @@ LIGHTHOUSE_PORT = 29510
 STORE_PORT = 29600
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One replica group: train to committed step ``--steps`` (on, until every group takes part in
-    a step) and write the timings to ``--out``."""
+MODES = ("plain", "plain, control", "ft")
+
+
+def build(args: argparse.Namespace, mode: str) -> tuple:
+    """ResNet-18 (the same start in every mode), its optimizer and the synchroniser of ``mode``:
+    ``plain`` over the default gloo group of the ``R`` processes, ``ft`` over torchft's quorum."""
     import torch
-    import torch.distributed as dist
     import torchvision
 
     from gc_strategy import DiLoCo, build_components
@@ -61,72 +67,145 @@ def worker(args: argparse.Namespace) -> None:
     from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
     from gc_strategy.sync.quorum import FaultTolerance
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     diloco = DiLoCo(inner_steps=args.inner_steps) if args.compressor.startswith("diloco:") else None
     name, memory = (args.compressor.removeprefix("diloco:").split("+") + ["none"])[:2]
     roles = build_components(name, memory, density=0.01) if name == "topk" else build_components(name, memory)
-    if args.mode == "plain":
-        store = f"tcp://{args.store_host}:{STORE_PORT}"
-        dist.init_process_group("gloo", init_method=store, rank=args.group, world_size=args.groups)
+    if mode != "ft":
         sync = DiLoCoSynchronizer(model, roles, diloco) if diloco else GradientSynchronizer(model, roles)
-    else:
-        options = FaultTolerance(
-            args.lighthouse, args.group, groups=args.groups, timeout_s=5, quorum_timeout_s=60, host=args.host
-        )
-        if diloco:
-            sync = FaultTolerantDiLoCo(model, roles, diloco, options)
-        else:
-            sync = FaultTolerantSynchronizer(model, roles, options)
-        sync.use_optimizers([optimizer])
-    g = torch.Generator().manual_seed(args.group)
-    x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-    steps, first_request = [], None
+        return model, optimizer, sync
+    options = FaultTolerance(
+        args.lighthouse, args.group, groups=args.groups, timeout_s=5, quorum_timeout_s=60, host=args.host
+    )
+    sync = (
+        FaultTolerantDiLoCo(model, roles, diloco, options)
+        if diloco
+        else FaultTolerantSynchronizer(model, roles, options)
+    )
+    sync.use_optimizers([optimizer])
+    return model, optimizer, sync
+
+
+def train_step(model, optimizer, sync, batch, before_backward=lambda: None) -> bool:
+    """One step of the training loop every integration runs; whether it committed."""
+    import torch
+
+    x, y = batch
+    with sync.forward_pass():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    before_backward()
+    loss.backward()
+    committed = sync.should_commit()
+    if committed:
+        optimizer.step()
+    optimizer.zero_grad()
+    sync.after_optimizer_step()  # DiLoCo's outer step every inner_steps
+    return committed
+
+
+def timed(calls: list[float], function):
+    """``function``, each call's seconds appended to ``calls``."""
+
+    def call(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - begin)
+
+    return call
+
+
+def batch_of(group: int) -> tuple:
+    import torch
+
+    g = torch.Generator().manual_seed(group)
+    return torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def interleaved_worker(args: argparse.Namespace) -> None:
+    """One replica group holding a model per mode, all started alike: block by block (a step, or
+    DiLoCo's inner phase with its outer step), every mode runs a block, in an order drawn anew for
+    each block (the same on every group). Writes each block's time per step to ``--out``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    runs = {"ft": build(args, "ft")}  # a group of one process: before the plain modes' process group
+    store = f"tcp://{args.store_host}:{STORE_PORT}"
+    dist.init_process_group("gloo", init_method=store, rank=args.group, world_size=args.groups)
+    runs |= {mode: build(args, mode) for mode in MODES if mode != "ft"}
+    quorum = runs["ft"][2].quorum
+    calls: dict[str, list[float]] = {"quorum": [], "vote": []}
+    quorum.start, quorum.vote = timed(calls["quorum"], quorum.start), timed(calls["vote"], quorum.vote)
+    period = args.inner_steps if args.compressor.startswith("diloco:") else 1
+    batch = batch_of(args.group)
+    blocks: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    dist.barrier()
+    for block in range(args.warmup + args.steps):
+        if block == args.warmup:
+            calls["quorum"].clear(), calls["vote"].clear()
+        for mode in random.Random(block).sample(MODES, len(MODES)):
+            model, optimizer, sync = runs[mode]
+            together, begin = True, time.perf_counter()
+            for _ in range(period):
+                committed = train_step(model, optimizer, sync, batch)
+                together &= committed and getattr(sync, "participants", args.groups) == args.groups
+            if block >= args.warmup:
+                blocks[mode].append({"s": (time.perf_counter() - begin) / period, "together": together})
+    Path(args.out).write_text(json.dumps({"blocks": blocks, "calls": calls}))
+    for _, _, sync in runs.values():
+        sync.close()
+    dist.destroy_process_group()
+
+
+def failure_worker(args: argparse.Namespace) -> None:
+    """One replica group with fault tolerance: train to committed step ``--steps`` (on, until
+    every group takes part in a step), killing itself before its exchange at step ``--die-at``;
+    write the timings to ``--out``."""
+    import torch
+
+    torch.set_num_threads(1)
+    model, optimizer, sync = build(args, "ft")
+    batch = batch_of(args.group)
+
+    def maybe_die() -> None:
+        if 0 <= args.die_at <= sync.committed_steps and sync.participants == args.groups:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    steps, first_request = [], time.time()
     while True:
         begin = time.perf_counter()
-        first_request = first_request or time.time()
-        with sync.forward_pass():
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        participants = getattr(sync, "participants", args.groups)
-        if args.mode == "ft" and 0 <= args.die_at <= sync.committed_steps and participants == args.groups:
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss.backward()
-        committed = sync.should_commit()
-        if committed:
-            optimizer.step()
-        optimizer.zero_grad()
-        sync.after_optimizer_step()  # DiLoCo's outer step every inner_steps
-        end = time.perf_counter()
-        steps.append({"s": end - begin, "end": time.time(), "committed": committed, "participants": participants})
-        done = sync.committed_steps if args.mode == "ft" else len(steps)
-        if committed and done >= args.steps and participants == args.groups:  # every group ends at one step
-            break
+        committed = train_step(model, optimizer, sync, batch, maybe_die)
+        steps.append({"s": time.perf_counter() - begin, "end": time.time(), "committed": committed})
+        if committed and sync.committed_steps >= args.steps and sync.participants == args.groups:
+            break  # every group ends at one step
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))
-    result = {"steps": steps, "first_request": first_request, "digest": digest}
-    Path(args.out).write_text(json.dumps(result))
+    Path(args.out).write_text(json.dumps({"steps": steps, "first_request": first_request, "digest": digest}))
     sync.close()
-    if args.mode == "plain":
-        dist.destroy_process_group()
 
 
 def launch(node: netns.NodeNetwork, args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
-    command = [*node.command, sys.executable, str(Path(__file__).resolve()), "--worker", *args]
+    command = [*node.command, sys.executable, str(Path(__file__).resolve()), *args]
     return subprocess.Popen(command, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
-def run_groups(nodes, lighthouse, mode, compressor, steps, inner_steps, folder: Path, kill_at: int = -1) -> list[dict]:
-    """One run of every group; with ``kill_at`` the last group dies there and is started again."""
+def run_groups(nodes, lighthouse, args: argparse.Namespace, compressor: str, folder: Path, kill_at: int = -1) -> list:
+    """One run of every group: interleaved, or with ``kill_at`` the failure run (the last group
+    dies there and is started again)."""
     groups = len(nodes)
 
     def start(g: int, die_at: int) -> subprocess.Popen:
-        args = ["--mode", mode, "--group", str(g), "--groups", str(groups), "--compressor", compressor]
-        args += ["--inner-steps", str(inner_steps)]
-        args += ["--steps", str(steps), "--lighthouse", lighthouse, "--host", nodes[g].address]
-        args += ["--store-host", nodes[0].address, "--die-at", str(die_at), "--out", str(folder / f"{g}.json")]
-        return launch(nodes[g], args, folder / f"{g}.log")
+        worker = "failure" if kill_at >= 0 else "interleaved"
+        steps = args.steps * 2 if kill_at >= 0 else args.steps
+        options = ["--worker", worker, "--group", str(g), "--groups", str(groups), "--compressor", compressor]
+        options += ["--inner-steps", str(args.inner_steps), "--steps", str(steps), "--warmup", str(args.warmup)]
+        options += ["--lighthouse", lighthouse, "--host", nodes[g].address, "--store-host", nodes[0].address]
+        options += ["--die-at", str(die_at), "--out", str(folder / f"{g}.json")]
+        return launch(nodes[g], options, folder / f"{g}.log")
 
     processes = [start(g, kill_at if g == groups - 1 else -1) for g in range(groups)]
     restarted_at = None
@@ -135,7 +214,7 @@ def run_groups(nodes, lighthouse, mode, compressor, steps, inner_steps, folder: 
         restarted_at = time.time()
         processes[-1] = start(groups - 1, -1)
     for g, process in enumerate(processes):
-        if process.wait(timeout=900) != 0:
+        if process.wait(timeout=1800) != 0:
             raise SystemExit(f"group {g} failed: {(folder / f'{g}.log').read_text()[-2000:]}")
     results = [json.loads((folder / f"{g}.json").read_text()) for g in range(groups)]
     if restarted_at is not None:
@@ -160,38 +239,22 @@ def lighthouse(node: netns.NodeNetwork, join_timeout_ms: int, folder: Path) -> I
         server.wait()
 
 
-def median_step(results: list[dict], warmup: int, period: int = 1) -> float:
-    """The median over the groups of each one's median step time after ``warmup`` steps, over the
-    committed steps every group took part in (a group alone, before the others joined, is not
-    held against plain synchronisation); for DiLoCo (``period`` inner steps between outer steps) of
-    the median over its whole inner phases of a phase's time over ``period`` (a group that joined
-    late, with no whole phase after the warm-up, left out)."""
-    groups = len(results)
+def median_step(results: list[dict], mode: str) -> float:
+    """The median over the groups of each one's median time per step of ``mode``'s blocks after
+    the warm-up; for ``ft`` over the blocks whose steps all committed with every group taking part."""
+    return statistics.median(
+        statistics.median(b["s"] for b in result["blocks"][mode] if b["together"]) for result in results
+    )
 
-    def together(step: dict) -> bool:
-        return step["committed"] and step["participants"] == groups
 
-    if period == 1:
-        return statistics.median(
-            statistics.median(s["s"] for s in result["steps"][warmup:] if together(s)) for result in results
-        )
-    start = -(-warmup // period) * period
-    medians = []
-    for result in results:
-        steps = result["steps"]
-        phases = [
-            sum(s["s"] for s in steps[i : i + period]) / period
-            for i in range(start, len(steps) - period + 1, period)
-            if all(together(s) for s in steps[i : i + period])
-        ]
-        medians += [statistics.median(phases)] if phases else []
-    return statistics.median(medians)
+def median_call_ms(results: list[dict], name: str) -> float:
+    """The median over the groups of each one's median ``name`` call (quorum, vote), in ms."""
+    return 1000 * statistics.median(statistics.median(result["calls"][name]) for result in results)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=["plain", "ft"], default="ft", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["interleaved", "failure"], help=argparse.SUPPRESS)
     parser.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -201,10 +264,10 @@ def main() -> None:
     parser.add_argument("--compressor", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--rate", default=None, help="shape every group's link to this rate (tc tbf), e.g. 1gbit")
     parser.add_argument("--groups", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--kill-at", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of the groups per configuration")
+    parser.add_argument("--steps", type=int, default=20, help="measured blocks per mode and round")
+    parser.add_argument("--warmup", type=int, default=3, help="blocks per mode not measured")
+    parser.add_argument("--kill-at", type=int, default=8, help="the failure run's step (-1: no failure run)")
     parser.add_argument("--compressors", nargs="+", default=["none", "topk+residual", "diloco:topk+residual"])
     parser.add_argument("--inner-steps", type=int, default=5)
     parser.add_argument("--failure-compressor", default="topk+residual")
@@ -214,7 +277,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        (interleaved_worker if args.worker == "interleaved" else failure_worker)(args)
         return
     with ExitStack() as stack:
         nodes = stack.enter_context(
@@ -224,37 +287,43 @@ def main() -> None:
         rows = {}
         for compressor in args.compressors:
             join_ms = args.diloco_join_timeout_ms if compressor.startswith("diloco:") else args.join_timeout_ms
-            times = {"plain": [], "plain, control": [], "ft": []}
+            rounds = []
             with lighthouse(nodes[0], join_ms, folder) as url:
                 for r in range(args.rounds):
-                    order = list(times)
-                    random.Random(r).shuffle(order)
-                    for mode in order:
-                        plain_or_ft = mode.split(",")[0]
-                        results = run_groups(nodes, url, plain_or_ft, compressor, args.steps, args.inner_steps, folder)
-                        period = args.inner_steps if compressor.startswith("diloco:") else 1
-                        times[mode].append(median_step(results, args.warmup, period))
-                        line = f"{compressor} round {r} {mode}: {times[mode][-1]:.3f} s/step"
-                        print(line, file=sys.stderr, flush=True)
-            ratios = [f / p for f, p in zip(times["ft"], times["plain"])]
-            control = [c / p for c, p in zip(times["plain, control"], times["plain"])]
-            rows[compressor] = (statistics.median(times["plain"]), statistics.median(times["ft"]), ratios, control)
-        kill_at, failing = args.kill_at, args.failure_compressor
-        with lighthouse(nodes[0], args.join_timeout_ms, folder) as url:
-            failure = run_groups(nodes, url, "ft", failing, args.steps * 2, args.inner_steps, folder, kill_at=kill_at)
+                    results = run_groups(nodes, url, args, compressor, folder)
+                    medians = {mode: median_step(results, mode) for mode in MODES}
+                    calls = {name: median_call_ms(results, name) for name in ("quorum", "vote")}
+                    rounds.append((medians, calls))
+                    figures = ", ".join(f"{mode} {t:.3f}" for mode, t in medians.items())
+                    print(f"{compressor} round {r}: s/step {figures}", file=sys.stderr, flush=True)
+            rows[compressor] = rounds
+        if args.kill_at >= 0:
+            with lighthouse(nodes[0], args.join_timeout_ms, folder) as url:
+                failure = run_groups(nodes, url, args, args.failure_compressor, folder, kill_at=args.kill_at)
     where = f"{args.groups} groups, {'links shaped to ' + args.rate if args.rate else 'loopback'}"
     print(f"\nResNet-18, 32x32, batch 32 per group, 1 thread per group; {where}")
-    print(f"{args.rounds} rounds x {args.steps} steps per configuration, the modes in a new order each round")
+    print(f"{args.rounds} runs x {args.steps} blocks per mode, the modes interleaved block by block")
     print(
-        "\n| compressor | plain median step (s) | fault-tolerant (s) | ft / plain (median, range) | control / plain |"
+        "\n| compressor | plain (s/step) | ft (s/step) | ft / plain (median, range) | control / plain | quorum, vote |"
     )
-    print("|---|---|---|---|---|")
-    for compressor, (plain, ft, ratios, control) in rows.items():
+    print("|---|---|---|---|---|---|")
+    for compressor, rounds in rows.items():
+        ratios = [m["ft"] / m["plain"] for m, _ in rounds]
+        control = [m["plain, control"] / m["plain"] for m, _ in rounds]
+        plain, ft = (statistics.median(m[mode] for m, _ in rounds) for mode in ("plain", "ft"))
+        quorum, vote = (statistics.median(c[name] for _, c in rounds) for name in ("quorum", "vote"))
         print(
             f"| {compressor} | {plain:.3f} | {ft:.3f} | {statistics.median(ratios):.3f} "
             f"({min(ratios):.3f} to {max(ratios):.3f}) | {statistics.median(control):.3f} "
-            f"({min(control):.3f} to {max(control):.3f}) |"
+            f"({min(control):.3f} to {max(control):.3f}) | {quorum:.1f} ms, {vote:.1f} ms |"
         )
+        each = ", ".join(f"{f:.3f} / {c:.3f}" for f, c in zip(ratios, control))
+        print(f"  per run (ft / plain, control / plain): {each}")
+    if args.kill_at >= 0:
+        report_failure(args, failure)
+
+
+def report_failure(args: argparse.Namespace, failure: list[dict]) -> None:
     survivors, restarted = failure[:-1], failure[-1]
     killed = f"group {args.groups - 1} killed before its exchange at step {args.kill_at}"
     print(f"\nFailure ({args.failure_compressor}): {killed}")
