@@ -35,6 +35,8 @@ group takes a peer's.
 
 from __future__ import annotations
 
+import time
+import warnings
 from typing import Any
 
 import torch
@@ -98,6 +100,9 @@ class FaultTolerantDiLoCo(HealedObjects, DiLoCoSynchronizer):
         #: the contributors of the last committed round, and the rounds that did not commit
         self.contributors = 0
         self.failed_steps = 0
+        #: seconds between the last two committed rounds (an inner phase and its outer step), and when the last ended
+        self.phase_s, self._last_round = 0.0, None
+        self._said_left_out = False
 
     # ------------------------------------------------------------------ the schedule
     def before_forward(self) -> None:
@@ -143,6 +148,8 @@ class FaultTolerantDiLoCo(HealedObjects, DiLoCoSynchronizer):
                 delta.mul_(self.quorum.participants / contributors)
             self._apply(fragment)
         self.synced_at, self.contributors = self.inner_step, contributors
+        now = time.monotonic()
+        self.phase_s, self._last_round = now - (self._last_round or now), now
         figures = {"participants": self.participants, "contributors": contributors, "committed": 1.0}
         self.telemetry.last.extra.update({**figures, "failed_steps": self.failed_steps})
         return True
@@ -182,6 +189,25 @@ class FaultTolerantDiLoCo(HealedObjects, DiLoCoSynchronizer):
             load_shared_state(synchronizer, shared)
         self.inner_step = self.synced_at = int(state["inner_step"])
         self.step = int(state["step"])
+        if self.joined:
+            self._say_left_out()
+
+    def _say_left_out(self) -> None:
+        """A group that heals after its first round was alive but left out of an outer step (its
+        inner steps since the last one are lost); where that repeats, the lighthouse's join timeout
+        is shorter than an inner phase and the quorums rotate (docs/fault_tolerance.md). Said once."""
+        if self._said_left_out:
+            return
+        self._said_left_out = True
+        warnings.warn(
+            f"fault_tolerance with DiLoCo: replica group {self.options.replica_group} was left out of an outer step "
+            "while it trained, and healed from a peer: its inner steps since the last outer step are lost. If this "
+            "repeats, the lighthouse's --join_timeout_ms is shorter than an inner phase (about "
+            f"{self.phase_s:.1f} s here) and the quorums rotate: start torchft_lighthouse with a longer "
+            "--join_timeout_ms (docs/fault_tolerance.md)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # ------------------------------------------------------------------ the Synchronizer interface
     def state_dict(self) -> dict[str, Any]:
