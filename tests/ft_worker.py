@@ -4,7 +4,7 @@ with ``--via accelerate``) on data of its own, until a step at least ``--steps``
 that every one of ``--groups`` groups took part in. With ``--die-at S`` it kills itself (SIGKILL)
 after the forward of the first step from committed step ``S`` on that every group takes part in,
 after a step they all took part in and committed, before its exchange. Writes its final parameters, the
-roles' state and a record of every step to ``--out``.
+roles' state and a record of every step (its parameters after it included) to ``--out``.
 
 Started by torchrun, it is a group of several ranks, rank ``r`` of group ``g`` reading shard
 ``g · ranks + r`` and writing ``OUT`` with ``.rank{r}.pt`` for ``.pt``; with ``--die-at`` every rank
@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
     parser.add_argument("--lose-first-healing", type=int, default=-1, help="a rank of the group")
+    parser.add_argument("--pause-at", type=int, default=-1, help="DiLoCo: an inner step to stall in, once")
+    parser.add_argument("--pause-s", type=float, default=3.0)
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ and args.via == "loop":  # a group of several ranks, started by torchrun
         dist.init_process_group("gloo")
@@ -138,6 +140,7 @@ def main() -> None:
                 "participants": sync.participants,
                 "committed": committed,
                 "state_kept": same(kept, snapshot(net, optimizer, sync)),
+                "params": {n: p.detach().clone() for n, p in net.named_parameters()},
             }
         )
         if committed:
@@ -223,6 +226,8 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
             break
         if args.die_when == "inner" and 0 <= args.die_at <= step and sync.participants == args.groups:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.pause_at:  # alive, but late for the next outer step
+            time.sleep(args.pause_s)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

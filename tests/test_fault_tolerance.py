@@ -25,6 +25,7 @@ from ft_worker import batch, model  # noqa: E402
 from gc_strategy import build_components  # noqa: E402
 from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer  # noqa: E402
 from gc_strategy.sync.quorum import FaultTolerance  # noqa: E402
+from gc_strategy.tools.ranks import run_ranks  # noqa: E402
 from recipes.replica_groups import LAUNCHER_KEYS  # noqa: E402
 
 WORKER = Path(__file__).with_name("ft_worker.py")
@@ -206,37 +207,86 @@ def test_diloco_survives_a_group_killed_in_inner_steps_or_the_outer_exchange_and
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_two_groups_without_failures_average_as_plain_data_parallel_training(lighthouse, tmp_path, ranks):
-    """``compressor=none``, two groups of one rank, or of two ranks (one torchrun each), each step
-    committed only with both (``min_replicas=2``): every rank's parameters equal those of plain SGD
-    on the average of all ranks' gradients, each rank on its own shard, computed here step by step."""
-    steps = 8
-    options = ["--steps", str(steps), "--min-replicas", "2"]
-    groups = [start(lighthouse, g, 2, tmp_path, *options, ranks=ranks) for g in range(2)]
-    for g, process in enumerate(groups):
-        finish(process, tmp_path, g, load=False)
-    names = [f"{g}.pt" for g in range(2)] if ranks == 1 else [f"{g}.rank{r}.pt" for g in range(2) for r in range(2)]
-    results = [torch.load(tmp_path / name) for name in names]
-    for result in results:
-        assert [r["step"] for r in result["record"] if r["committed"]] == list(range(steps))
-        assert all(r["participants"] == 2 for r in result["record"] if r["committed"])
+def test_a_diloco_group_left_out_of_an_outer_step_while_alive_heals_and_says_why(lighthouse, tmp_path):
+    """Three DiLoCo groups; group 2 stalls 3 s in inner step 7, past the lighthouse's join timeout
+    (0.5 s): groups 0 and 1 take outer steps as two (a majority of the live groups), group 2 then
+    heals from them in a later round and warns that it was left out while it trained, naming the
+    lighthouse's join timeout. The others, and group 2 at its first round (the run's start, where
+    groups take the first one's state), do not warn; all end bit-identical."""
+    options = ["--steps", "25", "--inner-steps", "5", "--compressor", "topk", "--memory", "residual"]
+    together = ["--barrier", str(tmp_path)]
+    stall = ["--pause-at", "7"]
+    groups = [start(lighthouse, g, 3, tmp_path, *options, *together, *(stall if g == 2 else [])) for g in range(3)]
+    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    without = [r for r in results[0]["record"] if r["committed"] and r["participants"] == 2 and r["step"] >= 10]
+    assert without  # groups 0 and 1 went on without the stalled group
+    logs = [(tmp_path / f"{g}.log").read_text() for g in range(3)]
+    said = "replica group 2 was left out of an outer step while it trained, and healed from a peer"
+    assert said in logs[2] and "--join_timeout_ms is shorter than an inner phase" in logs[2]
+    assert all("left out of an outer step" not in log for log in logs[:2])
+    for other in results[1:]:
+        for key in ("params", "outer", "outer_optimizer"):
+            assert same(results[0][key], other[key]), key
+
+
+def _gc_fused_steps(rank: int, world_size: int, steps: int) -> list[dict]:
+    """The ft worker's training without fault tolerance, as ``gc_fused`` runs it (a
+    GradientSynchronizer over a gloo group of every rank), rank ``r`` on shard ``r``: the
+    parameters after each step."""
+    from gc_strategy import GradientSynchronizer
+
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    sync = GradientSynchronizer(net, build_components("none", fusion="groups:2"))
+    after = []
+    for step in range(steps):
+        with sync.forward_pass():
+            x, y = batch(rank, step)
+            loss = (net(x) - y).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    sync.close()
+    return after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("groups", "ranks"), [(3, 1), (2, 2)])
+def test_groups_without_failures_equal_gc_fused_on_the_same_ranks_every_step(tmp_path, groups, ranks):
+    """``compressor=none``, three groups of one rank, or two of two ranks (one torchrun each), each
+    step committed only with all of them (``min_replicas``): after every step, every rank's
+    parameters equal those of ``gc_fused``'s synchroniser on as many ranks (the same shards) within
+    fp32 rounding, and those of plain SGD on the average of all ranks' gradients computed here."""
+    steps, world = 8, groups * ranks
+    fused = run_ranks(_gc_fused_steps, world, steps)  # before the lighthouse: the ranks fork from this process
+    server = coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=groups, join_timeout_ms=500)
+    try:
+        options = ["--steps", str(steps), "--min-replicas", str(groups)]
+        started = [start(server.address(), g, groups, tmp_path, *options, ranks=ranks) for g in range(groups)]
+        for g, process in enumerate(started):
+            finish(process, tmp_path, g, load=False)
+    finally:
+        server.shutdown()
+    names = [f"{g}.pt" if ranks == 1 else f"{g}.rank{r}.pt" for g in range(groups) for r in range(ranks)]
+    records = [[r for r in torch.load(tmp_path / name)["record"] if r["committed"]] for name in names]
     reference = model()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    shards = 2 * ranks
     for step in range(steps):
         grads = []
-        for shard in range(shards):
+        for shard in range(world):
             reference.zero_grad()
             x, y = batch(shard, step)
             (reference(x) - y).square().mean().backward()
             grads.append([p.grad.clone() for p in reference.parameters()])
         for p, *each in zip(reference.parameters(), *grads):
-            p.grad = sum(each) / shards
+            p.grad = sum(each) / world
         optimizer.step()
-    for name, value in reference.named_parameters():
-        for result in results:
-            torch.testing.assert_close(result["params"][name], value.detach(), rtol=0, atol=1e-6)
+        for rank, record in enumerate(records):
+            assert record[step]["step"] == step and record[step]["participants"] == groups
+            for name, value in reference.named_parameters():
+                torch.testing.assert_close(record[step]["params"][name], fused[rank][step][name])
+                torch.testing.assert_close(record[step]["params"][name], value.detach(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
