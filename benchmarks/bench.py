@@ -18,6 +18,9 @@ that fails or hangs is reported as such and the others go on. Outputs, in the Hy
 synchronous ranks cost before exchanging anything / encode+decode / exposed communication and the
 rest), the W&B run
 (offline unless ``logger=wandb_online``) and ``logs/`` (each rank's output).
+
+Fault tolerance (replica groups under torchft's lighthouse, a group killed and started again) runs on
+the same emulated network from ``benchmarks/fault_tolerance.py``.
 """
 
 from __future__ import annotations
