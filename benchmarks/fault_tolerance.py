@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
+from cli import integer_at_least  # noqa: E402
 
 LIGHTHOUSE_PORT = 29510
 STORE_PORT = 29600
@@ -54,13 +55,32 @@ STORE_PORT = 29600
 MODES = ("plain", "plain, control", "ft")
 
 
+def roles_of(entry: str):
+    """The roles of a ``--compressors`` entry ``[diloco:]COMPRESSOR[+MEMORY]`` (``topk`` at density 0.01)."""
+    from gc_strategy import build_components
+
+    name, memory = (entry.removeprefix("diloco:").split("+") + ["none"])[:2]
+    return build_components(name, memory, density=0.01) if name == "topk" else build_components(name, memory)
+
+
+def configuration(text: str) -> str:
+    """An argparse ``type``: a ``--compressors`` entry whose roles can be built."""
+    try:
+        roles_of(text)
+    except (KeyError, ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid ({error}); allowed: [diloco:]COMPRESSOR[+MEMORY], e.g. topk+residual"
+        ) from None
+    return text
+
+
 def build(args: argparse.Namespace, mode: str) -> tuple:
     """ResNet-18 (the same start in every mode), its optimizer and the synchroniser of ``mode``:
     ``plain`` over the default gloo group of the ``R`` processes, ``ft`` over torchft's quorum."""
     import torch
     import torchvision
 
-    from gc_strategy import DiLoCo, build_components
+    from gc_strategy import DiLoCo
     from gc_strategy.sync.diloco import DiLoCoSynchronizer
     from gc_strategy.sync.every_step import GradientSynchronizer
     from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
@@ -71,8 +91,7 @@ def build(args: argparse.Namespace, mode: str) -> tuple:
     model = torchvision.models.resnet18(num_classes=10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     diloco = DiLoCo(inner_steps=args.inner_steps) if args.compressor.startswith("diloco:") else None
-    name, memory = (args.compressor.removeprefix("diloco:").split("+") + ["none"])[:2]
-    roles = build_components(name, memory, density=0.01) if name == "topk" else build_components(name, memory)
+    roles = roles_of(args.compressor)
     if mode != "ft":
         sync = DiLoCoSynchronizer(model, roles, diloco) if diloco else GradientSynchronizer(model, roles)
         return model, optimizer, sync
@@ -263,22 +282,30 @@ def main() -> None:
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--compressor", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--rate", default=None, help="shape every group's link to this rate (tc tbf), e.g. 1gbit")
-    parser.add_argument("--groups", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3, help="runs of the groups per configuration")
-    parser.add_argument("--steps", type=int, default=20, help="measured blocks per mode and round")
-    parser.add_argument("--warmup", type=int, default=3, help="blocks per mode not measured")
-    parser.add_argument("--kill-at", type=int, default=8, help="the failure run's step (-1: no failure run)")
-    parser.add_argument("--compressors", nargs="+", default=["none", "topk+residual", "diloco:topk+residual"])
-    parser.add_argument("--inner-steps", type=int, default=5)
-    parser.add_argument("--failure-compressor", default="topk+residual")
-    parser.add_argument("--join-timeout-ms", type=int, default=2000, help="the lighthouse's, every step")
+    parser.add_argument("--groups", type=integer_at_least(2), default=3)
+    parser.add_argument("--rounds", type=integer_at_least(1), default=3, help="runs of the groups per configuration")
+    parser.add_argument("--steps", type=integer_at_least(1), default=20, help="measured blocks per mode and round")
+    parser.add_argument("--warmup", type=integer_at_least(0), default=3, help="blocks per mode not measured")
+    parser.add_argument("--kill-at", type=integer_at_least(-1), default=8, help="the failure run's step (-1: none)")
     parser.add_argument(
-        "--diloco-join-timeout-ms", type=int, default=10000, help="the lighthouse's for DiLoCo: above an inner phase"
+        "--compressors", type=configuration, nargs="+", default=["none", "topk+residual", "diloco:topk+residual"]
+    )
+    parser.add_argument("--inner-steps", type=integer_at_least(1), default=5)
+    parser.add_argument("--failure-compressor", type=configuration, default="topk+residual")
+    parser.add_argument("--join-timeout-ms", type=integer_at_least(1), default=2000, help="the lighthouse's")
+    parser.add_argument(
+        "--diloco-join-timeout-ms",
+        type=integer_at_least(1),
+        default=10000,
+        help="the lighthouse's for DiLoCo: above an inner phase",
     )
     args = parser.parse_args()
     if args.worker:
         (interleaved_worker if args.worker == "interleaved" else failure_worker)(args)
         return
+    if args.failure_compressor.startswith("diloco:"):
+        allowed = "COMPRESSOR[+MEMORY] (the failure run synchronises every step)"
+        parser.error(f"argument --failure-compressor: {args.failure_compressor!r} is invalid; allowed: {allowed}")
     with ExitStack() as stack:
         nodes = stack.enter_context(
             netns.emulated_network(args.groups, args.rate) if args.rate else netns.loopback(args.groups)

@@ -53,6 +53,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("overlap_cost.py", "--runs"),
         ("op_census.py", "--steps"),
         ("kernel_variants.py", "--repeats"),
+        ("fault_tolerance.py", "--rounds"),
     ],
 )
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
@@ -86,6 +87,35 @@ def test_a_bad_or_missing_device_is_an_argparse_error(script, monkeypatch, capsy
 )
 def test_time_to_accuracy_refuses_bad_settings_before_any_run(args, message, monkeypatch, capsys):
     assert message in _run("time_to_accuracy.py", monkeypatch, capsys, "--rate", "none", *args)
+
+
+def test_the_fault_tolerance_benchmark_refuses_an_entry_it_cannot_build(monkeypatch, capsys):
+    err = _run("fault_tolerance.py", monkeypatch, capsys, "--compressors", "topk+bogus")
+    assert "argument --compressors: 'topk+bogus' is invalid" in err and "allowed: [diloco:]COMPRESSOR[+MEMORY]" in err
+
+
+@pytest.mark.slow
+def test_the_fault_tolerance_benchmark_reports_the_cost_and_a_failure_on_loopback():
+    """Two groups on loopback, two blocks per mode, then the failure run (group 1 killed at step 2
+    and started again): the row of the cost per step, the survivor's lost steps and stall, the
+    restarted group's healing, and every group's parameters equal at the end."""
+    pytest.importorskip("torchft")
+    options = ["--groups", "2", "--rounds", "1", "--steps", "2", "--warmup", "1", "--kill-at", "2"]
+    done = subprocess.run(
+        [sys.executable, "fault_tolerance.py", *options, "--compressors", "topk+residual"],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| topk+residual |"))
+    plain, ft = (float(cell) for cell in row.split("|")[2:4])
+    assert plain > 0 and ft > 0
+    assert "- group 0: " in done.stdout and "step(s) not committed; stall" in done.stdout
+    assert "- group 1 restarted: " in done.stdout
+    assert "parameters equal on every group at the end: True" in done.stdout
 
 
 @pytest.mark.slow
