@@ -234,6 +234,17 @@ class BucketState:
         per_bucket[bucket.index] = target
         return values, target
 
+    def undo_rewrite(self, name: str, bucket: Bucket) -> None:
+        """Take back :meth:`rewritten`'s ``target`` before anything was written into it (a path that
+        turned out to update in place): the state is ``values`` again, rewritten at its next write."""
+        key = (name, bucket.index)
+        if self._held is None or key not in self._held:
+            return
+        per_bucket, values = self.buffers[name], self._held.pop(key)
+        self._spares[key] = per_bucket.pop(bucket.index)
+        if values is not None:
+            per_bucket[bucket.index] = values
+
     def hold(self) -> None:
         """A rollback point: the state as it is now is what :meth:`release` puts back (an earlier
         rollback point not released is kept to)."""

@@ -64,8 +64,9 @@ def test_a_rollback_point_puts_back_what_was_written_since_and_drops_what_was_cr
 )
 def test_under_a_rollback_point_the_exchange_is_unchanged_and_release_restores_to_the_bit(compressor, memory, options):
     """Two twins (one process); the second holds a rollback point at every step: its averages and
-    per-element state equal the first's to the bit; releasing without keeping (every other step)
-    leaves its state as before that step, and the first is set back to it too."""
+    per-element state equal the first's to the bit, also at a step whose gradient is not finite
+    (step 2: the state is kept as it was); releasing without keeping (every other step) leaves its
+    state as before that step, and the first is set back to it too."""
     shapes = [torch.Size([12, 10]), torch.Size([7])]
     b = Bucket(0, ["a", "b"], shapes, torch.float32, torch.device("cpu"))
     twins = [(COMPRESSORS.build(compressor, **options), MEMORIES.build(memory)) for _ in range(2)]
@@ -77,8 +78,10 @@ def test_under_a_rollback_point_the_exchange_is_unchanged_and_release_restores_t
             {n: {p: t.clone() for p, t in ts.items()} for n, ts in r.state_by_parameter([b]).items()} for r in roles
         ]
 
-    for step in range(4):
+    for step in range(5):
         g = torch.randn(b.numel, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            g[5] = float("nan")
         before = state(twins[1])
         for role in twins[1]:
             role.hold()
@@ -86,8 +89,10 @@ def test_under_a_rollback_point_the_exchange_is_unchanged_and_release_restores_t
         for c, m in twins:
             c.begin_step(step)
             averages.append(finish(m.exchange(g.clone(), b, c, communicator))[0])
-        assert torch.equal(averages[0], averages[1])
+        torch.testing.assert_close(averages[0], averages[1], rtol=0, atol=0, equal_nan=True)
         assert same(state(twins[0]), state(twins[1]))
+        if step == 2:  # a gradient that is not finite leaves the per-element state as it was
+            assert same(state(twins[1]), before)
         committed = step % 2 == 1
         for role in twins[1]:
             role.release(keep_changes=committed)
@@ -105,21 +110,37 @@ def same(a: object, b: object) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
-def test_the_fused_residual_update_under_a_rollback_point_copies_nothing():
-    """``topk`` + residual: held, the exchange runs the same operators as without a rollback point,
-    the update of ``e`` out of place instead of in place, and no copy."""
-    b = _bucket(1000, 0)
-    communicator = COMMUNICATORS.build("allgather")
-    communicator.bind(None)
+@pytest.mark.parametrize(
+    ("compressor", "memory", "options"),
+    [
+        ("topk", "residual", {"density": 0.05}),  # the fused update of e: into the second vector
+        ("qsgd", "residual", {}),  # e + g formed into the second vector, e - decode there in place
+        ("topk", "dgc", {"density": 0.05}),  # g + m·u and v + u formed into the second vectors
+        ("powersgd", "none", {"rank": 1, "start_iter": 0}),  # its error: as the residual's
+    ],
+)
+def test_the_error_feedback_under_a_rollback_point_is_written_with_no_copy(compressor, memory, options):
+    """Held, the exchange runs as many copies as without a rollback point: the memories' and
+    PowerSGD's error feedback is formed from the kept vector straight into the second one (for the
+    fused residual update out of place instead of in place: one ``add`` for one ``add_``)."""
+    b = Bucket(0, ["a", "b"], [torch.Size([40, 25]), torch.Size([7])], torch.float32, torch.device("cpu"))
     counts = []
     for held in (False, True):
-        compressor, memory = COMPRESSORS.build("topk", density=0.05), MEMORIES.build("residual")
-        finish(memory.exchange(torch.randn(b.numel), b, compressor, communicator))  # e exists
-        memory.release(keep_changes=True)
-        if held:
-            memory.hold()
-        with _Ops() as ops:
-            finish(memory.exchange(torch.randn(b.numel), b, compressor, communicator))
+        roles = COMPRESSORS.build(compressor, **options), MEMORIES.build(memory)
+        communicator = COMMUNICATORS.build("allreduce" if roles[0].summable else "allgather")
+        communicator.bind(None)
+        for step in range(2):  # the state exists and the second step is held
+            if held and step == 1:
+                for role in roles:
+                    role.hold()
+            roles[0].begin_step(step)
+            with _Ops() as ops:
+                finish(roles[1].exchange(torch.randn(b.numel), b, roles[0], communicator))
         counts.append(ops.counts)
     assert counts[1]["aten.copy_"] == counts[0]["aten.copy_"]
-    assert counts[1]["aten.add"] == counts[0]["aten.add"] + 1 and counts[1]["aten.add_"] == counts[0]["aten.add_"] - 1
+    moved = counts[1]["aten.add"] - counts[0]["aten.add"]
+    assert (
+        moved
+        == counts[0]["aten.add_"] - counts[1]["aten.add_"]
+        == (1 if (compressor, memory) == ("topk", "residual") else 0)
+    )

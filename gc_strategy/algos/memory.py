@@ -14,14 +14,26 @@ from .base import MEMORIES, Compressor, Memory, zero_at
 
 
 def compensated_from(
-    error: Tensor, grad: Tensor, finite: Tensor | None, beta: float = 1.0, gamma: float = 1.0
+    error: Tensor,
+    grad: Tensor,
+    finite: Tensor | None,
+    beta: float = 1.0,
+    gamma: float = 1.0,
+    into: Tensor | None = None,
 ) -> Tensor:
-    """``β e + γ g`` for error-feedback state ``e``: formed in ``e`` itself where the bucket is
-    known on the host to be finite (the CPU: no new bucket-sized tensor, whose page faults cost
-    more than a pass over it), else in a new tensor. Pass the result to
-    :func:`keep_difference`."""
+    """``β e + γ g`` for error-feedback state ``e``: formed in ``into`` where the bucket is known on
+    the host to be finite (the CPU: no new bucket-sized tensor, whose page faults cost more than a
+    pass over it), else in a new tensor. ``into`` is ``e`` itself, or under a rollback point the
+    vector that takes its place (:meth:`~gc_strategy.bucket.BucketState.rewritten`: ``e`` is read
+    there, not copied first); where the sum is not formed in it, it is given ``e``'s values. Pass
+    the result to :func:`keep_difference` with ``into``."""
+    into = error if into is None else into
     if finite is not None and finite_on_host(finite):
-        return (error if beta == 1 else error.mul_(beta)).add_(grad, alpha=gamma)
+        if beta == 1:
+            return torch.add(error, grad, alpha=gamma, out=into)
+        return torch.mul(error, beta, out=into).add_(grad, alpha=gamma)
+    if into is not error:
+        into.copy_(error)
     weighted = error if beta == 1 else error * beta  # no copy for the usual β = 1
     return torch.add(weighted, grad.float(), alpha=gamma)
 
@@ -65,7 +77,8 @@ class ResidualMemory(Memory):
 
     def compensate(self, grad: Tensor, bucket: Bucket, finite: Tensor | None = None) -> Tensor:
         beta, gamma = self.options["beta"], self.options["gamma"]
-        return compensated_from(self.buffer("residual", bucket), grad, finite, beta, gamma)
+        residual, into = self.rewritten("residual", bucket)
+        return compensated_from(residual, grad, finite, beta, gamma, into=into)
 
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:
         keep_difference(self.buffer("residual", bucket), compensated, local, finite)
@@ -80,8 +93,8 @@ class ResidualMemory(Memory):
         if self.options["beta"] == 1 and self.options["gamma"] == 1:
             residual, into = self.rewritten("residual", bucket)
             payload = compressor.encode_with_residual(grad, residual, finite, bucket, into=into)
-            if payload is None and into is not residual:  # no kernel: the separate passes update ``into``
-                into.copy_(residual)
+            if payload is None:  # no kernel: the separate passes rewrite it
+                self.undo_rewrite("residual", bucket)
         if payload is None:
             return (yield from self.compensated_exchange(compressor, grad, bucket, communicator, finite))
         received = yield from communicator.exchange(payload, compressor.variable_size)
@@ -123,15 +136,18 @@ class DGCMemory(Memory):
         if clip_norm > 0:
             g = grad.float()
             g = g * (clip_norm / g.norm().clamp_min(1e-12)).clamp(max=1.0)
-        u, v = self.buffer("u", bucket), self.buffer("v", bucket)
-        if finite is not None and kernels.uses_triton(u):  # the kernel reads g in any float dtype
+        (u_was, u), (v_was, v) = self.rewritten("u", bucket), self.rewritten("v", bucket)
+        triton = finite is not None and kernels.uses_triton(u)  # the kernel reads g in any float dtype
+        if not triton and finite is not None and finite_on_host(finite):  # into u and v: no copy when held
+            torch.add(g.float(), u_was, alpha=momentum, out=u)  # g + m·u in one pass
+            return torch.add(v_was, u, out=v)
+        for was, vector in ((u_was, u), (v_was, v)):  # the other paths update u and v in place, or keep them
+            if vector is not was:
+                vector.copy_(was)
+        if triton:
             return triton_memory.momentum_step(g, u, v, momentum, finite)
-        g = g.float()
-        if finite is not None and finite_on_host(finite):
-            torch.add(g, u, alpha=momentum, out=u)  # g + m·u in one pass
-            return v.add_(u)
         new = self._pending[bucket.index] = u.new_empty(2, u.numel())
-        torch.add(g, u, alpha=momentum, out=new[0])
+        torch.add(g.float(), u, alpha=momentum, out=new[0])
         return torch.add(v, new[0], out=new[1])
 
     def update(self, compensated: Tensor, local: Tensor, bucket: Bucket, finite: Tensor) -> None:

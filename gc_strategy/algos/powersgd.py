@@ -204,7 +204,8 @@ class _LowRank(Compressor):
         :func:`~gc_strategy.algos.memory.compensated_from`)."""
         if not self.options["use_error_feedback"]:
             return flat.float()
-        return compensated_from(self.buffer("error", bucket), flat, finite)
+        error, into = self.rewritten("error", bucket)
+        return compensated_from(error, flat, finite, into=into)
 
     @staticmethod
     def _runs(matrices: list[_Matrix]) -> list[tuple[int, int]]:
