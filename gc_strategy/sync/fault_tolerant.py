@@ -19,7 +19,7 @@ back, so that the survivors go on instead of ending the run. Each step:
 2. **Bind.** Where the quorum changed, the roles are bound again to the new group
    (:meth:`GradientSynchronizer.rebind`): the average is over the participants, the communicator's
    size. The roles' state is held at a rollback point before any exchange of the step
-   (:func:`~gc_strategy.sync.healing.keep_roles`: copy-on-write, no pass for the fused sparsifiers).
+   (:func:`~gc_strategy.sync.healing.keep_roles`: copy-on-write, no pass for the usual error feedback).
 3. **Exchange.** Backward runs each bucket's compressed exchange over that group. An exchange that
    fails (a peer died: a closed connection or the collective's timeout) is reported to the manager
    and every later exchange of the step is skipped, so a step fails in one timeout at most.

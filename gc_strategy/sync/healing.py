@@ -58,9 +58,10 @@ class HealedObjects:
 def keep_roles(synchronizer: GradientSynchronizer) -> dict[str, Any]:
     """A rollback point on ``synchronizer``'s roles for a round that may not commit: their
     per-element state (error feedback, compressor state) is held copy-on-write
-    (:meth:`~gc_strategy.bucket.BucketState.hold`: the residual's update of the fused sparsifiers
-    writes a second vector, costing no pass), and copies of the step counter and the compressor's
-    other state are returned; :func:`settle_roles` ends it."""
+    (:meth:`~gc_strategy.bucket.BucketState.hold`: error feedback formed from its old value in one
+    pass, as the residual's, PowerSGD's and DGC's, is written into a second vector at no cost), and
+    copies of the step counter and the compressor's other state are returned; :func:`settle_roles`
+    ends it."""
     synchronizer.roles.hold_state()
     return {"step": synchronizer.step, "extra": copy.deepcopy(synchronizer.compressor.extra_state())}
 
