@@ -23,17 +23,26 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from gc_strategy import COMMUNICATORS, COMPRESSORS, MEMORIES, FaultTolerance, GCFSDPStrategy, GCFusedStrategy
+from gc_strategy import (
+    COMMUNICATORS,
+    COMPRESSORS,
+    MEMORIES,
+    FaultTolerance,
+    FinishTogether,
+    GCFSDPStrategy,
+    GCFusedStrategy,
+)
 from gc_strategy.integrations.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
 from gc_strategy.registry import closest
 from gc_strategy.sync.hierarchy import hierarchy_of
-from gc_strategy.sync.modes import sync_of
+from gc_strategy.sync.modes import check_replica_group, sync_of
+from gc_strategy.sync.quorum import LighthouseUnreachable, reach_lighthouse
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 from recipes.console import StepProgressBar, quiet_harmless_messages
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
-from recipes.replica_groups import FinishTogether, KillAt, StepRecord, run_replica_groups
+from recipes.replica_groups import KillAt, ParameterDigest, StepRecord, group_devices, run_replica_groups
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
@@ -82,6 +91,7 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
     sharding = cfg.trainer.sharding
     if sharding not in SHARDINGS:
         raise ValueError(f"trainer.sharding = {sharding!r} is invalid; allowed: {', '.join(SHARDINGS)}")
+    fault_tolerance = fault_tolerance_of(cfg)
     if sharding == "fsdp":
         return build_sharded_strategy(cfg, options)
     return GCFusedStrategy(
@@ -95,22 +105,39 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
         hierarchy=hierarchy_of(cfg.trainer.hierarchy, cfg.trainer.node_precision) or "flat",
         broadcast_buffers=cfg.trainer.broadcast_buffers,
         sync=sync_of(cfg.sync.name, _options(cfg.sync)),
-        fault_tolerance=fault_tolerance_of(cfg),
+        fault_tolerance=fault_tolerance,
         **options,
     )
 
 
 def fault_tolerance_of(cfg: DictConfig) -> FaultTolerance | None:
-    """This process's replica group where ``fault_tolerance.lighthouse`` is an address; None where
-    it is null. Each group is one process: refused otherwise."""
+    """This launch's replica group (its ``trainer.devices`` ranks on one machine) where
+    ``fault_tolerance.lighthouse`` is an address; None where it is null. What fault tolerance cannot
+    serve is refused, naming the one option that is wrong."""
     ft, t = cfg.fault_tolerance, cfg.trainer
     if ft.lighthouse is None:
         return None
-    if t.devices != 1 or t.num_nodes != 1 or t.sharding != "none":
+    if t.sharding != "none":
         raise ValueError(
-            f"fault_tolerance: each replica group is one process; trainer.devices = {t.devices}, trainer.num_nodes = "
-            f"{t.num_nodes} and trainer.sharding = {t.sharding!r} are invalid with it; allowed: 1, 1 and 'none' "
-            "(start more groups instead: fault_tolerance.groups)"
+            f"trainer.sharding = {t.sharding!r} is invalid with fault_tolerance; allowed: 'none' (each replica "
+            "group holds the whole model: sharded replica groups are not supported)"
+        )
+    if t.num_nodes != 1:
+        raise ValueError(
+            f"trainer.num_nodes = {t.num_nodes} is invalid with fault_tolerance; allowed: 1 (a replica group is "
+            "the trainer.devices ranks of one machine: start a group per machine, each with its "
+            "fault_tolerance.replica_group)"
+        )
+    if cfg.sync.name == "diloco" and t.devices != 1:
+        raise ValueError(
+            f"trainer.devices = {t.devices} is invalid with sync=diloco and fault_tolerance; allowed: 1 (DiLoCo's "
+            "replica groups are one process each: start more groups instead, fault_tolerance.groups)"
+        )
+    if cfg.speedup.baseline_steps or cfg.lowrank_model.enabled:
+        raise ValueError(
+            "fault_tolerance keeps one set of roles on one model from start to end (a healing group takes a "
+            f"peer's state for them); set speedup.baseline_steps=0 (is {cfg.speedup.baseline_steps}) and "
+            f"lowrank_model=none (is enabled: {cfg.lowrank_model.enabled})"
         )
     options = {k: ft[k] for k in ("replica_group", "groups", "min_replicas", "timeout_s", "quorum_timeout_s")}
     return FaultTolerance(lighthouse=ft.lighthouse, **options)
@@ -305,32 +332,57 @@ def check_run(cfg: DictConfig) -> None:
         )
 
 
-def build_checkpointing(cfg: DictConfig, folder: Path) -> list[pl.Callback]:
-    """``checkpoints=last``: last.ckpt only; ``all``: also one per write; ``none``: nothing."""
+def checkpoint_folder(cfg: DictConfig, output_dir: Path) -> Path:
+    """``checkpoint_dir``, or ``<run dir>/checkpoints`` where it is null."""
+    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else output_dir / "checkpoints"
+
+
+def build_checkpointing(cfg: DictConfig, folder: Path, tolerant: bool) -> list[pl.Callback]:
+    """``checkpoints=last``: last.ckpt only; ``all``: also one per write; ``none``: nothing. With
+    fault tolerance the groups reach each checkpoint at the same step, not at the same instant: none
+    names its file ``-v1`` for finding the writer's there."""
     if cfg.checkpoints == "none":
         return []
     keep = -1 if cfg.checkpoints == "all" else 0
     every = cfg.trainer.checkpoint_every_n_steps
-    return [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=keep, every_n_train_steps=every)]
+    return [
+        ModelCheckpoint(
+            dirpath=folder,
+            save_last=True,
+            save_top_k=keep,
+            every_n_train_steps=every,
+            enable_version_counter=not tolerant,
+        )
+    ]
+
+
+def check_app(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
+    """Every check made before any work, the library's included (the strategy and, with fault
+    tolerance, the replica group the Trainer's devices form); the strategy."""
+    check_run(cfg)
+    strategy = build_strategy(cfg)
+    check_replica_group(fault_tolerance_of(cfg), strategy.sync, cfg.trainer.devices, cfg.trainer.num_nodes)
+    return strategy
 
 
 def run(cfg: DictConfig, output_dir: Path) -> dict:
     """Validate everything, then train; returns rank 0's summary (also in output_dir/summary.json)."""
     t = cfg.trainer
     torch.set_num_threads(t.threads_per_rank)
-    check_run(cfg)
-    strategy = build_strategy(cfg)
+    strategy = check_app(cfg)
+    ft = cfg.fault_tolerance
+    tolerant = ft.lighthouse is not None  # a replica group, which ends with the others (FinishTogether)
+    if tolerant:
+        reach_lighthouse(fault_tolerance_of(cfg))  # a wrong address is reported before any rank starts
     pl.seed_everything(cfg.seed, verbose=False)
     module, data = build_recipe(cfg, cfg.seed)
     run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"
-    checkpoints = output_dir / "checkpoints"
+    checkpoints = checkpoint_folder(cfg, output_dir)
     monitor = ThroughputMonitor(
         cfg.data.batch_size, str(output_dir), cfg.speedup.baseline_steps, cfg.speedup.warmup_steps
     )
-    ft = cfg.fault_tolerance
     demo = ft.kill_at is not None and ft.replica_group == ft.kill_group
-    tolerant = ft.lighthouse is not None  # each group ends with the others (FinishTogether)
-    record = [StepRecord(output_dir / "steps.csv"), FinishTogether(ft.groups, ft.quorum_timeout_s)]
+    record = [StepRecord(output_dir / "steps.csv"), ParameterDigest(output_dir / "parameters.sha256"), FinishTogether()]
     trainer = pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -347,7 +399,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
             monitor,
             StepProgressBar(),
             *build_lowrank_model(cfg, module),
-            *build_checkpointing(cfg, checkpoints),
+            *build_checkpointing(cfg, checkpoints, tolerant),
             *([KillAt(ft.kill_at, ft.groups)] if demo else []),
             *(record if tolerant else []),
         ],
@@ -362,21 +414,27 @@ def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     output_dir = Path(hydra_config.runtime.output_dir)
     quiet_harmless_messages()
+    overrides = list(hydra_config.overrides.task)
     try:
-        check_added_keys(cfg, list(hydra_config.overrides.task))
+        check_added_keys(cfg, overrides)
         if cfg.fault_tolerance.lighthouse == "local":
             check_demo(cfg)
-            check_run(cfg)
-            group = {"fault_tolerance": {"lighthouse": "http://127.0.0.1:1"}, "trainer": {"devices": 1}}
-            build_strategy(OmegaConf.merge(cfg, group))  # each group's options, checked before any starts
-            sys.exit(run_replica_groups(cfg, output_dir, list(hydra_config.overrides.task)))
+            check_app(OmegaConf.merge(cfg, demo_group(cfg, overrides)))  # each group's, before any starts
+            sys.exit(run_replica_groups(cfg, output_dir, overrides))
         summary = run(cfg, output_dir)
-    except (ValueError, MissingDataset) as error:
+    except (ValueError, ImportError, LighthouseUnreachable, MissingDataset) as error:
         print(f"error: {error}", file=sys.stderr)
         remove_unused_run_folder(output_dir)
         sys.exit(2)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print_summary(cfg, summary, output_dir)
+
+
+def demo_group(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """What the demo changes in a group's configuration, for checking it before any group starts
+    (a lighthouse address, and the group's devices: :func:`recipes.replica_groups.group_devices`)."""
+    group = {"lighthouse": "http://127.0.0.1:1", "kill_group": None, "kill_at": None}
+    return OmegaConf.create({"fault_tolerance": group, "trainer": {"devices": group_devices(cfg, overrides)}})
 
 
 def remove_unused_run_folder(output_dir: Path) -> None:
@@ -412,10 +470,24 @@ def print_summary(cfg: DictConfig, summary: dict, output_dir: Path) -> None:
             )
         if "wandb_dir" in summary:
             print(f"W&B run: {Path(summary['wandb_dir']).parent}")
-    kept = "none kept (checkpoints=none)" if cfg.checkpoints == "none" else output_dir / "checkpoints"
-    print(f"checkpoints: {kept}")
+    print(f"checkpoints: {checkpoints_written(cfg, output_dir)}")
     if summary:
         print(f"summary: {output_dir / 'summary.json'}")
+
+
+def checkpoints_written(cfg: DictConfig, output_dir: Path) -> str:
+    """Where this run's checkpoints are, as the closing lines say it."""
+    if cfg.checkpoints == "none":
+        return "none kept (checkpoints=none)"
+    folder = checkpoint_folder(cfg, output_dir)
+    if folder.is_dir():
+        return str(folder)
+    if cfg.fault_tolerance.lighthouse is not None:  # one group writes each checkpoint, into its own folder
+        return (
+            f"written by another replica group (this group's state files: {folder}.gc_state); set checkpoint_dir= "
+            "to a folder every group reaches to keep them together"
+        )
+    return "none written"
 
 
 if __name__ == "__main__":

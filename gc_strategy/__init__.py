@@ -11,6 +11,7 @@ from importlib.util import find_spec
 from .algos import COMPRESSORS, MEMORIES, Compressor, Memory
 from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
+from .forking import renew_thread_pool_after_fork
 from .fusion import FusionPlanner, parse_fusion
 from .sync.every_step import GradientSynchronizer
 from .sync.fault_tolerant import FaultTolerantSynchronizer
@@ -20,12 +21,15 @@ from .sync.presets import sparseloco
 from .sync.quorum import FaultTolerance
 from .telemetry import StepTelemetry
 
+renew_thread_pool_after_fork()
+
 #: public names that need Lightning
-_WITH_LIGHTNING = ("GCFusedStrategy", "GCFSDPStrategy", "ThroughputMonitor")
+_WITH_LIGHTNING = ("FinishTogether", "GCFusedStrategy", "GCFSDPStrategy", "ThroughputMonitor")
 
 if find_spec("lightning") is not None:
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from .integrations.finish_together import FinishTogether
     from .integrations.lightning import GCFusedStrategy
     from .integrations.lightning_fsdp import GCFSDPStrategy
     from .integrations.monitor import ThroughputMonitor
@@ -54,6 +58,7 @@ __all__ = [
     "EveryStep",
     "FaultTolerance",
     "FaultTolerantSynchronizer",
+    "FinishTogether",
     "FusionPlanner",
     "GCFSDPStrategy",
     "GCFusedStrategy",

@@ -48,4 +48,7 @@ class StepProgressBar(RichProgressBar):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         done = trainer.global_step - 1 if self._bounded_by_steps() else batch_idx
+        if self._bounded_by_steps() and self.progress is not None and self.train_progress_bar_id is not None:
+            # replica groups that finish together may take steps past max_steps (FinishTogether)
+            self.progress.update(self.train_progress_bar_id, total=max(trainer.max_steps, trainer.global_step))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, done)

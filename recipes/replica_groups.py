@@ -1,19 +1,24 @@
 """``fault_tolerance.lighthouse=local``: fault-tolerant training on one machine, and a demo of it.
 
 This process starts torchft's lighthouse on loopback and ``fault_tolerance.groups`` replica groups,
-each ``python train.py`` with this run's options, one process (``trainer.devices=1``), its own
-shard of the data and its own run folder ``group<g>/``. With ``fault_tolerance.kill_group`` and
-``kill_at`` set, that group kills itself (SIGKILL) in the first step from global step ``kill_at``
-on that every group takes part in, before its exchange; this process starts it again under its
-id, once, and it heals from a live peer. Each group records its steps (:class:`StepRecord`); at the
-end they are merged into ``fault_tolerance.csv`` (step, group, participating groups, committed,
-loss) and plotted in ``fault_tolerance.png`` (each group's loss, and the participants, over the
-steps). The loggers (CSV, W&B) get ``gc/participants``, ``gc/committed`` and ``gc/failed_steps``.
+each ``python train.py`` with this run's options, one process (or the ``trainer.devices`` that the
+command line sets), its own shard of the data and its own run folder ``group<g>/``; their
+checkpoints go to one folder (``checkpoint_dir``, by default ``checkpoints/`` beside the groups'
+folders). With ``fault_tolerance.kill_group`` and ``kill_at`` set, that group kills itself
+(SIGKILL) in the first step from global step ``kill_at`` on that every group takes part in, before
+its exchange; this process starts it again under its id, once, and it heals from a live peer. Each
+group records its steps (:class:`StepRecord`) and, at its end, a digest of its parameters
+(:class:`ParameterDigest`); at the end the steps are merged into ``fault_tolerance.csv`` (step,
+group, participating groups, committed, loss, time) and plotted in ``fault_tolerance.png`` (each
+group's loss, and the participants, over the steps), and the console says what happened
+(:func:`describe`). The loggers (CSV, W&B) get ``gc/participants``, ``gc/committed`` and
+``gc/failed_steps``.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import signal
 import subprocess
@@ -23,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from omegaconf import DictConfig
+
+from gc_strategy.sync.torchft_setup import require_torchft
 
 #: the overrides each group gets from this process (the user's own are dropped)
 GROUP_KEYS = (
@@ -33,6 +41,7 @@ GROUP_KEYS = (
     "fault_tolerance.kill_at",
     "trainer.devices",
     "trainer.start_method",
+    "checkpoint_dir",
     "hydra.run.dir",
 )
 
@@ -53,33 +62,11 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class FinishTogether(pl.Callback):
-    """End a replica group's run at the first step from ``trainer.max_steps`` on that every one of
-    ``groups`` groups took part in and committed, so that a group that came back late still finds a
-    live peer to heal from, and all end at the same step; or ``wait_s`` seconds after
-    ``max_steps`` where one does not come back. Each step past ``max_steps`` is allowed one at a
-    time (the LR schedule was made for ``max_steps``, and goes on past its end)."""
-
-    def __init__(self, groups: int, wait_s: float) -> None:
-        self.groups, self.wait_s = groups, wait_s
-        self.reached: float | None = None
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
-        loop = trainer.fit_loop.epoch_loop
-        if trainer.global_step < loop.max_steps:
-            return
-        self.reached = self.reached or time.monotonic()
-        extra = trainer.strategy.synchronizer.telemetry.last.extra
-        together = extra.get("committed") and extra.get("participants") == self.groups
-        if not together and time.monotonic() - self.reached <= self.wait_s:
-            loop.max_steps = trainer.global_step + 1  # one more step
-
-
 class StepRecord(pl.Callback):
     """Append each training step of this replica group to ``path`` (CSV: global step, participating
-    groups, committed, loss); a group started again appends to the same file."""
+    groups, committed, loss, the wall-clock time); a group started again appends to the same file."""
 
-    FIELDS = ("step", "participants", "committed", "loss")
+    FIELDS = ("step", "participants", "committed", "loss", "time")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -87,7 +74,7 @@ class StepRecord(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         extra = trainer.strategy.synchronizer.telemetry.last.extra
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        row = [trainer.global_step - 1, int(extra["participants"]), int(extra["committed"]), float(loss)]
+        row = [trainer.global_step - 1, int(extra["participants"]), int(extra["committed"]), float(loss), time.time()]
         new = not self.path.exists()
         with self.path.open("a", newline="") as f:
             writer = csv.writer(f)
@@ -96,10 +83,39 @@ class StepRecord(pl.Callback):
             writer.writerow(row)
 
 
+class ParameterDigest(pl.Callback):
+    """At the end of training, write the SHA-256 of this replica group's parameters to ``path``:
+    groups that end together hold the same ones, to the bit (each keeps its own buffers, such as
+    BatchNorm's statistics)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(parameter_digest(module) + "\n")
+
+
+def parameter_digest(module: Any) -> str:
+    """The SHA-256 of ``module``'s parameters: each one's name and bytes, in order."""
+    digest = hashlib.sha256()
+    for name, tensor in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def group_devices(cfg: DictConfig, overrides: list[str]) -> int:
+    """A demo group's ranks: ``trainer.devices`` where the command line sets it, else 1 (one
+    process per group, so that the groups share a small machine)."""
+    set_here = any(o.split("=", 1)[0].lstrip("+") == "trainer.devices" for o in overrides)
+    return cfg.trainer.devices if set_here else 1
+
+
 def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> int:
     """Start the lighthouse and the groups (see the module's docstring); the exit status: 0 where
     every group ended well."""
-    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log: warnings only
+    require_torchft()  # quiet, and the lighthouse's log at warnings only
     from torchft.coordination import LighthouseServer
 
     ft = cfg.fault_tolerance
@@ -107,7 +123,11 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
     join_timeout_ms = 60_000 if cfg.sync.name == "diloco" else 1000
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=ft.min_replicas, join_timeout_ms=join_timeout_ms)
     address = lighthouse.address()
-    print(f"lighthouse {address}; {ft.groups} replica groups, outputs in {output_dir}/group<g>", flush=True)
+    devices = group_devices(cfg, overrides)
+    checkpoints = cfg.checkpoint_dir if cfg.checkpoint_dir is not None else output_dir / "checkpoints"
+    each = f"{devices} process{'es' if devices > 1 else ''} each"
+    named = plural(ft.groups, "replica group")
+    print(f"lighthouse {address}; {named} ({each}), outputs in {output_dir}/group<g>", flush=True)
     own = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in GROUP_KEYS]
     app = Path(__file__).resolve().parents[1] / "train.py"
     logs = output_dir / "logs"
@@ -120,8 +140,9 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
             f"fault_tolerance.replica_group={group}",
             f"fault_tolerance.kill_group={'null' if kill_at is None else group}",
             f"fault_tolerance.kill_at={'null' if kill_at is None else kill_at}",
-            "trainer.devices=1",
-            "trainer.start_method=popen",  # one process, the group itself (no launcher's child)
+            f"trainer.devices={devices}",
+            "trainer.start_method=popen",  # the group's first rank is the process started here
+            f"checkpoint_dir={checkpoints}",
             f"hydra.run.dir={output_dir / f'group{group}'}",
         ]
         log = open(logs / f"group{group}.log", "ab")  # noqa: SIM115 (the child writes it)
@@ -153,13 +174,63 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
     rows = merge_records(output_dir, ft.groups)
     if rows:
         plot(rows, output_dir / "fault_tolerance.png")
+        digests = {g: read_digest(output_dir / f"group{g}" / "parameters.sha256") for g in range(ft.groups)}
+        print("\n".join(describe(rows, ft.groups, ft.kill_group, digests)))
         print(f"per-step records: {output_dir / 'fault_tolerance.csv'}; plot: {output_dir / 'fault_tolerance.png'}")
     return status
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def read_digest(path: Path) -> str | None:
+    return path.read_text().strip() if path.exists() else None
+
+
+def describe(rows: list[dict[str, Any]], groups: int, killed: int | None, digests: dict[int, str | None]) -> list[str]:
+    """What happened, from every group's records: the kill and the steps it failed, the restarted
+    group's heal, and where and how every group ended."""
+    lines = []
+    failed = [r for r in rows if r["group"] != killed and not r["committed"]]
+    if killed is not None and failed:
+        kill_step, kill_time = failed[0]["step"], failed[0]["time"]
+        lost = {g: sum(1 for r in failed if r["group"] == g) for g in range(groups) if g != killed}
+        each = {f"{n}" for n in lost.values()}
+        losses = (
+            f"{plural(next(iter(lost.values())), 'step')} each"
+            if len(each) == 1
+            else ", ".join(f"group {g} {plural(n, 'step')}" for g, n in lost.items())
+        )
+        lines.append(
+            f"replica group {killed} was killed (SIGKILL) in step {kill_step}: that step failed on the others "
+            f"and was applied nowhere; they went on without it and lost {losses}"
+        )
+        back = [r for r in rows if r["group"] == killed and r["time"] > kill_time]
+        if back:
+            lines.append(
+                f"replica group {killed} was started again, healed from a live peer and took part from step "
+                f"{back[0]['step']}, {back[0]['time'] - kill_time:.1f} s after the kill (its start-up included)"
+            )
+        else:
+            lines.append(f"replica group {killed} was started again but took no step")
+    last = {g: max(r["step"] for r in rows if r["group"] == g) for g in sorted({r["group"] for r in rows})}
+    ends = sorted(set(last.values()))
+    end = f"ended at step {ends[0]}" if len(ends) == 1 else "ended at steps " + ", ".join(map(str, last.values()))
+    known = {d for d in digests.values() if d is not None}
+    if len(known) == 1 and None not in digests.values():
+        same = f"with the same parameters, to the bit (SHA-256 {next(iter(known))[:12]})"
+    elif len(known) > 1:
+        same = "with different parameters: " + ", ".join(f"group {g} {d[:12]}" for g, d in digests.items() if d)
+    else:
+        same = "(a group wrote no digest of its parameters)"
+    lines.append(f"{'all ' if len(last) > 1 else ''}{plural(len(last), 'replica group')} {end}, {same}")
+    return lines
+
+
 def merge_records(output_dir: Path, groups: int) -> list[dict[str, Any]]:
     """Every group's :class:`StepRecord` rows (``group<g>/steps.csv``) as ``step, group,
-    participants, committed, loss``, written to ``fault_tolerance.csv``."""
+    participants, committed, loss, time``, written to ``fault_tolerance.csv``."""
     rows = []
     for g in range(groups):
         path = output_dir / f"group{g}" / "steps.csv"
@@ -172,6 +243,7 @@ def merge_records(output_dir: Path, groups: int) -> list[dict[str, Any]]:
                         "participants": int(r["participants"]),
                         "committed": int(r["committed"]),
                         "loss": float(r["loss"]),
+                        "time": float(r["time"]),
                     }
                     for r in csv.DictReader(f)
                 ]

@@ -4,13 +4,16 @@ killed with SIGKILL in the middle of a step and started again under its old id."
 
 import contextlib
 import csv
+import json
 import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,12 +22,13 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log (native, past pytest's capture): warnings only
 coordination = pytest.importorskip("torchft.coordination")
 
+from doc_blocks import command_overrides  # noqa: E402
 from ft_lightning_worker import Regression  # noqa: E402
 from ft_worker import batch, model  # noqa: E402
 
 from gc_strategy import build_components  # noqa: E402
 from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer  # noqa: E402
-from gc_strategy.sync.quorum import FaultTolerance  # noqa: E402
+from gc_strategy.sync.quorum import FaultTolerance, reach_lighthouse  # noqa: E402
 from gc_strategy.tools.ranks import run_ranks  # noqa: E402
 from recipes.replica_groups import LAUNCHER_KEYS  # noqa: E402
 
@@ -348,6 +352,80 @@ def test_a_healing_that_fails_on_one_rank_of_a_group_is_applied_by_none_and_retr
         assert other["committed_steps"] == first["committed_steps"]
 
 
+@pytest.mark.slow
+def test_the_documented_plain_loop_survives_a_kill_and_every_step_reads_its_own_batch(lighthouse, tmp_path):
+    """docs/fault_tolerance.md's plain loop, executed as written (tests/ft_docs_loop.py records it),
+    as three replica groups started together; group 2 is killed (SIGKILL, by the id of the process
+    started here) once it took part in a step from 20 on, and started again under its id. Every
+    forward of every group, the restarted one's included, read the batch of the step it belongs to;
+    the restarted group healed (its first step is its peers', not 0); all three end at the same step
+    with the same parameters. Their consoles hold none of torchft's INFO lines, torch's warnings at
+    a heal or the checkpoint server's access lines."""
+    worker = Path(__file__).with_name("ft_docs_loop.py")
+
+    def run(group: int, *barrier: str) -> subprocess.Popen:
+        env = group_env(LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group), GROUPS="3")
+        with open(tmp_path / f"{group}.log", "ab") as log:
+            command = [sys.executable, str(worker), str(tmp_path / f"{group}.pt"), *barrier]
+            STARTED.append(subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True))
+        return STARTED[-1]
+
+    groups = [run(g, str(tmp_path)) for g in range(3)]
+    log, deadline = tmp_path / "2.log", time.monotonic() + 120
+    while not any(int(step) >= 20 for step in re.findall(rb"^step (\d+)$", log.read_bytes(), flags=re.M)):
+        assert time.monotonic() < deadline and groups[2].poll() is None, log.read_text()
+        time.sleep(0.05)
+    os.kill(groups[2].pid, signal.SIGKILL)
+    assert groups[2].wait(timeout=30) == -signal.SIGKILL
+    groups[2] = run(2)
+    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    for result in results:
+        assert result["record"] and all(r["own_batch"] for r in result["record"])
+        assert result["committed_steps"] >= 200
+    restarted = [r["step"] for r in results[2]["record"]]
+    assert restarted[0] > 20 and restarted == list(range(restarted[0], restarted[-1] + 1))  # healed: its peers' step
+    for other in results[1:]:
+        assert other["committed_steps"] == results[0]["committed_steps"]
+        assert same(results[0]["params"], other["params"])
+    for g in range(3):
+        console = (tmp_path / f"{g}.log").read_text()
+        for noise in ("should_commit=", "reconfiguring for", "setSequenceNumberForGroup", "buffer is not writable"):
+            assert noise not in console, (g, noise)
+        assert "GET /checkpoint" not in console
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_a_group_that_trains_alone_while_others_are_planned_says_so_once(lighthouse, groups):
+    """One replica group of ``groups`` planned, alone at the lighthouse for three steps: with
+    ``groups = 2`` it warns once, at its first step, naming ``min_replicas``; alone as planned
+    (``groups = 1``) it says nothing."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    options = FaultTolerance(lighthouse, 0, groups=groups, host="127.0.0.1")
+    sync = FaultTolerantSynchronizer(net, build_components("topk", "residual"), options)
+    sync.use_optimizers([optimizer])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                assert sync.start_step() == step
+                with sync.forward_pass():
+                    loss = (net(batch(0, step)[0]) - batch(0, step)[1]).square().mean()
+                loss.backward()
+                assert sync.should_commit() and sync.participants == 1
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        sync.close()
+    alone = [w for w in caught if "trains alone" in str(w.message)]
+    if groups == 1:
+        assert not alone
+    else:
+        assert len(alone) == 1 and issubclass(alone[0].category, RuntimeWarning)
+        assert "replica group 0 trains alone: it is the only one of groups = 2" in str(alone[0].message)
+        assert "set min_replicas to the fewest groups a step should have" in str(alone[0].message)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -378,12 +456,30 @@ def test_a_measured_fusion_plan_is_refused_before_any_work():
         FaultTolerantSynchronizer(model(), build_components("topk", "residual", fusion="auto"), options)
 
 
-def test_a_lighthouse_that_cannot_be_reached_is_reported_within_the_timeout():
-    options = FaultTolerance("http://127.0.0.1:9", 0, timeout_s=2, host="127.0.0.1")
-    with pytest.raises(
-        RuntimeError, match=r"lighthouse at http://127.0.0.1:9 could not be reached within timeout_s = 2"
-    ):
+def test_a_lighthouse_that_refuses_connections_is_reported_within_seconds():
+    """Nothing listens at the address (connection refused): reported in about 3 s, not after
+    ``timeout_s`` (30 s by default), saying so."""
+    options = FaultTolerance("http://127.0.0.1:1", 0, host="127.0.0.1")
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"lighthouse at http://127.0.0.1:1 refused the connection for 3\.\d s"):
         FaultTolerantSynchronizer(model(), build_components("none"), options)
+    assert time.monotonic() - start < 5
+
+
+def test_a_lighthouse_that_does_not_answer_is_waited_for_timeout_s(monkeypatch):
+    """Connections that go unanswered (a dropped packet, a host that is down; here each attempt
+    times out): the lighthouse is waited for until ``timeout_s``, then reported."""
+
+    def unanswered(address, timeout):
+        time.sleep(min(timeout, 0.3))
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", unanswered)
+    options = FaultTolerance("http://lighthouse-host:29510", 0, timeout_s=1.5, host="127.0.0.1")
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"lighthouse-host:29510 did not answer within timeout_s = 1.5 s"):
+        reach_lighthouse(options)
+    assert 1.5 <= time.monotonic() - start < 3
 
 
 @pytest.mark.slow
@@ -394,11 +490,26 @@ def test_fewer_groups_than_min_replicas_is_reported_after_the_quorum_timeout(lig
     assert "only 1 replica group(s) took part for over quorum_timeout_s = 3.0 s, and min_replicas = 2" in log
 
 
-def test_without_torchft_the_error_says_how_to_install_it(monkeypatch):
+def test_without_torchft_every_path_says_at_construction_how_to_install_it(monkeypatch):
+    """The synchroniser, the Lightning strategy and Accelerate's ``prepare``: one message, naming
+    the install from a checkout and from a release, before anything is built."""
+    from accelerate import Accelerator
+
+    from gc_strategy import GCFusedStrategy
+    from gc_strategy.accelerate import prepare
+
     monkeypatch.setitem(sys.modules, "torchft", None)
     options = FaultTolerance("http://127.0.0.1:1", 0)
-    with pytest.raises(ImportError, match=r'pip install "gc_strategy\[ft\]"'):
+    message = r'needs torchft \(torch >= 2.7\), which is not installed: pip install -e "\.\[ft\]" in a checkout'
+    message += r'.*, or pip install "gc-strategy\[ft\]"'
+    with pytest.raises(ImportError, match=message):
         FaultTolerantSynchronizer(model(), build_components("none"), options)
+    with pytest.raises(ImportError, match=message):
+        GCFusedStrategy(compressor="topk", fault_tolerance=options)
+    net = model()
+    with pytest.raises(ImportError, match=message):
+        prepare(Accelerator(cpu=True), net, torch.optim.SGD(net.parameters(), lr=0.1), fault_tolerance=options)
+    assert not hasattr(net, "gc_synchronizer")
 
 
 @pytest.mark.slow
@@ -516,15 +627,18 @@ def _app(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.Complet
 def test_the_app_starts_a_lighthouse_and_the_groups_kills_one_restarts_it_and_plots_the_run(tmp_path):
     """``fault_tolerance.lighthouse=local`` with a kill: two groups; group 1 kills itself at a step
     both take part in, group 0's step fails and it goes on alone; group 1, started again, heals, and
-    both end together at the same step. The per-step CSV and the plot are written."""
+    both end together at the same step with the same parameters, as the console says. The per-step
+    CSV and the plot are written; the checkpoints are in one folder, each group's state beside them;
+    both groups' summaries hold the last validation."""
     done = _app(
         tmp_path,
         *("fault_tolerance.lighthouse=local", "fault_tolerance.groups=2", "fault_tolerance.kill_group=1"),
         *("fault_tolerance.kill_at=4", "trainer.max_steps=12", "model=lstm", "data=synthetic_text"),
-        *("compressor=topk", "memory=residual", "logger=csv", "checkpoints=none"),
+        *("compressor=topk", "memory=residual", "logger=csv", "trainer.checkpoint_every_n_steps=6"),
         timeout=400,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "2 replica groups (1 process each)" in done.stdout
     assert "replica group 1 was killed (SIGKILL); starting it again" in done.stdout
     run = tmp_path / "run"
     rows = list(csv.DictReader((run / "fault_tolerance.csv").open()))
@@ -535,7 +649,19 @@ def test_the_app_starts_a_lighthouse_and_the_groups_kills_one_restarts_it_and_pl
     assert after[0]["participants"] == "1" and after[-1]["participants"] == "2"  # alone, then with group 1 again
     last = {g: [r for r in rows if r["group"] == g][-1] for g in ("0", "1")}
     assert last["0"]["step"] == last["1"]["step"] and int(last["0"]["step"]) >= 12
+    healed = next(r for r in rows if r["group"] == "1" and float(r["time"]) > float(failed[0]["time"]))
+    assert (
+        f"replica group 1 was killed (SIGKILL) in step {failed[0]['step']}: that step failed on the others and was "
+        f"applied nowhere; they went on without it and lost {len(failed)} step" in done.stdout
+    )
+    assert f"healed from a live peer and took part from step {healed['step']}, " in done.stdout
+    ended = f"all 2 replica groups ended at step {last['0']['step']}, with the same parameters, to the bit"
+    assert ended in done.stdout
     assert (run / "fault_tolerance.png").stat().st_size > 10_000
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "group0" / "checkpoints").exists()
+    assert sorted(p.name for p in (run / "checkpoints.gc_state" / "last.ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
+    for g in range(2):
+        assert "val/loss" in json.loads((run / f"group{g}" / "summary.json").read_text())
 
 
 def _compose(*overrides: str):
@@ -568,26 +694,80 @@ def test_the_apps_demo_options_are_checked(args, message):
     [
         (["fault_tolerance.groups=0"], "fault_tolerance: groups = 0 is invalid; allowed: an integer >= 1"),
         (
-            ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2"],
+            ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "trainer.devices=1"],
             "fault_tolerance with Streaming DiLoCo (fragments = 2, overlap_steps = 0) is not supported; allowed: "
             "fragments=1, overlap_steps=0",
         ),
+        (["trainer.sharding=fsdp"], "trainer.sharding = 'fsdp' is invalid with fault_tolerance; allowed: 'none'"),
+        (["trainer.num_nodes=2"], "trainer.num_nodes = 2 is invalid with fault_tolerance; allowed: 1"),
         (
-            ["trainer.devices=2"],
-            "trainer.devices = 2, trainer.num_nodes = 1 and trainer.sharding = 'none' are invalid with it",
+            ["sync=diloco", "sync.inner_steps=4", "trainer.devices=2"],
+            "trainer.devices = 2 is invalid with sync=diloco and fault_tolerance; allowed: 1",
         ),
+        (["speedup.baseline_steps=10"], "fault_tolerance keeps one set of roles on one model from start to end"),
+        (["fusion=auto"], "fault_tolerance: fusion = 'auto' is invalid"),
         (["trainer.hierarchy=node"], "fault_tolerance with hierarchy = NodeHierarchy"),
     ],
 )
 def test_the_app_refuses_what_fault_tolerance_cannot_serve(args, message):
-    from train import build_strategy
+    """Each refusal names the one option that is wrong; the app's checks include the library's."""
+    from train import check_app
 
-    cfg = _compose("fault_tolerance.lighthouse=http://127.0.0.1:1", "trainer.devices=1", *args)
+    cfg = _compose("fault_tolerance.lighthouse=http://127.0.0.1:1", *args)
     with pytest.raises(ValueError, match=re.escape(message)):
-        build_strategy(cfg)
+        check_app(cfg)
 
 
-def test_a_bad_fault_tolerance_option_stops_the_app_before_any_group_starts(tmp_path):
-    done = _app(tmp_path, "fault_tolerance.lighthouse=local", "trainer.max_steps=4", "fault_tolerance.groups=0")
-    assert done.returncode == 2 and "groups = 0 is invalid" in done.stderr, done.stderr[-2000:]
+def test_the_readme_and_the_docs_give_the_same_demo():
+    start = "python train.py fault_tolerance.lighthouse=local"
+    pages = ("README.md", "docs/fault_tolerance.md", "docs/app.md")
+    commands = {tuple(command_overrides(ROOT / page, start)) for page in pages}
+    assert len(commands) == 1 and "fault_tolerance.kill_group=2" in next(iter(commands))
+
+
+@pytest.mark.parametrize("trainer", ["cpu", "gpu"])
+def test_the_documented_cluster_command_passes_the_apps_checks_on_the_default_and_a_gpu_trainer(trainer):
+    """docs/fault_tolerance.md's command for one replica group of a cluster, as written, with the
+    default trainer (2 CPU ranks: a group of 2) and with ``trainer=gpu`` (every GPU of a node)."""
+    from train import check_app, fault_tolerance_of
+
+    overrides = command_overrides(ROOT / "docs" / "fault_tolerance.md", "REPLICA_GROUP_ID=3 python train.py")
+    assert "fault_tolerance.lighthouse=http://lighthouse-host:29510" in overrides
+    cfg = _compose(*overrides, *([] if trainer == "cpu" else ["trainer=gpu"]))
+    check_app(cfg)
+    options = fault_tolerance_of(cfg)
+    assert (options.replica_group, options.groups, cfg.trainer.devices) == (3, 4, 2 if trainer == "cpu" else -1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fault_tolerance.groups=0"], "fault_tolerance: groups = 0 is invalid"),
+        (["trainer.sharding=fsdp"], "trainer.sharding = 'fsdp' is invalid with fault_tolerance; allowed: 'none'"),
+    ],
+)
+def test_a_refused_option_stops_the_app_before_any_group_starts(tmp_path, args, message):
+    done = _app(tmp_path, "fault_tolerance.lighthouse=local", "trainer.max_steps=4", *args)
+    assert done.returncode == 2 and f"error: {message}" in done.stderr, done.stderr[-2000:]
+    assert "lighthouse http" not in done.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_lighthouse_that_refuses_connections_ends_the_app_with_its_error_line(tmp_path):
+    done = _app(tmp_path, "fault_tolerance.lighthouse=http://localhost:1", "trainer.max_steps=4")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: fault_tolerance: the lighthouse at http://localhost:1 refused the connection" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_without_torchft_the_apps_demo_ends_with_its_error_line_before_any_group_starts(tmp_path):
+    """torchft hidden from the app (``None`` in ``sys.modules``, what an environment without it gives)."""
+    hide = "import runpy, sys; sys.modules['torchft'] = None; sys.argv = sys.argv[1:]; "
+    hide += "runpy.run_path(sys.argv[0], run_name='__main__')"
+    command = [sys.executable, "-c", hide, str(ROOT / "train.py"), "fault_tolerance.lighthouse=local"]
+    command += ["trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(command, cwd=tmp_path, env=group_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert 'error: fault_tolerance needs torchft (torch >= 2.7), which is not installed: pip install -e ".[ft]"' in (
+        done.stderr
+    )
     assert "lighthouse http" not in done.stdout and not (tmp_path / "run").exists()

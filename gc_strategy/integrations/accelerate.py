@@ -54,7 +54,15 @@ from ..components import DEFAULT_FUSION, build_components, double_momentum
 from ..fusion import FusionPlanner
 from ..sync.base import Synchronizer
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
-from ..sync.modes import Replicated, Sharded, SyncMode, check_fault_tolerance, parse_sync, refuse_misplaced_options
+from ..sync.modes import (
+    Replicated,
+    Sharded,
+    SyncMode,
+    check_fault_tolerance,
+    check_replica_group,
+    parse_sync,
+    refuse_misplaced_options,
+)
 from ..sync.quorum import FaultTolerance
 from ..sync.sharded import MESH_DIMS, refuse_replicated_options, shard_by_policy
 from .checkpoint import load_rank_states, save_rank_states
@@ -132,7 +140,9 @@ def prepare(
     parse_hierarchy(hierarchy)
     components = build_components(compressor, memory, communicator, fusion, **options)
     sync = parse_sync(sync, components)
-    check_fault_tolerance(fault_tolerance, sync, hierarchy)
+    check_fault_tolerance(fault_tolerance, sync, hierarchy, components)
+    if fault_tolerance is not None:  # the processes of this launch are one replica group
+        check_replica_group(fault_tolerance, sync, accelerator.num_processes, nodes=1)
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     twice = double_momentum(components, optimizers)
     if twice is not None:

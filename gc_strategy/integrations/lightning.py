@@ -26,7 +26,14 @@ from ..fusion import FusionPlanner
 from ..registry import Option, validate_options
 from ..sync.base import Synchronizer
 from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
-from ..sync.modes import Replicated, SyncMode, check_fault_tolerance, parse_sync, refuse_misplaced_options
+from ..sync.modes import (
+    Replicated,
+    SyncMode,
+    check_fault_tolerance,
+    check_replica_group,
+    parse_sync,
+    refuse_misplaced_options,
+)
 from ..sync.quorum import FaultTolerance
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
@@ -113,7 +120,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             compressor, memory, communicator, fusion_for(fusion, own["bucket_cap_mb"]), **options
         )
         self.sync = parse_sync(sync, self.components)
-        check_fault_tolerance(fault_tolerance, self.sync, hierarchy)
+        check_fault_tolerance(fault_tolerance, self.sync, hierarchy, self.components)
         self.fault_tolerance = fault_tolerance
         super().__init__(
             accelerator=accelerator,
@@ -129,6 +136,13 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         self._announced_plan: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- process group
+    @override
+    def _configure_launcher(self) -> None:
+        """The Trainer's devices and nodes are known here, before any process starts: a replica
+        group that fault tolerance cannot serve is refused now."""
+        check_replica_group(self.fault_tolerance, self.sync, self.num_processes, self.num_nodes)
+        super()._configure_launcher()
+
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()

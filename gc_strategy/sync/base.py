@@ -71,6 +71,11 @@ class Synchronizer(ABC):
         """After backward, before the optimizer step: whether to take it (always, by default)."""
         return True
 
+    def finished(self, steps: int, step: int) -> bool:
+        """Whether the run ends with ``steps`` planned and ``step`` taken: there, by default; with
+        fault tolerance where every replica group ends at the same step."""
+        return step >= steps
+
     @property
     def writes_checkpoints(self) -> bool:
         """Whether this process's group writes the checkpoint file (every rank writes its own

@@ -47,8 +47,18 @@ from ..fusion import AutoPlanner
 from ..telemetry import TelemetryLog
 from .base import Synchronizer
 from .every_step import GradientSynchronizer
+from .finish_line import FinishLine
 from .healing import HealedObjects, Stateful, keep_roles, load_shared_state, settle_roles, shared_state
 from .quorum import FaultTolerance, Quorum, quorum_route
+
+
+def refuse_measured_plan(roles: Components) -> None:
+    """``fusion="auto"`` measures its plan with collectives that the groups would not all take part in."""
+    if isinstance(roles.fusion, AutoPlanner):
+        raise ValueError(
+            "fault_tolerance: fusion = 'auto' is invalid (its plan is measured with collectives the groups "
+            "would not all take part in); allowed: 'bucket_mb:N', 'groups:N', 'layerwise', 'single', 'file:PATH'"
+        )
 
 
 class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
@@ -57,13 +67,15 @@ class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
     ``load_state_dict`` that a healing group takes from a peer (optimizers, LR schedules, a loop's
     counters); optimizers given to :meth:`use_optimizers` are added to them.
 
-    A training loop::
+    A training loop (no ``init_process_group``: a group of one process needs none)::
 
         sync = FaultTolerantSynchronizer(model, build_components("topk", "residual"), options)
         sync.use_optimizers([optimizer])
-        for batch in loader:
-            with sync.forward_pass():           # the quorum (and healing) before the first forward
-                loss = model(batch)
+        while not sync.finished(steps):         # every group ends at the same step
+            step = sync.start_step()            # the quorum (and healing): the step to read data for
+            x, y = batch(step)
+            with sync.forward_pass():
+                loss = loss_fn(model(x), y)
             loss.backward()                     # the exchange over the participating groups
             if sync.should_commit():            # False: a peer failed; the roles' state is restored
                 optimizer.step()
@@ -78,11 +90,7 @@ class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
         healed: dict[str, Stateful] | None = None,
         find_unused_parameters: bool = False,
     ) -> None:
-        if isinstance(roles.fusion, AutoPlanner):
-            raise ValueError(
-                "fault_tolerance: fusion = 'auto' is invalid (its plan is measured with collectives the groups "
-                "would not all take part in); allowed: 'bucket_mb:N', 'groups:N', 'layerwise', 'single', 'file:PATH'"
-            )
+        refuse_measured_plan(roles)
         self.module, self.options = module, options
         self.healed: dict[str, Stateful] = dict(healed or {})
         self.inner = GradientSynchronizer(
@@ -96,14 +104,21 @@ class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
         self.quorum = Quorum(options, self._peer_state, self._load_peer_state)
         self._kept: dict[str, Any] | None = None
         self.failed_steps = 0
+        #: whether the last step committed (False before the first)
+        self.committed = False
+        self._finish_line = FinishLine(options.groups, options.quorum_timeout_s)
 
     # ------------------------------------------------------------------ one step
-    def start_step(self) -> None:
+    def start_step(self) -> int:
         """The step's quorum (healing first where this group must), then the roles bound to its
-        group and their state kept. Called by :meth:`before_forward` once per optimizer step."""
-        if self.quorum.start():
-            self.inner.rebind(quorum_route(self.quorum))
-        self._kept = keep_roles(self.inner)
+        group and their state kept; returns the step to read data for (the steps committed so far
+        across the groups: a group that healed takes its peer's). :meth:`before_forward` calls it
+        where the loop has not; a loop whose data depends on the step calls it before reading."""
+        if self._kept is None:
+            if self.quorum.start():
+                self.inner.rebind(quorum_route(self.quorum))
+            self._kept = keep_roles(self.inner)
+        return self.committed_steps
 
     @property
     def participants(self) -> int:
@@ -118,10 +133,24 @@ class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
         committed = self.quorum.vote()
         settle_roles(self.inner, self._kept, committed)
         self.failed_steps += not committed
-        self._kept = None
+        self.committed, self._kept = committed, None
         figures = {"participants": self.participants, "committed": float(committed), "failed_steps": self.failed_steps}
         self.inner.telemetry.last.extra.update(figures)  # beside the step's exchange figures: gc/participants, ...
         return committed
+
+    @property
+    def together(self) -> bool:
+        """Whether the last step committed with every planned group (``groups``)."""
+        return self.committed and self.participants == self.options.groups
+
+    def finished(self, steps: int, step: int | None = None) -> bool:
+        """Whether this group's run ends, with ``steps`` planned and ``step`` taken (by default the
+        steps committed): at the first step from ``steps`` on that every group took part in, so
+        that all end at the same step with the same parameters and a group that came back late has
+        a live peer to heal from; or ``quorum_timeout_s`` after ``steps`` where one does not come
+        back (:class:`~gc_strategy.sync.finish_line.FinishLine`)."""
+        taken = self.committed_steps if step is None else step
+        return taken >= steps and self.quorum.any_rank(self._finish_line.crossed(taken, steps, self.together))
 
     # ------------------------------------------------------------------ healing
     def _peer_state(self) -> dict[str, Any]:
@@ -141,7 +170,7 @@ class FaultTolerantSynchronizer(HealedObjects, Synchronizer):
     def before_forward(self) -> None:
         """The step's quorum before its first training forward; a forward without gradients
         (validation, Lightning's sanity check) takes no part in quorums."""
-        if self._kept is None and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             self.start_step()
         self.inner.before_forward()
 

@@ -45,6 +45,7 @@ from torch import nn
 from ..components import Components
 from ..registry import Configuration
 from .diloco import DiLoCoSynchronizer
+from .finish_line import FinishLine
 from .healing import HealedObjects, Stateful, keep_roles, load_shared_state, settle_roles, shared_state
 from .quorum import FaultTolerance, Quorum, QuorumRoute, refuse_several_processes
 
@@ -103,6 +104,7 @@ class FaultTolerantDiLoCo(HealedObjects, DiLoCoSynchronizer):
         #: seconds between the last two committed rounds (an inner phase and its outer step), and when the last ended
         self.phase_s, self._last_round = 0.0, None
         self._said_left_out = False
+        self._finish_line = FinishLine(options.groups, options.quorum_timeout_s)
 
     # ------------------------------------------------------------------ the schedule
     def before_forward(self) -> None:
@@ -163,6 +165,19 @@ class FaultTolerantDiLoCo(HealedObjects, DiLoCoSynchronizer):
     def committed_steps(self) -> int:
         """The inner steps taken so far (a healed group takes its peer's): the step to read data for."""
         return self.inner_step
+
+    @property
+    def together(self) -> bool:
+        """Whether the last outer round had every planned group and no inner step followed it."""
+        return self.participants == self.options.groups and self.synced_at == self.inner_step
+
+    def finished(self, steps: int, step: int | None = None) -> bool:
+        """Whether this group's run ends, with ``steps`` inner steps planned and ``step`` taken (by
+        default the inner steps): at the first outer step from ``steps`` on that every group took
+        part in, or ``quorum_timeout_s`` after ``steps`` where one does not come back
+        (:class:`~gc_strategy.sync.finish_line.FinishLine`)."""
+        taken = self.inner_step if step is None else step
+        return taken >= steps and self.quorum.any_rank(self._finish_line.crossed(taken, steps, self.together))
 
     # ------------------------------------------------------------------ healing
     def _peer_state(self) -> dict[str, Any]:

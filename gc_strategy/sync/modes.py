@@ -33,12 +33,13 @@ from ..registry import Configuration, Option, Registry
 from .base import Synchronizer
 from .diloco import DiLoCoSynchronizer
 from .every_step import GradientSynchronizer
-from .fault_tolerant import FaultTolerantSynchronizer
+from .fault_tolerant import FaultTolerantSynchronizer, refuse_measured_plan
 from .fault_tolerant_diloco import FaultTolerantDiLoCo, refuse_streaming
 from .hierarchy import NodeHierarchy, hierarchy_of, parse_hierarchy
 from .quorum import FaultTolerance
 from .sharded import ShardedSynchronizer
 from .sharded_diloco import ShardedDiLoCo
+from .torchft_setup import require_torchft
 
 VECTOR_POLICIES = ("bf16", "fp32", "compressed")
 
@@ -94,6 +95,10 @@ class SyncMode(Configuration):
 
     def check_fault_tolerant(self) -> None:
         """Refuse, before any work, options that fault tolerance cannot serve (none, by default)."""
+
+    def check_replica_group(self, ranks: int) -> None:
+        """Refuse, before any work, fault-tolerant replica groups of ``ranks`` processes that the
+        mode cannot serve (none, by default)."""
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         """The synchroniser of ``module`` with ``components``, placed as ``placement`` says."""
@@ -199,6 +204,13 @@ class DiLoCo(SyncMode):
     def check_fault_tolerant(self) -> None:
         refuse_streaming(self)
 
+    def check_replica_group(self, ranks: int) -> None:
+        if ranks > 1:
+            raise ValueError(
+                f"fault_tolerance with sync=DiLoCo: replica groups of {ranks} processes are not supported; allowed: "
+                "1 (each process its own replica group: start more groups instead)"
+            )
+
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         """Replicated: :class:`~gc_strategy.sync.diloco.DiLoCoSynchronizer` (every replica starts from rank
         0's values, and the inner steps use whichever parameters they use: ``broadcast_from_rank0``
@@ -214,9 +226,12 @@ class DiLoCo(SyncMode):
         )
 
 
-def check_fault_tolerance(fault_tolerance: FaultTolerance | None, mode: SyncMode, hierarchy: Any) -> None:
+def check_fault_tolerance(
+    fault_tolerance: FaultTolerance | None, mode: SyncMode, hierarchy: Any, components: Components
+) -> None:
     """Refuse, before any work, what fault tolerance cannot serve: a mode that does not build a
-    fault-tolerant synchroniser, or a hierarchy (a replica group's ranks reduce inside the group on their own)."""
+    fault-tolerant synchroniser, a hierarchy (a replica group's ranks reduce inside the group on
+    their own), a measured fusion plan, or a missing torchft."""
     if fault_tolerance is None:
         return
     if not isinstance(fault_tolerance, FaultTolerance):
@@ -233,6 +248,22 @@ def check_fault_tolerance(fault_tolerance: FaultTolerance | None, mode: SyncMode
             f"fault_tolerance with hierarchy = {hierarchy!r} is invalid; allowed: 'flat' (a replica group of several "
             "ranks reduces inside the group and exchanges across groups on its own)"
         )
+    refuse_measured_plan(components)
+    require_torchft()
+
+
+def check_replica_group(fault_tolerance: FaultTolerance | None, mode: SyncMode, ranks: int, nodes: int) -> None:
+    """Refuse, before any process starts, a fault-tolerant replica group of ``ranks`` processes per
+    machine on ``nodes`` machines that cannot be served: one that spans machines (its ranks meet
+    at the group's store on their own machine's address), or one the mode cannot serve."""
+    if fault_tolerance is None:
+        return
+    if nodes != 1:
+        raise ValueError(
+            f"fault_tolerance with num_nodes = {nodes} is not supported; allowed: 1 (a replica group is the ranks "
+            "of one machine: start a group per machine, each with its own replica_group)"
+        )
+    mode.check_replica_group(ranks)
 
 
 def parse_sync(sync: Any, components: Components) -> SyncMode:

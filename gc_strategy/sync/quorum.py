@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+import urllib.parse
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +37,7 @@ from ..communicators import Exchange, Round
 from ..components import Components
 from .hierarchy import NodeGroups, NodeRoute, node_exchange
 from .routes import FlatRoute, Route
+from .torchft_setup import checkpoint_transport, require_torchft
 
 
 @dataclass(frozen=True)
@@ -78,29 +81,51 @@ class FaultTolerance:
                 raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: a number of seconds > 0")
 
 
-def require_torchft() -> Any:
-    """The ``torchft`` module with the parts used here imported, or an error that says how to
-    install it."""
-    try:
-        import torchft
-        import torchft.checkpointing.http_transport
-        import torchft.process_group
-    except ImportError as error:
-        raise ImportError('fault_tolerance needs torchft (torch >= 2.7): pip install "gc_strategy[ft]"') from error
-    return torchft
+#: how long a lighthouse's port may refuse connections before it is reported (one starting with
+#: the groups opens it within that)
+REFUSED_S = 3.0
 
 
-def checkpoint_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport (how a healing group fetches a peer's state), advertised
-    at ``host``: torchft's own advertises the machine's host name, which peers on another network
-    (a namespace, a container) may not reach."""
+class LighthouseUnreachable(ConnectionError):
+    """The lighthouse's address refuses connections, does not resolve, or does not answer."""
 
-    class Transport(torchft.checkpointing.http_transport.HTTPTransport):
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            return f"http://{host}:{port}/checkpoint/"
 
-    return Transport(timeout=timeout, num_chunks=0)
+def reach_lighthouse(options: FaultTolerance) -> None:
+    """Connect to ``options.lighthouse`` once, before torchft's manager does, and report at once
+    what cannot change: an address that refuses connections (nothing listens there) within
+    :data:`REFUSED_S`, a host name that does not resolve at once; an address that does not answer
+    (a dropped packet, a host that is down) after ``timeout_s``. torchft's manager would wait
+    ``timeout_s`` in every case, then fail naming neither."""
+    url = urllib.parse.urlsplit(options.lighthouse)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    start = time.monotonic()
+    deadline, refused_since = start + options.timeout_s, None
+    fix = "start it first (torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000) or correct lighthouse="
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1)).close()
+            return
+        except socket.gaierror as error:
+            raise LighthouseUnreachable(
+                f"fault_tolerance: the lighthouse's host {host!r} (lighthouse = {options.lighthouse!r}) is unknown "
+                f"({error}); correct lighthouse="
+            ) from None
+        except ConnectionRefusedError:
+            refused_since = refused_since or time.monotonic()
+        except OSError:  # no answer yet, or no route
+            refused_since = None
+        now = time.monotonic()
+        if refused_since is not None and (now - refused_since >= REFUSED_S or now >= deadline):
+            raise LighthouseUnreachable(
+                f"fault_tolerance: the lighthouse at {options.lighthouse} refused the connection for "
+                f"{now - refused_since:.1f} s (nothing listens at {host}:{port}); {fix}"
+            )
+        if now >= deadline:
+            raise LighthouseUnreachable(
+                f"fault_tolerance: the lighthouse at {options.lighthouse} did not answer within timeout_s = "
+                f"{options.timeout_s} s; {fix}"
+            )
+        time.sleep(0.2)
 
 
 class StepFailure:
@@ -217,6 +242,7 @@ class Quorum:
         load_state_dict: Callable[[dict[str, Any]], None],
     ) -> None:
         torchft = require_torchft()
+        reach_lighthouse(options)
         self.options = options
         timeout = timedelta(seconds=options.timeout_s)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -254,7 +280,7 @@ class Quorum:
             )
         except RuntimeError as error:
             raise RuntimeError(
-                f"fault_tolerance: the lighthouse at {options.lighthouse} could not be reached within "
+                f"fault_tolerance: the lighthouse at {options.lighthouse} did not answer as a lighthouse within "
                 f"timeout_s = {options.timeout_s} s; start it first (torchft_lighthouse --min_replicas 1 "
                 f"--join_timeout_ms 10000) or correct lighthouse=. {error}"
             ) from error
@@ -264,6 +290,7 @@ class Quorum:
         #: the participating groups of the current round (0 before the first quorum)
         self.participants = 0
         self._short_since: float | None = None
+        self._alone = False
 
     def start(self) -> bool:
         """The round's quorum (healing first where this group must); whether its process group
@@ -291,8 +318,25 @@ class Quorum:
             group = self.process_group.parent  # a new object whenever the quorum changed
             changed, self.group = group is not self.group, group
         self.participants = self.manager.num_participants()
+        self._say_when_alone()
         self._check_enough_groups()
         return changed
+
+    def _say_when_alone(self) -> None:
+        """Warn, each time this group starts to train alone, that its steps are averaged with no
+        other group's, and how to wait for peers instead."""
+        options = self.options
+        alone = self.participants == 1 < options.groups and options.min_replicas == 1
+        if alone and not self._alone:
+            warnings.warn(
+                f"fault_tolerance: replica group {options.replica_group} trains alone: it is the only one of "
+                f"groups = {options.groups} in this round's quorum (the others have not started, have ended or "
+                "were lost), and min_replicas = 1 lets a round commit with it alone. To wait for peers instead, "
+                "set min_replicas to the fewest groups a step should have (e.g. 2)",
+                RuntimeWarning,
+                stacklevel=4,  # the loop's call of start_step
+            )
+        self._alone = alone
 
     def _receive(self, state: dict[str, Any]) -> None:
         """torchft hands over a peer's state: it is applied once every rank of the group has its own."""
@@ -309,6 +353,15 @@ class Quorum:
         flag = torch.tensor([int(formed)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ranks)
         return bool(flag.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of this group (a one-number all-reduce inside a group
+        of several ranks), so that a decision taken by the clock is the same on all of them."""
+        if self._ranks is None:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._ranks)
+        return bool(value.item())
 
     def _check_enough_groups(self) -> None:
         """Refuse to retry for longer than the quorum timeout rounds that cannot commit because
