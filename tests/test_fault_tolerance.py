@@ -492,8 +492,9 @@ def test_fewer_groups_than_min_replicas_is_reported_after_the_quorum_timeout(lig
 
 def test_without_torchft_every_path_says_at_construction_how_to_install_it(monkeypatch):
     """The synchroniser, the Lightning strategy and Accelerate's ``prepare``: one message, naming
-    the install from a checkout and from a release, before anything is built."""
-    from accelerate import Accelerator
+    the install from a checkout and from a release, before anything is built (Accelerate's own
+    state is left untouched: a stand-in accelerator)."""
+    from types import SimpleNamespace
 
     from gc_strategy import GCFusedStrategy
     from gc_strategy.accelerate import prepare
@@ -508,7 +509,12 @@ def test_without_torchft_every_path_says_at_construction_how_to_install_it(monke
         GCFusedStrategy(compressor="topk", fault_tolerance=options)
     net = model()
     with pytest.raises(ImportError, match=message):
-        prepare(Accelerator(cpu=True), net, torch.optim.SGD(net.parameters(), lr=0.1), fault_tolerance=options)
+        prepare(
+            SimpleNamespace(distributed_type="NO"),
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            fault_tolerance=options,
+        )
     assert not hasattr(net, "gc_synchronizer")
 
 
