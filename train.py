@@ -23,6 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from app.console import StepProgressBar, quiet_harmless_messages
+from app.replica_groups import KillAt, ParameterDigest, StepRecord, group_devices, run_replica_groups
 from gc_strategy import (
     COMMUNICATORS,
     COMPRESSORS,
@@ -31,18 +33,17 @@ from gc_strategy import (
     FinishTogether,
     GCFSDPStrategy,
     GCFusedStrategy,
+    build_components,
 )
 from gc_strategy.integrations.monitor import ThroughputMonitor
 from gc_strategy.pufferfish import PufferfishWarmup, enable_factorized_loading, select_layers
 from gc_strategy.registry import closest
-from gc_strategy.sync.hierarchy import hierarchy_of
-from gc_strategy.sync.modes import check_replica_group, sync_of
-from gc_strategy.sync.quorum import LighthouseUnreachable, reach_lighthouse
+from gc_strategy.sync.fault_tolerance.lighthouse import LighthouseUnreachable, reach_lighthouse
+from gc_strategy.sync.modes import Replicated, Sharded, check_setup, parse_sync, sync_of
+from gc_strategy.sync.paths.hierarchy import hierarchy_of
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
-from recipes.console import StepProgressBar, quiet_harmless_messages
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
-from recipes.replica_groups import KillAt, ParameterDigest, StepRecord, group_devices, run_replica_groups
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
@@ -86,13 +87,60 @@ def fusion_spec(fusion: DictConfig) -> str:
 SHARDINGS = ("none", "fsdp")
 
 
-def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
-    options = {**_options(cfg.compressor), **_options(cfg.memory), **_options(cfg.communicator)}
+#: the app's names of the options that the library's checks before any work refuse (check_setup)
+APP_NAMES = {
+    "fusion": "fusion",
+    "hierarchy": "trainer.hierarchy",
+    "find_unused_parameters": "trainer.find_unused_parameters",
+    "broadcast_buffers": "trainer.broadcast_buffers",
+    "fault_tolerance": "fault_tolerance.lighthouse",
+    "sharding": "trainer.sharding=fsdp",
+    "nodes": "trainer.num_nodes",
+    "ranks": "trainer.devices",
+}
+
+
+def roles_options(cfg: DictConfig) -> dict:
+    return {**_options(cfg.compressor), **_options(cfg.memory), **_options(cfg.communicator)}
+
+
+def check_sharding(cfg: DictConfig) -> str:
     sharding = cfg.trainer.sharding
     if sharding not in SHARDINGS:
         raise ValueError(f"trainer.sharding = {sharding!r} is invalid; allowed: {', '.join(SHARDINGS)}")
+    return sharding
+
+
+def check_app_setup(cfg: DictConfig) -> None:
+    """The library's checks before any work (:func:`~gc_strategy.sync.modes.check_setup`), on the
+    app's configuration and naming its keys: the roles, the sync mode, the placement, roles switched
+    during the run (a baseline phase, a Pufferfish model) and, with fault tolerance, the replica
+    group that ``trainer.devices`` ranks on ``trainer.num_nodes`` machines form."""
+    t = cfg.trainer
+    components = build_components(
+        cfg.compressor.name, cfg.memory.name, cfg.communicator.name, fusion_spec(cfg.fusion), **roles_options(cfg)
+    )
+    mode = parse_sync(sync_of(cfg.sync.name, _options(cfg.sync)), components)
     fault_tolerance = fault_tolerance_of(cfg)
-    if sharding == "fsdp":
+    replicated = None
+    if check_sharding(cfg) == "fsdp":
+        placement: Replicated | Sharded = Sharded()
+        replicated = {
+            "fusion": fusion_spec(cfg.fusion),
+            "hierarchy": t.hierarchy,
+            "find_unused_parameters": t.find_unused_parameters,
+            "fault_tolerance": cfg.fault_tolerance.lighthouse,
+        }
+    else:
+        hierarchy = hierarchy_of(t.hierarchy, t.node_precision) or "flat"
+        placement = Replicated(hierarchy=hierarchy, fault_tolerance=fault_tolerance)
+    switches = bool(cfg.speedup.baseline_steps or cfg.lowrank_model.enabled)
+    check_setup(mode, components, placement, t.devices, t.num_nodes, switches, replicated, APP_NAMES)
+
+
+def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
+    options = roles_options(cfg)
+    if check_sharding(cfg) == "fsdp":
         return build_sharded_strategy(cfg, options)
     return GCFusedStrategy(
         compressor=cfg.compressor.name,
@@ -105,42 +153,24 @@ def build_strategy(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
         hierarchy=hierarchy_of(cfg.trainer.hierarchy, cfg.trainer.node_precision) or "flat",
         broadcast_buffers=cfg.trainer.broadcast_buffers,
         sync=sync_of(cfg.sync.name, _options(cfg.sync)),
-        fault_tolerance=fault_tolerance,
+        fault_tolerance=fault_tolerance_of(cfg),
         **options,
     )
 
 
 def fault_tolerance_of(cfg: DictConfig) -> FaultTolerance | None:
     """This launch's replica group (its ``trainer.devices`` ranks on one machine) where
-    ``fault_tolerance.lighthouse`` is an address; None where it is null. What fault tolerance cannot
-    serve is refused, naming the one option that is wrong."""
-    ft, t = cfg.fault_tolerance, cfg.trainer
+    ``fault_tolerance.lighthouse`` is an address; None where it is null."""
+    ft = cfg.fault_tolerance
     if ft.lighthouse is None:
         return None
-    if t.sharding != "none":
-        raise ValueError(
-            f"trainer.sharding = {t.sharding!r} is invalid with fault_tolerance; allowed: 'none' (each replica "
-            "group holds the whole model: sharded replica groups are not supported)"
-        )
-    if t.num_nodes != 1:
-        raise ValueError(
-            f"trainer.num_nodes = {t.num_nodes} is invalid with fault_tolerance; allowed: 1 (a replica group is "
-            "the trainer.devices ranks of one machine: start a group per machine, each with its "
-            "fault_tolerance.replica_group)"
-        )
-    if cfg.sync.name == "diloco" and t.devices != 1:
-        raise ValueError(
-            f"trainer.devices = {t.devices} is invalid with sync=diloco and fault_tolerance; allowed: 1 (DiLoCo's "
-            "replica groups are one process each: start more groups instead, fault_tolerance.groups)"
-        )
-    if cfg.speedup.baseline_steps or cfg.lowrank_model.enabled:
-        raise ValueError(
-            "fault_tolerance keeps one set of roles on one model from start to end (a healing group takes a "
-            f"peer's state for them); set speedup.baseline_steps=0 (is {cfg.speedup.baseline_steps}) and "
-            f"lowrank_model=none (is enabled: {cfg.lowrank_model.enabled})"
-        )
     options = {k: ft[k] for k in ("replica_group", "groups", "min_replicas", "timeout_s", "quorum_timeout_s")}
-    return FaultTolerance(lighthouse=ft.lighthouse, **options)
+    # ``local``: each group gets the address of the lighthouse the app starts; checked with a stand-in
+    lighthouse = "http://127.0.0.1:0" if ft.lighthouse == "local" else ft.lighthouse
+    try:
+        return FaultTolerance(lighthouse=lighthouse, **options)
+    except ValueError as error:  # name the group the user sets them in
+        raise ValueError(f"fault_tolerance options (fault_tolerance.<name>=...): {error}") from error
 
 
 def check_demo(cfg: DictConfig) -> None:
@@ -161,21 +191,9 @@ def check_demo(cfg: DictConfig) -> None:
 
 
 def build_sharded_strategy(cfg: DictConfig, options: dict) -> GCFSDPStrategy:
-    """``trainer.sharding=fsdp``: FSDP2 inside each node; what applies to replicated training only
-    (fusion plans, the node hierarchy, DDP's options) is refused where it is set."""
+    """``trainer.sharding=fsdp``: FSDP2 inside each node (what applies to replicated training only is
+    refused by :func:`check_app_setup`)."""
     t = cfg.trainer
-    replicated_only = {
-        "fusion": (fusion_spec(cfg.fusion), "bucket_mb:25", "each FSDP2 module's shard is one bucket"),
-        "trainer.hierarchy": (t.hierarchy, "flat", "the nodes shard and compress already"),
-        "trainer.find_unused_parameters": (
-            t.find_unused_parameters,
-            False,
-            "each reduction holds the parameters that got a gradient, whatever the option",
-        ),
-    }
-    for key, (value, default, why) in replicated_only.items():
-        if value != default:
-            raise ValueError(f"{key} = {value!r} is invalid with trainer.sharding=fsdp; allowed: {default!r} ({why})")
     return GCFSDPStrategy(
         compressor=cfg.compressor.name,
         memory=cfg.memory.name,
@@ -296,23 +314,12 @@ def _sections(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
 
 def check_run(cfg: DictConfig) -> None:
     """Refuse what would waste or lose the run: an unknown ``checkpoints``, no step to train, a
-    DiLoCo run that never reaches an outer step, a baseline phase under DiLoCo, and a baseline phase
-    with no timed step in it or none left after it (its steps count within ``trainer.max_steps``)."""
+    DiLoCo run that never reaches an outer step, and a baseline phase with no timed step in it or
+    none left after it (its steps count within ``trainer.max_steps``)."""
     if cfg.checkpoints not in CHECKPOINTS:
         raise ValueError(f"checkpoints = {cfg.checkpoints!r} is invalid; allowed: {', '.join(CHECKPOINTS)}")
     if cfg.trainer.max_steps < 1:
         raise ValueError(f"trainer.max_steps = {cfg.trainer.max_steps} is invalid; allowed: an integer >= 1")
-    if cfg.trainer.sharding == "fsdp" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
-        raise ValueError(
-            "trainer.sharding=fsdp keeps one set of roles on one model from start to end; set "
-            f"speedup.baseline_steps=0 (is {cfg.speedup.baseline_steps}) and lowrank_model=none "
-            f"(is enabled: {cfg.lowrank_model.enabled})"
-        )
-    if cfg.sync.name == "diloco" and (cfg.speedup.baseline_steps or cfg.lowrank_model.enabled):
-        raise ValueError(
-            "sync=diloco runs one set of roles on one model from start to end; set speedup.baseline_steps=0 "
-            f"(is {cfg.speedup.baseline_steps}) and lowrank_model=none (is enabled: {cfg.lowrank_model.enabled})"
-        )
     baseline, warmup, steps = cfg.speedup.baseline_steps, cfg.speedup.warmup_steps, cfg.trainer.max_steps
     if baseline and baseline <= warmup:
         raise ValueError(
@@ -357,12 +364,10 @@ def build_checkpointing(cfg: DictConfig, folder: Path, tolerant: bool) -> list[p
 
 
 def check_app(cfg: DictConfig) -> GCFusedStrategy | GCFSDPStrategy:
-    """Every check made before any work, the library's included (the strategy and, with fault
-    tolerance, the replica group the Trainer's devices form); the strategy."""
+    """Every check made before any work, the library's included; the strategy."""
     check_run(cfg)
-    strategy = build_strategy(cfg)
-    check_replica_group(fault_tolerance_of(cfg), strategy.sync, cfg.trainer.devices, cfg.trainer.num_nodes)
-    return strategy
+    check_app_setup(cfg)
+    return build_strategy(cfg)
 
 
 def run(cfg: DictConfig, output_dir: Path) -> dict:
@@ -432,8 +437,8 @@ def main(cfg: DictConfig) -> None:
 
 def demo_group(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """What the demo changes in a group's configuration, for checking it before any group starts
-    (a lighthouse address, and the group's devices: :func:`recipes.replica_groups.group_devices`)."""
-    group = {"lighthouse": "http://127.0.0.1:1", "kill_group": None, "kill_at": None}
+    (no kill, and the group's devices: :func:`app.replica_groups.group_devices`)."""
+    group = {"kill_group": None, "kill_at": None}
     return OmegaConf.create({"fault_tolerance": group, "trainer": {"devices": group_devices(cfg, overrides)}})
 
 

@@ -41,7 +41,7 @@ from gc_strategy import GCFSDPStrategy, GCFusedStrategy
 from gc_strategy.components import parse_options
 from gc_strategy.integrations.lightning_glue import end_process_group
 from gc_strategy.sync.modes import from_command_line
-from gc_strategy.sync.sharded import shard_by_policy
+from gc_strategy.sync.sharded.synchronizer import shard_by_policy
 
 BASELINES = ("compute", "compute-parallel", "ddp+no-comm", "ddp", "ddp+fp16", "ddp+powersgd", "ddp+powersgd-1bucket")
 BASELINES += ("hsdp",)

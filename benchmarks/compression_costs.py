@@ -27,7 +27,7 @@ from cli import add_device_option, integer_at_least
 from torch import nn
 
 from gc_strategy import COMPRESSORS, GradientSynchronizer, build_components
-from gc_strategy.sync.profiler import time_exchange
+from gc_strategy.sync.paths.profiler import time_exchange
 
 #: memory and options each compressor is usually run with
 USUAL = {

@@ -80,12 +80,11 @@ def build(args: argparse.Namespace, mode: str) -> tuple:
     import torch
     import torchvision
 
-    from gc_strategy import DiLoCo
-    from gc_strategy.sync.diloco import DiLoCoSynchronizer
-    from gc_strategy.sync.every_step import GradientSynchronizer
-    from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
-    from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
-    from gc_strategy.sync.quorum import FaultTolerance
+    from gc_strategy import DiLoCo, FaultTolerance
+    from gc_strategy.sync.diloco.synchronizer import DiLoCoSynchronizer
+    from gc_strategy.sync.every_step.synchronizer import GradientSynchronizer
+    from gc_strategy.sync.fault_tolerance.diloco import FaultTolerantDiLoCo
+    from gc_strategy.sync.fault_tolerance.every_step import FaultTolerantSynchronizer
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
@@ -156,7 +155,7 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     store = f"tcp://{args.store_host}:{STORE_PORT}"
     dist.init_process_group("gloo", init_method=store, rank=args.group, world_size=args.groups)
     runs |= {mode: build(args, mode) for mode in MODES if mode != "ft"}
-    quorum = runs["ft"][2].quorum
+    quorum = runs["ft"][2].round.quorum
     calls: dict[str, list[float]] = {"quorum": [], "vote": []}
     quorum.start, quorum.vote = timed(calls["quorum"], quorum.start), timed(calls["vote"], quorum.vote)
     period = args.inner_steps if args.compressor.startswith("diloco:") else 1

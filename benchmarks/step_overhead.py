@@ -94,8 +94,9 @@ def package_at(revision: str) -> types.ModuleType:
     package.__path__ = [str(folder / "gc_strategy")]
     sys.modules[package.__name__] = package
     package.components = importlib.import_module(f"{package.__name__}.components")
-    # where GradientSynchronizer lived: sync/every_step.py, earlier gradient_sync.py, earlier still engine.py
-    homes = ("sync.every_step", "gradient_sync", "engine")
+    # where GradientSynchronizer lived: sync/every_step/synchronizer.py, earlier sync/every_step.py,
+    # gradient_sync.py, engine.py
+    homes = ("sync.every_step.synchronizer", "sync.every_step", "gradient_sync", "engine")
     home = next(h for h in homes if (folder / "gc_strategy" / (h.replace(".", "/") + ".py")).exists())
     synchronizer = importlib.import_module(f"{package.__name__}.{home}").GradientSynchronizer
     if "roles" in inspect.signature(synchronizer).parameters:

@@ -1,6 +1,7 @@
 """gc_strategy: communication-efficient data-parallel training for PyTorch.
 
-The core (the synchroniser, its roles, DiLoCo and the Accelerate adapter) needs torch alone. Where
+The core (the synchroniser, its roles, DiLoCo, fault tolerance's synchronisers, the loop adapter
+:func:`attach` and the Accelerate adapter) needs torch alone (fault tolerance: torchft too). Where
 Lightning is installed, ``import gc_strategy`` also registers the Lightning strategies ``gc_fused``
 (popen launcher, like ``ddp``), ``gc_fused_spawn`` and ``gc_fused_fork``, and ``gc_fsdp`` (FSDP2
 inside each node), ``gc_fsdp_spawn`` and ``gc_fsdp_fork``.
@@ -13,12 +14,15 @@ from .communicators import COMMUNICATORS, Communicator
 from .components import Components, build_components
 from .forking import renew_thread_pool_after_fork
 from .fusion import FusionPlanner, parse_fusion
-from .sync.every_step import GradientSynchronizer
-from .sync.fault_tolerant import FaultTolerantSynchronizer
-from .sync.hierarchy import NodeHierarchy
-from .sync.modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode
-from .sync.presets import sparseloco
-from .sync.quorum import FaultTolerance
+from .integrations.loop import CommitGate, attach
+from .sync.every_step.synchronizer import GradientSynchronizer
+from .sync.fault_tolerance.diloco import FaultTolerantDiLoCo
+from .sync.fault_tolerance.every_step import FaultTolerantSynchronizer
+from .sync.fault_tolerance.options import FaultTolerance
+from .sync.fault_tolerance.round import Round, RoundReport
+from .sync.fault_tolerance.synchronizer import RoundSynchronizer
+from .sync.modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode, sparseloco
+from .sync.paths.hierarchy import NodeHierarchy
 from .telemetry import StepTelemetry
 
 renew_thread_pool_after_fork()
@@ -49,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "COMMUNICATORS",
     "COMPRESSORS",
+    "CommitGate",
     "MEMORIES",
     "SYNC_MODES",
     "Communicator",
@@ -57,6 +62,7 @@ __all__ = [
     "DiLoCo",
     "EveryStep",
     "FaultTolerance",
+    "FaultTolerantDiLoCo",
     "FaultTolerantSynchronizer",
     "FinishTogether",
     "FusionPlanner",
@@ -66,10 +72,14 @@ __all__ = [
     "Memory",
     "NodeHierarchy",
     "Replicated",
+    "Round",
+    "RoundReport",
+    "RoundSynchronizer",
     "Sharded",
     "StepTelemetry",
     "SyncMode",
     "ThroughputMonitor",
+    "attach",
     "build_components",
     "parse_fusion",
     "sparseloco",

@@ -105,13 +105,13 @@ class Components:
                 taken = {n: held.pop(n) for n in new.names if n in held}
                 role.buffers.setdefault(state_name, {}).update(join_by_parameter([new], taken, new.device))
 
-    def hold_state(self) -> None:
-        """A rollback point on the per-element state (:meth:`~gc_strategy.bucket.BucketState.hold`)."""
+    def hold(self) -> None:
+        """Hold a rollback point on the per-element state (:meth:`~gc_strategy.bucket.BucketState.hold`)."""
         for _, role in self.stateful():
             role.hold()
 
-    def release_state(self, keep_changes: bool) -> None:
-        """End the rollback point: keep the per-element state written since, or put it back."""
+    def release(self, keep_changes: bool) -> None:
+        """Release the rollback point: keep the per-element state written since, or put it back."""
         for _, role in self.stateful():
             role.release(keep_changes)
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from gc_strategy.sync.sharded import fsdp_modules
+from gc_strategy.sync.sharded.synchronizer import fsdp_modules
 
 from .images import MissingDataset
 from .text import markov_corpus

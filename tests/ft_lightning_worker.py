@@ -21,8 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gc_strategy import DiLoCo, GCFusedStrategy
-from gc_strategy.sync.quorum import FaultTolerance
+from gc_strategy import DiLoCo, FaultTolerance, GCFusedStrategy
 
 
 class Regression(L.LightningModule):
@@ -60,17 +59,17 @@ class Watch(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         sync = trainer.strategy.synchronizer
-        extra = sync.telemetry.last.extra
+        report = sync.last_round
         self.record.append(
             {
                 "global_step": trainer.global_step,
                 "batches_per_epoch": trainer.num_training_batches,
-                "participants": extra["participants"],
-                "committed": bool(extra["committed"]),
+                "participants": report.participants,
+                "committed": report.committed,
             }
         )
         outer_step = not self.args.inner_steps or trainer.global_step % self.args.inner_steps == 0
-        together = extra["committed"] and sync.participants == self.args.groups
+        together = report.committed and report.participants == self.args.groups
         if together and trainer.global_step >= self.args.steps and outer_step:
             trainer.should_stop = True
 

@@ -22,17 +22,17 @@ import copy
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gc_strategy import DiLoCo, build_components
-from gc_strategy.sync import quorum
-from gc_strategy.sync.fault_tolerant import FaultTolerantSynchronizer
-from gc_strategy.sync.fault_tolerant_diloco import FaultTolerantDiLoCo
-from gc_strategy.sync.quorum import FaultTolerance
+from gc_strategy import DiLoCo, FaultTolerance, build_components
+from gc_strategy.sync.fault_tolerance import quorum
+from gc_strategy.sync.fault_tolerance.diloco import FaultTolerantDiLoCo
+from gc_strategy.sync.fault_tolerance.every_step import FaultTolerantSynchronizer
 
 
 def batch(shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,11 @@ def main() -> None:
     parser = group_arguments()
     parser.add_argument("--compressor", default="none")
     parser.add_argument("--memory", default="none")
-    parser.add_argument("--die-when", choices=["exchange", "between", "inner", "outer"], default="exchange")
+    parser.add_argument(
+        "--die-when", choices=["exchange", "between", "inner", "outer", "usage", "check_group"], default="exchange"
+    )
+    parser.add_argument("--find-unused", action="store_true", help="find_unused_parameters=True: usage flags summed")
+    parser.add_argument("--check-group-collective", action="store_true", help="the compressor's check_group sums")
     parser.add_argument("--inner-steps", type=int, default=0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
@@ -109,12 +113,15 @@ def main() -> None:
         net, optimizer = prepare(Accelerator(cpu=True), net, optimizer, **roles, fault_tolerance=options)
         sync = net.gc_synchronizer
     else:
-        sync = FaultTolerantSynchronizer(
-            net, build_components(args.compressor, args.memory, fusion="groups:2"), options
-        )
+        roles = build_components(args.compressor, args.memory, fusion="groups:2")
+        if args.check_group_collective:
+            collective_check_group(roles, args)
+        sync = FaultTolerantSynchronizer(net, roles, options, find_unused_parameters=args.find_unused)
         sync.use_optimizers([optimizer])
     wait_for_groups(args)
     record = []
+    if args.die_when == "usage":
+        die_in_the_usage_sum(args, lambda: args.die_at <= sync.committed_steps and all_took_part(record, args.groups))
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     while True:
         with sync.forward_pass():
@@ -128,7 +135,7 @@ def main() -> None:
         loss.backward()
         if args.via == "accelerate":  # its optimizer steps where the step commits
             optimizer.step()
-            committed = bool(sync.telemetry.last.extra["committed"])
+            committed = sync.last_round.committed
         else:
             committed = sync.should_commit()
             if committed:
@@ -156,6 +163,37 @@ def main() -> None:
     sync.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def die_in_the_usage_sum(args: argparse.Namespace, due: Callable[[], bool]) -> None:
+    """SIGKILL this process as it is about to sum the step's usage flags across the groups, where
+    ``due()`` says so (its buckets' exchanges are launched; the peers' sums wait for it)."""
+    sum_counts = quorum.QuorumRoute.sum_counts
+
+    def dying(route: quorum.QuorumRoute, counts: torch.Tensor) -> object:
+        if due() and route.quorum.participants == args.groups:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sum_counts(route, counts)
+
+    quorum.QuorumRoute.sum_counts = dying
+
+
+def collective_check_group(roles: object, args: argparse.Namespace) -> None:
+    """The compressor's ``check_group`` sums a number over the group, as ``randk``'s gathers on an
+    accelerator; with ``--die-when check_group`` this group kills itself in it at the first rebind
+    after a quorum of every group (its peers' sums then wait for it)."""
+    seen_everyone = []
+
+    def check_group(group: object, buckets: list) -> None:
+        size = group.size() if group is not None else 1
+        if args.die_when == "check_group" and seen_everyone and size < args.groups:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if size == args.groups:
+            seen_everyone.append(True)
+        if size > 1:
+            dist.all_reduce(torch.ones(1), group=group)
+
+    roles.compressor.check_group = check_group
 
 
 def lose_first_healing() -> None:
@@ -196,9 +234,9 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
         committed = try_round()
         record.append(
             {
-                "step": sync.inner_step,
+                "step": sync.committed_steps,
                 "participants": sync.participants,
-                "contributors": sync.contributors if committed else None,
+                "contributors": sync.last_round.contributors if committed else None,
                 "committed": committed,
                 "state_kept": committed or same(kept, diloco_snapshot(net, optimizer, sync)),
             }
@@ -206,7 +244,7 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
         return committed
 
     def dying_vectors() -> None:  # the matrices' exchange is in flight
-        if args.die_when == "outer" and 0 <= args.die_at <= sync.inner_step and sync.participants == args.groups:
+        if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and sync.participants == args.groups:
             os.kill(os.getpid(), signal.SIGKILL)
         start_vectors()
 
@@ -214,7 +252,7 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
     wait_for_groups(args)
 
     def done() -> bool:
-        return sync.synced_at >= args.steps and sync.participants == args.groups and sync.synced_at == sync.inner_step
+        return sync.synced_at >= args.steps and sync.participants == args.groups and sync.together
 
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     while True:
@@ -236,7 +274,7 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
             break
         time.sleep(0.05)
     final = diloco_snapshot(net, optimizer, sync)
-    torch.save({**final, "record": record, "inner_step": sync.inner_step}, args.out)
+    torch.save({**final, "record": record, "inner_step": sync.committed_steps}, args.out)
     sync.close()
 
 
@@ -260,8 +298,8 @@ def diloco_snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: Faul
     return {
         "params": {n: p.detach().clone() for n, p in net.named_parameters()},
         "optimizer": copy.deepcopy(optimizer.state_dict()),
-        "outer": {n: t.clone() for n, t in sync.outer.items()},
-        "outer_optimizer": copy.deepcopy(sync.outer_optimizer.state_dict()),
+        "outer": {n: t.clone() for n, t in sync.inner.outer.items()},
+        "outer_optimizer": copy.deepcopy(sync.inner.outer_optimizer.state_dict()),
         "states": [s.state_dict() for s in sync.synchronizers],
     }
 

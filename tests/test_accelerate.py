@@ -205,7 +205,7 @@ def _sharded_parity_with_native_hsdp(out: str) -> None:
     the 2-D mesh, the same units) skipping its reductions on the first micro-batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gc_strategy.sync.sharded import shard_by_policy
+    from gc_strategy.sync.sharded.synchronizer import shard_by_policy
 
     accelerator = _two_nodes_of_one_rank(gradient_accumulation_steps=2)
     torch.manual_seed(0)

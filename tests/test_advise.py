@@ -12,7 +12,7 @@ from torchvision.models import resnet18
 from gc_strategy.communicators import EAGER_AFTER_BYTES, RunningExchange
 from gc_strategy.fusion.timeline import Cost
 from gc_strategy.fusion.topology import Link, Topology
-from gc_strategy.sync.autotune import TRIAL_PLANS
+from gc_strategy.sync.every_step.autotune import TRIAL_PLANS
 from gc_strategy.tools import advise, advise_measure, advise_plots, contention
 from gc_strategy.tools.advise import predict, recommendation
 from gc_strategy.tools.advise_measure import Compute, CpuRanks, Profile, Replicas, profile

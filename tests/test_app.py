@@ -26,7 +26,7 @@ from recipes.images import ImageDataModule, MissingDataset  # noqa: E402
 from recipes.lstm import LSTMLanguageModel  # noqa: E402
 from recipes.resnet import ResNetClassifier  # noqa: E402
 from recipes.text import LanguageModelDataModule  # noqa: E402
-from train import ROLE_GROUPS, build_strategy, fusion_spec  # noqa: E402
+from train import ROLE_GROUPS, build_strategy, check_app, fusion_spec  # noqa: E402
 
 
 def _compose(*overrides):
@@ -94,7 +94,8 @@ def test_fusion_spec_and_strategy_from_config():
 
 
 def test_sharding_from_config():
-    """``trainer.sharding=fsdp`` builds gc_fsdp; what applies to replicated training only is refused."""
+    """``trainer.sharding=fsdp`` builds gc_fsdp; what applies to replicated training only is refused
+    by the app's checks (the library's, naming the app's keys)."""
     strategy = build_strategy(_compose("trainer.sharding=fsdp", "compressor=topk", "memory=residual"))
     assert isinstance(strategy, GCFSDPStrategy) and strategy.components.compressor.name == "topk"
     for overrides, message in (
@@ -110,7 +111,7 @@ def test_sharding_from_config():
         (["trainer.sharding=ddp"], "trainer.sharding = 'ddp' is invalid; allowed: none, fsdp"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
-            build_strategy(_compose(*overrides))
+            check_app(_compose(*overrides))
 
 
 @pytest.mark.slow
@@ -443,7 +444,10 @@ def test_multirun_makes_one_wandb_run_per_job(tmp_path):
         ),
         (["fusion=file"], "fusion.path"),
         (["sync=diloco", "sync.inner_steps=0"], "option 'inner_steps' = 0 is invalid; allowed: an integer in [1, inf)"),
-        (["sync=diloco", "speedup.baseline_steps=2"], "set speedup.baseline_steps=0 (is 2)"),
+        (
+            ["sync=diloco", "sync.inner_steps=4", "speedup.baseline_steps=6", "trainer.max_steps=20"],
+            "switch_components (a baseline phase, a Pufferfish conversion) is not supported with sync=DiLoCo",
+        ),
         (["checkpoints=some"], "checkpoints = 'some' is invalid; allowed: last, all, none"),
         (["speedup.baseline_steps=2"], "speedup.baseline_steps = 2 is invalid with speedup.warmup_steps = 5"),
         (

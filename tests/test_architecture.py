@@ -1,6 +1,10 @@
-"""The package's structure: no import cycle, and fusion planning that knows no synchroniser."""
+"""The package's structure: no import cycle, the layers and the families of synchronisers read from
+the folders, and fusion planning that knows no synchroniser."""
 
 import ast
+import importlib
+import inspect
+import pkgutil
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gc_strategy"
@@ -41,7 +45,7 @@ def test_the_graph_is_read_from_the_sources():
     graph = _imports()
     assert "gc_strategy.sync.modes" in graph["gc_strategy.integrations.lightning"]
     assert "gc_strategy.communicators" in graph["gc_strategy.algos.base"]
-    assert "gc_strategy.fusion.plans" in graph["gc_strategy.sync.autotune"]
+    assert "gc_strategy.fusion.plans" in graph["gc_strategy.sync.every_step.autotune"]
 
 
 def test_no_import_cycle_in_the_package():
@@ -88,8 +92,8 @@ for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
 import torch
 import gc_strategy
 from gc_strategy import GradientSynchronizer, build_components
-import gc_strategy.integrations.accelerate, gc_strategy.integrations.checkpoint, gc_strategy.sync.diloco
-import gc_strategy.sync.sharded, gc_strategy.sync.sharded_diloco
+import gc_strategy.integrations.accelerate, gc_strategy.integrations.checkpoint, gc_strategy.sync.diloco.synchronizer
+import gc_strategy.sync.sharded.synchronizer, gc_strategy.sync.sharded.diloco
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 roles = build_components("topk", "residual", density=0.5)
 sync = GradientSynchronizer(model, roles)
@@ -111,20 +115,41 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch
     assert done.stdout.strip().endswith("[]")  # no Lightning module was imported
 
 
+def _sync_classes() -> dict[str, type]:
+    """Every synchroniser and sync mode the ``sync`` package defines, read from its folders."""
+    from gc_strategy import sync
+    from gc_strategy.sync.base import Synchronizer
+    from gc_strategy.sync.modes import SyncMode
+
+    found = {}
+    for info in pkgutil.walk_packages(sync.__path__, "gc_strategy.sync."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and value.__module__ == module.__name__
+                and issubclass(value, (Synchronizer, SyncMode))
+                and value not in (Synchronizer, SyncMode)
+            ):
+                found[name] = value
+    return found
+
+
+def test_the_synchronisers_and_modes_are_read_from_the_folders():
+    classes = _sync_classes()
+    expected = {"GradientSynchronizer", "DiLoCoSynchronizer", "ShardedSynchronizer", "ShardedDiLoCo"}
+    expected |= {"FaultTolerantSynchronizer", "FaultTolerantDiLoCo", "RoundSynchronizer", "EveryStep", "DiLoCo"}
+    assert expected <= set(classes), sorted(expected - set(classes))
+
+
 def test_no_module_outside_sync_names_a_concrete_synchronizer_or_mode():
-    """No module outside ``sync/`` names a concrete synchroniser or sync mode (as an import, a name
-    or an attribute): a mode builds its synchroniser, and the integrations call
+    """No module outside ``sync/`` names a synchroniser or a sync mode that ``sync/`` defines (as an
+    import, a name or an attribute): a mode builds its synchroniser, and the integrations call
     :class:`gc_strategy.sync.base.Synchronizer`'s methods. The package's ``__init__`` re-exports the
     public names alone."""
-    concrete = {
-        "GradientSynchronizer",
-        "DiLoCoSynchronizer",
-        "ShardedSynchronizer",
-        "ShardedDiLoCo",
-        "DiLoCo",
-        "EveryStep",
-    }
-    modules = sorted(p for p in PACKAGE.rglob("*.py") if p.parent.name != "sync" and p != PACKAGE / "__init__.py")
+    concrete = set(_sync_classes())
+    sync = PACKAGE / "sync"
+    modules = sorted(p for p in PACKAGE.rglob("*.py") if sync not in p.parents and p != PACKAGE / "__init__.py")
     assert PACKAGE / "integrations" / "lightning.py" in modules
     for path in modules:
         named = set()
@@ -138,12 +163,41 @@ def test_no_module_outside_sync_names_a_concrete_synchronizer_or_mode():
         assert not named & concrete, f"{path.relative_to(PACKAGE)} names {sorted(named & concrete)}"
 
 
-def test_every_way_of_synchronising_implements_the_interface():
+def test_every_synchroniser_a_mode_builds_implements_the_interface():
+    """Each synchroniser without a subclass of its own implements every method of the interface."""
     from gc_strategy.sync.base import Synchronizer
-    from gc_strategy.sync.diloco import DiLoCoSynchronizer
-    from gc_strategy.sync.every_step import GradientSynchronizer
 
-    assert issubclass(GradientSynchronizer, Synchronizer) and issubclass(DiLoCoSynchronizer, Synchronizer)
+    classes = [c for c in _sync_classes().values() if issubclass(c, Synchronizer)]
+    leaves = [c for c in classes if not any(other is not c and issubclass(other, c) for other in classes)]
+    assert leaves and not [c.__name__ for c in leaves if inspect.isabstract(c)]
+
+
+def test_sync_holds_the_interface_the_modes_and_the_families_each_a_layer():
+    """``sync/`` holds the interface (``base.py``), the modes (``modes.py``) and one folder per family
+    of :data:`gc_strategy.sync.FAMILIES`; a family imports the interface and the families before it,
+    never a later one nor the modes; the interface imports no family."""
+    from gc_strategy.sync import FAMILIES
+
+    sync = PACKAGE / "sync"
+    files = {p.name for p in sync.iterdir() if p.is_file() and p.suffix == ".py"}
+    assert files == {"__init__.py", "base.py", "modes.py"}
+    assert {p.name for p in sync.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == set(FAMILIES)
+
+    def family(module: str) -> int | None:
+        parts = module.split(".")
+        return FAMILIES.index(parts[2]) if len(parts) > 3 and parts[2] in FAMILIES else None
+
+    wrong = []
+    for module, targets in _imports().items():
+        if not module.startswith("gc_strategy.sync."):
+            continue
+        own = family(module)
+        for target in targets:
+            if module == "gc_strategy.sync.base" and family(target) is not None:
+                wrong.append((module, target))
+            elif own is not None and (target == "gc_strategy.sync.modes" or (family(target) or -1) > own):
+                wrong.append((module, target))
+    assert not wrong, wrong
 
 
 #: the layers above the base (the top-level modules, ``algos/``, ``kernels/``, ``fusion/``), lowest
@@ -200,7 +254,7 @@ def test_ranks_are_forked_in_one_place():
 
 def test_the_engines_main_class_and_the_runtimes_modules_stay_small():
     """The synchroniser's main class within 300 lines, every runtime module (the tools apart) within 450."""
-    synchronizer = ast.parse((PACKAGE / "sync" / "every_step.py").read_text())
+    synchronizer = ast.parse((PACKAGE / "sync" / "every_step" / "synchronizer.py").read_text())
     (main,) = [
         node for node in synchronizer.body if isinstance(node, ast.ClassDef) and node.name == "GradientSynchronizer"
     ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gc_strategy import GCFSDPStrategy, GCFusedStrategy
-from gc_strategy.sync.sharded import has_fsdp2_hook
+from gc_strategy.sync.sharded.synchronizer import has_fsdp2_hook
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_fsdp2_hook(), reason="sharded training needs torch >= 2.7")]

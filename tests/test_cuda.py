@@ -187,7 +187,7 @@ def test_randk_on_cuda_draws_alike_on_every_rank_and_is_unbiased():
 
 def test_diloco_offload_keeps_the_outer_state_and_residuals_in_cpu_memory_between_exchanges():
     from gc_strategy import DiLoCo
-    from gc_strategy.sync.diloco import DiLoCoSynchronizer
+    from gc_strategy.sync.diloco.synchronizer import DiLoCoSynchronizer
 
     torch.manual_seed(0)
     model = SmallCNN().cuda()

@@ -14,7 +14,7 @@ from models import ShardedMLP, fit
 
 from gc_strategy import DiLoCo, GCFSDPStrategy
 from gc_strategy.integrations.lightning_fsdp import FullWeightsLauncher
-from gc_strategy.sync.sharded import has_fsdp2_hook
+from gc_strategy.sync.sharded.synchronizer import has_fsdp2_hook
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_fsdp2_hook(), reason="sharded training needs torch >= 2.7")]
 

@@ -212,7 +212,7 @@ def test_search_on_314_tensors_is_consistent_and_beats_single_and_layerwise():
 
 
 def test_fit_recovers_the_scales_of_compression_and_communication():
-    from gc_strategy.sync.autotune import fit_scales
+    from gc_strategy.sync.every_step.autotune import fit_scales
 
     profiled = CostModel(
         ready=tuple(0.02 * i for i in range(8)),
@@ -274,7 +274,7 @@ def test_the_profile_times_compression_on_raw_local_gradients_not_on_averages(mo
     the gradients the compressor sees in training: those of a plain backward, computed here alone."""
     import copy
 
-    from gc_strategy.sync import autotune as auto
+    from gc_strategy.sync.every_step import autotune as auto
 
     torch.manual_seed(0)
     model = SmallCNN()

@@ -11,7 +11,7 @@ from torch import nn
 from gc_strategy import GradientSynchronizer, build_components
 from gc_strategy.communicators import AllReduce
 from gc_strategy.fusion import FusionPlanner
-from gc_strategy.sync.state import resharded
+from gc_strategy.sync.every_step.state import resharded
 from gc_strategy.tools.ranks import run_ranks
 
 
@@ -334,7 +334,7 @@ def test_powersgd_issues_q_after_the_next_large_enough_launch(after_bytes, expec
     """PowerSGD's P round is eager: a bucket's Q collective goes out during backward, right after the
     next large enough bucket's own first collective (SmallCNN's buckets hold at most 4.6 kB), or at
     the end of backward before any bucket is decoded."""
-    monkeypatch.setattr("gc_strategy.sync.every_step.EAGER_AFTER_BYTES", after_bytes)
+    monkeypatch.setattr("gc_strategy.sync.every_step.synchronizer.EAGER_AFTER_BYTES", after_bytes)
     model = SmallCNN()
     ref = []
     communicator = EventAllReduce(ref)

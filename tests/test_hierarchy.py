@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from gc_strategy import COMPRESSORS, EveryStep, GCFusedStrategy, GradientSynchronizer, NodeHierarchy, build_components
 from gc_strategy.fusion.timeline import bucket_owners
 from gc_strategy.integrations.checkpoint import load_rank_states, save_rank_states
-from gc_strategy.sync.hierarchy import hierarchy_of
 from gc_strategy.sync.modes import Replicated
+from gc_strategy.sync.paths.hierarchy import hierarchy_of
 from gc_strategy.tools.ranks import run_ranks
 
 OPTIONS = {**SMALL_MODEL_OPTIONS, "powersgd": dict(start_iter=1), "acpsgd": dict(start_iter=1)}

@@ -10,10 +10,8 @@ through ``_collect_rank_zero_results`` (a sharded state dict does not travel). E
 installed Lightning and compared with the source ``gc_strategy/integrations/lightning_fsdp.py`` was written
 against (Lightning 2.6)."""
 
-import hashlib
-import inspect
-
 import pytest
+from pinned_source import assert_unchanged
 
 pytest.importorskip("lightning")
 
@@ -42,9 +40,5 @@ PINNED = {
 
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_the_lightning_code_gc_fsdp_depends_on_is_unchanged(name):
-    piece, pinned = PINNED[name]
-    found = hashlib.sha256(inspect.getsource(piece).encode()).hexdigest()[:16]
-    assert found == pinned, (
-        f"Lightning's {name} changed (source hash {found}, pinned {pinned}): read it again against "
-        "GCFSDPStrategy (gc_strategy/integrations/lightning_fsdp.py), carry the change over, then pin the new hash here"
-    )
+    where = "GCFSDPStrategy (gc_strategy/integrations/lightning_fsdp.py)"
+    assert_unchanged("Lightning", name, *PINNED[name], where)

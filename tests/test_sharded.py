@@ -11,8 +11,8 @@ from torch import nn
 
 from gc_strategy import DiLoCo, build_components, sparseloco
 from gc_strategy.integrations.checkpoint import load_rank_states, save_rank_states
-from gc_strategy.sync.sharded import ShardedSynchronizer, has_fsdp2_hook
-from gc_strategy.sync.sharded_diloco import ShardedDiLoCo
+from gc_strategy.sync.sharded.diloco import ShardedDiLoCo
+from gc_strategy.sync.sharded.synchronizer import ShardedSynchronizer, has_fsdp2_hook
 from gc_strategy.tools.ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_fsdp2_hook(), reason="sharded training needs torch >= 2.7")]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gc_strategy import build_components
-from gc_strategy.sync.sharded import ShardedSynchronizer, has_fsdp2_hook
+from gc_strategy.sync.sharded.synchronizer import ShardedSynchronizer, has_fsdp2_hook
 from gc_strategy.tools.ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_fsdp2_hook(), reason="sharded training needs torch >= 2.7")]

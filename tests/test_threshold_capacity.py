@@ -72,7 +72,7 @@ def _two_ranks(rank, world_size):
     """Each rank draws its own inputs, the second with twice the scale, so more of its gradient
     lies above τ: the slots, set from the largest count a rank sent, agree on both ranks (a
     fixed-size allgather needs that), and grow from their first size."""
-    from gc_strategy.sync.every_step import GradientSynchronizer
+    from gc_strategy.sync.every_step.synchronizer import GradientSynchronizer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(200, 10, bias=False)

@@ -50,10 +50,11 @@ class Compressor(BucketState):
     (it keeps its own, so an error-feedback memory on top of it is refused), ``works_on_matrices``
     (it compresses each tensor of two or more dimensions as a matrix: a flat shard gives it none).
 
-    **Binding**: the synchroniser calls :meth:`bind` once with its process group's size and this rank, and
-    :meth:`begin_step` before each synchronised step with the number of steps so far (the same on
-    every rank). Per-element state lives in :class:`BucketState` buffers, which the synchroniser
-    checkpoints.
+    **Binding**: the synchroniser calls :meth:`bind` with its process group's size and this rank
+    when it is built, and again (with :meth:`check_group`) whenever the group changes (fault
+    tolerance's new quorum), and :meth:`begin_step` before each synchronised step with the number of
+    steps so far (the same on every rank). Per-element state lives in :class:`BucketState` buffers,
+    which the synchroniser checkpoints.
     """
 
     OPTIONS: ClassVar[dict[str, Option]] = {}
@@ -82,9 +83,10 @@ class Compressor(BucketState):
         self.step = step
 
     def check_group(self, group: Any, buckets: list[Bucket]) -> None:
-        """Once, before any step, on every rank of ``group`` (the process group its payloads travel
-        in), with the first buckets: refuse ranks that cannot work together, such as ranks whose
-        random draws differ. It may run collectives over ``group``."""
+        """Before the first step, and again where the group changes (fault tolerance's new quorum),
+        on every rank of ``group`` (the process group its payloads travel in), with the current
+        buckets: refuse ranks that cannot work together, such as ranks whose random draws differ. It
+        may run collectives over ``group`` (under fault tolerance a peer dying in one fails the round)."""
 
     # ------------------------------------------------------------------ required
     def encode(self, flat: Tensor, bucket: Bucket) -> Payload:

@@ -21,7 +21,13 @@ PLAN_FILE_FORMAT = 1
 
 
 class FusionPlanner:
-    """Cuts tensors (byte sizes in gradient-ready order) into contiguous groups."""
+    """Cuts tensors (byte sizes in gradient-ready order) into contiguous groups. What a planner is
+    it declares, for the synchronisers and the checks before any work to ask."""
+
+    #: the plan is chosen by measuring the running synchroniser's own steps and collectives
+    measured = False
+    #: the plan names the model's tensors and their gradient-ready order (it fits one model only)
+    fixes_tensors = False
 
     def plan(self, sizes: list[int]) -> list[int]:
         """Return the number of tensors in each group; they sum to ``len(sizes)``."""
@@ -121,6 +127,8 @@ class AutoPlanner(FusionPlanner):
     the plan with the smallest simulated step time (:mod:`gc_strategy.fusion.timeline`) and rebuilds
     its buckets on every rank at the same step. Until then this planner answers with ``default``."""
 
+    measured = True
+
     def __init__(self, profile_steps: int = 5, default: FusionPlanner | None = None) -> None:
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"S = {profile_steps!r} must be an integer >= 1")
@@ -156,6 +164,8 @@ class FilePlanner(FusionPlanner):
     """A plan written by :func:`write_plan_file` (``GradientSynchronizer.export_plan``): the
     gradient-ready order of the parameters and the number of tensors in each bucket. It must
     describe this model exactly."""
+
+    fixes_tensors = True
 
     def __init__(self, path: str) -> None:
         self.path = path

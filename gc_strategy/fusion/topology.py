@@ -13,7 +13,7 @@ A flat ring over several nodes, ranks numbered node by node, crosses each node b
 each direction; every step waits for its slowest edge, the link between nodes, so a flat collective
 runs at the inter-node link's ``α`` and ``β``.
 
-``hierarchy="node"`` (:mod:`gc_strategy.sync.hierarchy`) reduces each bucket onto its owner inside the
+``hierarchy="node"`` (:mod:`gc_strategy.sync.paths.hierarchy`) reduces each bucket onto its owner inside the
 node and broadcasts the result back, both over the node's link (modelled as a ring reduce and a
 ring broadcast of the dense bucket, ``2 (L − 1) (α + n / (L β))`` each), and runs the compressor's
 collective across the ``N`` nodes only. The ``L`` owners of a node share its link to the other

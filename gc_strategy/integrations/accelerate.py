@@ -28,9 +28,9 @@ is given, or from the arguments of the same names.
 
 Sharded (``sharding="fsdp"``, the default under Accelerate's FSDP2 plugin): the parameters,
 gradients and optimizer state are sharded with FSDP2 over the ranks of each node, and each module's
-reduce-scattered shard is compressed across nodes (:mod:`gc_strategy.sync.sharded`), or, with
+reduce-scattered shard is compressed across nodes (:mod:`gc_strategy.sync.sharded.synchronizer`), or, with
 ``sync=DiLoCo(...)``, each node trains its own shards and the outer step runs on them
-(:mod:`gc_strategy.sync.sharded_diloco`). :func:`prepare` shards the model itself, before
+(:mod:`gc_strategy.sync.sharded.diloco`). :func:`prepare` shards the model itself, before
 ``accelerator.prepare``, on a ``(nodes, ranks per node)`` mesh (Accelerate's FSDP2 path would
 shard across the nodes too, as native HSDP, whose hook runs after its own all-reduce): rank 0's
 weights are broadcast, the units are the plugin's ``transformer_cls_names_to_wrap`` classes (else
@@ -53,19 +53,12 @@ from ..communicators import Communicator
 from ..components import DEFAULT_FUSION, build_components, double_momentum
 from ..fusion import FusionPlanner
 from ..sync.base import Synchronizer
-from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
-from ..sync.modes import (
-    Replicated,
-    Sharded,
-    SyncMode,
-    check_fault_tolerance,
-    check_replica_group,
-    parse_sync,
-    refuse_misplaced_options,
-)
-from ..sync.quorum import FaultTolerance
-from ..sync.sharded import MESH_DIMS, refuse_replicated_options, shard_by_policy
+from ..sync.fault_tolerance.options import FaultTolerance
+from ..sync.modes import Replicated, Sharded, SyncMode, check_setup, parse_sync, refuse_misplaced_options
+from ..sync.paths.hierarchy import NodeHierarchy
+from ..sync.sharded.synchronizer import MESH_DIMS, shard_by_policy
 from .checkpoint import load_rank_states, save_rank_states
+from .loop import attach
 
 #: the folder of the per-rank state files inside Accelerate's checkpoint folder
 STATE_FOLDER = "gc_state"
@@ -120,12 +113,12 @@ def prepare(
     in place of DDP. Returns what ``accelerator.prepare`` returns (the model first).
     ``find_unused_parameters`` and ``broadcast_buffers`` (None: the accelerator's DDP kwargs handler's,
     else DDP's defaults False and True) mean what they mean for DDP. ``hierarchy="node"`` (or a
-    :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`): a dense reduction inside each node and
+    :class:`~gc_strategy.sync.paths.hierarchy.NodeHierarchy`): a dense reduction inside each node and
     compression only across nodes, the nodes of the launcher's ``LOCAL_WORLD_SIZE`` ranks.
     ``sync=DiLoCo(inner_steps=...)``: the one optimizer among ``objects`` takes the inner steps,
     and each of its steps counts towards the next outer step. ``sharding``: ``"auto"`` (``"fsdp"``
     under Accelerate's FSDP2 plugin, else ``"none"``), ``"none"`` or ``"fsdp"`` (see the module's
-    docstring). ``fault_tolerance``: a :class:`~gc_strategy.sync.quorum.FaultTolerance`;
+    docstring). ``fault_tolerance``: a :class:`~gc_strategy.sync.fault_tolerance.quorum.FaultTolerance`;
     the processes of this launch are then a replica group that goes on when others die
     (docs/fault_tolerance.md):
     ``optimizer.step()`` steps only where the step commits, a group that comes back heals the model,
@@ -137,53 +130,47 @@ def prepare(
             "the model was already prepared; pass the plain nn.Module to gc_strategy.integrations.accelerate.prepare"
         )
     refuse_misplaced_options(options)
-    parse_hierarchy(hierarchy)
     components = build_components(compressor, memory, communicator, fusion, **options)
     sync = parse_sync(sync, components)
-    check_fault_tolerance(fault_tolerance, sync, hierarchy, components)
-    if fault_tolerance is not None:  # the processes of this launch are one replica group
-        check_replica_group(fault_tolerance, sync, accelerator.num_processes, nodes=1)
-    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    twice = double_momentum(components, optimizers)
-    if twice is not None:
-        warnings.warn(twice, stacklevel=2)
-    if sync.one_optimizer and len(optimizers) != 1:
-        raise ValueError(f"sync={sync!r} counts the steps of one optimizer; {len(optimizers)} were passed to prepare")
     handler = getattr(accelerator, "ddp_handler", None)
     if find_unused_parameters is None:
         find_unused_parameters = getattr(handler, "find_unused_parameters", False)
+    replicated = {
+        "fusion": fusion,
+        "hierarchy": hierarchy,
+        "find_unused_parameters": find_unused_parameters,
+        "broadcast_buffers": broadcast_buffers,
+        "fault_tolerance": fault_tolerance,
+    }
     if sharded:
-        refuse_replicated_options(
-            fusion=fusion,
-            hierarchy=hierarchy,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            fault_tolerance=fault_tolerance,
-        )
-        mesh = _node_mesh(accelerator)
-        model = model.to(accelerator.device)
-        _shard(accelerator, model, optimizers, mesh)
-        synchronizer = sync.build(model, components, Sharded(mesh))
+        placement: Replicated | Sharded = Sharded()
     else:
         if broadcast_buffers is None:
             broadcast_buffers = getattr(handler, "broadcast_buffers", True)
-        model = model.to(accelerator.device)
         placement = Replicated(
             hierarchy=hierarchy,
             broadcast_buffers=broadcast_buffers,
             find_unused_parameters=find_unused_parameters,
             fault_tolerance=fault_tolerance,
         )
-        synchronizer = sync.build(model, components, placement)
-    synchronizer.use_optimizers(optimizers)
-    if synchronizer.votes_on_commit:
-        _step_where_committed(synchronizer, optimizers)
+    # the processes of this launch: one replica group where fault tolerant
+    check_setup(sync, components, placement, getattr(accelerator, "num_processes", None), replicated_options=replicated)
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    twice = double_momentum(components, optimizers)
+    if twice is not None:
+        warnings.warn(twice, stacklevel=2)
+    if sync.one_optimizer and len(optimizers) != 1:
+        raise ValueError(f"sync={sync!r} counts the steps of one optimizer; {len(optimizers)} were passed to prepare")
+    if sharded:
+        placement = Sharded(_node_mesh(accelerator))  # the launch's nodes, checked before anything moves
+    model = model.to(accelerator.device)
+    if sharded:
+        _shard(accelerator, model, optimizers, placement.mesh)
+    synchronizer = sync.build(model, components, placement)
     schedulers = [o for o in objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
-    synchronizer.share_state({f"lr_scheduler_{i}": scheduler for i, scheduler in enumerate(schedulers)})
-    for optimizer in optimizers:
-        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: synchronizer.after_optimizer_step())
-    model.register_forward_pre_hook(lambda module, args: synchronizer.before_forward())
-    model.register_forward_hook(lambda module, args, output: synchronizer.after_forward())
+    attached = attach(synchronizer, model, optimizers, schedulers)
+    gates = {id(optimizer): gate for optimizer, gate in zip(optimizers, attached.optimizers)}
+    objects = tuple(gates.get(id(o), o) for o in objects)
     if accelerator.mixed_precision in ("fp16", "bf16") and not _fsdp2(accelerator):  # FSDP2: its policy
         forward = model.forward
 
@@ -202,17 +189,6 @@ def prepare(
     accelerator.register_load_state_pre_hook(state.before_load)
     accelerator.register_for_checkpointing(state)
     return accelerator.prepare(model, *objects)
-
-
-def _step_where_committed(synchronizer: Synchronizer, optimizers: list[Any]) -> None:
-    """Each optimizer's ``step`` asks the synchroniser's vote first (fault tolerance)."""
-    for optimizer in optimizers:
-        step = optimizer.step
-
-        def step_if_committed(*args: Any, _step: Any = step, **kwargs: Any) -> Any:
-            return _step(*args, **kwargs) if synchronizer.should_commit() else None
-
-        optimizer.step = step_if_committed
 
 
 def _fsdp2(accelerator: Any) -> bool:

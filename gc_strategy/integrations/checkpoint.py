@@ -12,7 +12,7 @@ checkpoint holds a small manifest, ``{"format": "per_rank_files", "world_size": 
 Lightning checkpoint ``DIR/NAME.ckpt`` the folder is ``DIR.gc_state/NAME.ckpt/``, beside ``DIR``,
 so that listing or globbing ``DIR`` finds only checkpoints, as with ``ddp``. On resume each rank reads its
 own file; with another world size each rank reads the old ranks' files one at a time into the
-running mean of :func:`~gc_strategy.sync.state.resharded`, so no rank holds more than two states at
+running mean of :func:`~gc_strategy.sync.every_step.state.resharded`, so no rank holds more than two states at
 once. Checkpoints that hold every rank's state gathered (``{"world_size": W, "ranks": [...]}``), or
 whose files sit in ``DIR/NAME.ckpt.gc_state/``, still load. Paths go through fsspec, as Lightning's
 own checkpoints do.
@@ -62,14 +62,14 @@ def save_rank_states(synchronizer: Synchronizer, folder: str) -> dict[str, Any]:
     rank); returns the manifest, which holds the state itself where no rank does."""
     state = synchronizer.state_dict()
     if not synchronizer.holds_rank_state(state):
-        if synchronizer.rank == 0:  # an earlier save to the same path may have left files
+        if synchronizer.checkpoint_rank == 0:  # an earlier save to the same path may have left files
             remove_rank_states(folder)
         return {"format": SHARED_FORMAT, "state": state}
     fs = get_filesystem(folder)
     fs.makedirs(folder, exist_ok=True)
-    with fs.open(_rank_file(folder, synchronizer.rank), "wb") as f:
+    with fs.open(_rank_file(folder, synchronizer.checkpoint_rank), "wb") as f:
         torch.save(state, f)
-    return {"format": MANIFEST_FORMAT, "world_size": synchronizer.world_size}
+    return {"format": MANIFEST_FORMAT, "world_size": synchronizer.checkpoint_world_size}
 
 
 def load_rank_states(synchronizer: Synchronizer, saved: dict[str, Any], folder: str) -> None:
@@ -84,8 +84,8 @@ def load_rank_states(synchronizer: Synchronizer, saved: dict[str, Any], folder: 
         state_of = partial(_read, folder)
     else:
         state_of = saved["ranks"].__getitem__
-    if old_world_size == synchronizer.world_size:
-        synchronizer.load_state_dict(state_of(synchronizer.rank))
+    if old_world_size == synchronizer.checkpoint_world_size:
+        synchronizer.load_state_dict(state_of(synchronizer.checkpoint_rank))
     else:
         synchronizer.load_states_of((state_of(rank) for rank in range(old_world_size)), old_world_size)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -25,16 +26,9 @@ from ..components import Components, build_components
 from ..fusion import FusionPlanner
 from ..registry import Option, validate_options
 from ..sync.base import Synchronizer
-from ..sync.hierarchy import NodeHierarchy, parse_hierarchy
-from ..sync.modes import (
-    Replicated,
-    SyncMode,
-    check_fault_tolerance,
-    check_replica_group,
-    parse_sync,
-    refuse_misplaced_options,
-)
-from ..sync.quorum import FaultTolerance
+from ..sync.fault_tolerance.options import FaultTolerance
+from ..sync.modes import Replicated, SyncMode, check_setup, parse_sync, refuse_misplaced_options
+from ..sync.paths.hierarchy import NodeHierarchy, parse_hierarchy
 from .ddp_arguments import NO_OPS, fusion_for, refuse_ddp_arguments
 from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
@@ -50,11 +44,11 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         sync: ``"every_step"`` (every optimizer step's gradients) or
             :class:`~gc_strategy.sync.modes.DiLoCo` (``DiLoCo(inner_steps=100, ...)``): local steps,
             then the compressed, error-corrected exchange of the pseudo-gradient and an outer step.
-        fault_tolerance: a :class:`~gc_strategy.sync.quorum.FaultTolerance`: the Trainer's ranks
+        fault_tolerance: a :class:`~gc_strategy.sync.fault_tolerance.quorum.FaultTolerance`: the Trainer's ranks
             are a replica group that goes on when others die and heals when it comes back (torchft;
             docs/fault_tolerance.md).
         hierarchy: ``"flat"`` (every rank exchanges with every rank), or ``"node"`` /
-            :class:`~gc_strategy.sync.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
+            :class:`~gc_strategy.sync.paths.hierarchy.NodeHierarchy` (``NodeHierarchy(precision="bf16")``): a
             dense reduction inside each node and compression only across nodes; the nodes are the
             Trainer's ``num_nodes`` of ``devices`` ranks each.
         log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
@@ -120,8 +114,8 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             compressor, memory, communicator, fusion_for(fusion, own["bucket_cap_mb"]), **options
         )
         self.sync = parse_sync(sync, self.components)
-        check_fault_tolerance(fault_tolerance, self.sync, hierarchy, self.components)
         self.fault_tolerance = fault_tolerance
+        check_setup(self.sync, self.components, self.placement())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -140,7 +134,7 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
     def _configure_launcher(self) -> None:
         """The Trainer's devices and nodes are known here, before any process starts: a replica
         group that fault tolerance cannot serve is refused now."""
-        check_replica_group(self.fault_tolerance, self.sync, self.num_processes, self.num_nodes)
+        check_setup(self.sync, self.components, self.placement(), self.num_processes, self.num_nodes)
         super()._configure_launcher()
 
     @override
@@ -159,41 +153,38 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
         parameters of a converted model). Call it on every rank between the same two steps; the new
         roles start with fresh state, cover the module's current parameters and record the gradient
         order again; ``broadcast_from_rank0`` first copies rank 0's parameters and buffers to all."""
-        if self.sync.fixed_roles:
-            raise ValueError(
-                "switch_components (a baseline phase, a Pufferfish conversion) is not supported with "
-                f"sync={self.sync!r}: its state is made for the model and roles it started with"
-            )
+        check_setup(self.sync, components, self.placement(), switches_roles=True)
         self.components = components
         if self.synchronizer is not None:
             self.synchronizer.close()
             self.synchronizer = self._synchronizer(components, broadcast_from_rank0)
 
-    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> Synchronizer:
-        hierarchy = self.hierarchy
-        if hierarchy is not None:  # the Trainer's nodes
-            hierarchy = hierarchy.launched(self.num_processes, self.node_rank, self.local_rank)
-        placement = Replicated(
-            hierarchy=hierarchy or "flat",
+    def placement(self, broadcast_from_rank0: bool = True) -> Replicated:
+        """Where the model lives: replicated on every rank, with this strategy's options."""
+        return Replicated(
+            hierarchy=self.hierarchy or "flat",
             broadcast_buffers=self.broadcast_buffers,
             broadcast_from_rank0=broadcast_from_rank0,
             find_unused_parameters=self.find_unused_parameters,
             fault_tolerance=self.fault_tolerance,
         )
+
+    def _synchronizer(self, c: Components, broadcast_from_rank0: bool = True) -> Synchronizer:
+        placement = self.placement(broadcast_from_rank0)
+        if self.hierarchy is not None:  # the Trainer's nodes
+            launched = self.hierarchy.launched(self.num_processes, self.node_rank, self.local_rank)
+            placement = replace(placement, hierarchy=launched)
         return self.sync.build(self.model, c, placement)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With fault tolerance each rank of each replica group reads its own shard: of ``groups``
-        times the group's ranks, shard ``replica_group`` times those plus the rank in the group."""
-        ft = self.fault_tolerance
-        if ft is None:
+        """With fault tolerance each rank of each replica group reads its own shard
+        (:meth:`~gc_strategy.sync.fault_tolerance.options.FaultTolerance.shard`)."""
+        if self.fault_tolerance is None:
             return super().distributed_sampler_kwargs
-        return {
-            "num_replicas": ft.groups * self.world_size,
-            "rank": ft.replica_group * self.world_size + self.global_rank,
-        }
+        rank, shards = self.fault_tolerance.shard(self.global_rank, self.world_size)
+        return {"num_replicas": shards, "rank": rank}
 
     # ---------------------------------------------------------------- forward passes
     @contextmanager

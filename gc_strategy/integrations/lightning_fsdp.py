@@ -6,8 +6,8 @@ Lightning glue only. The device mesh is ``(num_nodes, devices)`` with the dimens
 ``self.device_mesh["shard"]`` itself, and where it does not, the strategy shards by its policy:
 every module of a class in ``shard_modules`` (by default every module that holds parameters of its
 own), then each child of the LightningModule (:func:`shard_by_policy`). Each step's gradients are synchronised by a
-:class:`~gc_strategy.sync.sharded.ShardedSynchronizer` (``sync="every_step"``), or the model by a
-:class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo` (``sync=DiLoCo(...)``). Gradient accumulation
+:class:`~gc_strategy.sync.sharded.synchronizer.ShardedSynchronizer` (``sync="every_step"``), or the model by a
+:class:`~gc_strategy.sync.sharded.diloco.ShardedDiLoCo` (``sync=DiLoCo(...)``). Gradient accumulation
 reduces nothing until the step's last micro-batch (FSDP2's ``set_requires_gradient_sync``).
 Checkpoints are ``ModelParallelStrategy``'s sharded ones (``torch.distributed.checkpoint``), with
 each rank's compression state beside them (:mod:`gc_strategy.integrations.checkpoint`).
@@ -33,8 +33,8 @@ from ..communicators import Communicator
 from ..components import build_components
 from ..registry import validate_options
 from ..sync.base import Synchronizer
-from ..sync.modes import Sharded, SyncMode, parse_sync, refuse_misplaced_options
-from ..sync.sharded import MESH_DIMS, fsdp_modules, refuse_replicated_options, shard_by_policy
+from ..sync.modes import Sharded, SyncMode, check_setup, parse_sync, refuse_misplaced_options
+from ..sync.sharded.synchronizer import MESH_DIMS, fsdp_modules, shard_by_policy
 from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
 
 START_METHODS = ("popen", "spawn", "fork")
@@ -100,12 +100,13 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         **options: Any,
     ) -> None:
         replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers", "fault_tolerance")
-        refuse_replicated_options(**{key: options.pop(key) for key in replicated if key in options})
+        given = {key: options.pop(key) for key in replicated if key in options}
         refuse_misplaced_options(options)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method = {start_method!r} is invalid; allowed: {', '.join(START_METHODS)}")
         self.components = build_components(compressor, memory, communicator, **options)
         self.sync = parse_sync(sync, self.components)
+        check_setup(self.sync, self.components, Sharded(), replicated_options=given)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.shard_modules = shard_modules
         self.mixed_precision = mixed_precision

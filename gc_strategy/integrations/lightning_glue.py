@@ -111,7 +111,7 @@ class SynchronizerGlue:
             rank_zero_warn(message)
         if self.synchronizer is not None:
             self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
-            self.synchronizer.share_state(loop_state(trainer))
+            self.synchronizer.register_healed(loop_state(trainer))
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.synchronizer is not None and self.synchronizer.votes_on_commit:
@@ -141,6 +141,8 @@ class SynchronizerGlue:
         if trainer.global_step % every:
             return
         metrics = self.synchronizer.telemetry.last.as_metrics()
+        if self.synchronizer.last_round is not None:  # fault tolerance: the round's report
+            metrics.update(self.synchronizer.last_round.as_metrics())
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -195,7 +197,7 @@ class _LoopProgress:
 
 def loop_state(trainer: Any) -> dict[str, Any]:
     """What a replica group joining late takes from a live peer besides the model and optimizers
-    (:meth:`~gc_strategy.sync.base.Synchronizer.share_state`): the Trainer's step counters, so that
+    (:meth:`~gc_strategy.sync.base.Synchronizer.register_healed`): the Trainer's step counters, so that
     ``global_step`` is the same in every group, and each LR scheduler's state."""
     schedulers = {f"lr_scheduler_{i}": config.scheduler for i, config in enumerate(trainer.lr_scheduler_configs)}
     return {"trainer_progress": _LoopProgress(trainer), **schedulers}

@@ -31,9 +31,9 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..components import Components, build_components
-from ..fusion import FilePlanner
 from ..integrations.lightning import GCFusedStrategy
 from ..registry import Option
+from ..sync.modes import check_setup
 from .transform import check_ratio, enable_factorized_loading, factorize, select_layers
 
 #: the warm-up's counts (epochs or steps), each optional
@@ -94,7 +94,9 @@ class PufferfishWarmup(pl.Callback):
                 "keeps references to the old parameters. Use strategy='gc_fused' (compressor='none' is plain "
                 "allreduce) or a single device."
             )
-        if isinstance(strategy, GCFusedStrategy) and isinstance(strategy.components.fusion, FilePlanner):
+        if isinstance(strategy, GCFusedStrategy):  # the conversion switches the roles: refused now where it cannot
+            check_setup(strategy.sync, strategy.components, strategy.placement(), switches_roles=True)
+        if isinstance(strategy, GCFusedStrategy) and strategy.components.fusion.fixes_tensors:
             raise ValueError(
                 f"fusion={strategy.components.fusion.describe()!r} fixes the tensors of the full-rank "
                 "model, which the conversion replaces; use 'auto' or a size-based plan"

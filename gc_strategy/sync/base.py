@@ -1,10 +1,12 @@
 """The one interface of every way of synchronising a data-parallel model: what the Lightning
-strategy, the Accelerate adapter and checkpoints talk to, whatever synchronises underneath (every
-step: :class:`~gc_strategy.sync.every_step.GradientSynchronizer`; every ``H`` steps:
-:class:`~gc_strategy.sync.diloco.DiLoCoSynchronizer`; sharded over nodes:
-:class:`~gc_strategy.sync.sharded.ShardedSynchronizer` and
-:class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo`), each built by its ``sync=`` mode
-(:mod:`gc_strategy.sync.modes`).
+strategy, the Accelerate adapter, the loop adapter and checkpoints talk to, whatever synchronises
+underneath (every step: :class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer`;
+every ``H`` steps: :class:`~gc_strategy.sync.diloco.synchronizer.DiLoCoSynchronizer`; sharded over
+nodes: :class:`~gc_strategy.sync.sharded.synchronizer.ShardedSynchronizer` and
+:class:`~gc_strategy.sync.sharded.diloco.ShardedDiLoCo`; across replica groups that survive each
+other's loss: :class:`~gc_strategy.sync.fault_tolerance.every_step.FaultTolerantSynchronizer` and
+:class:`~gc_strategy.sync.fault_tolerance.diloco.FaultTolerantDiLoCo`), each built by its ``sync=``
+mode (:mod:`gc_strategy.sync.modes`).
 
 A training loop does, on every rank in the same order::
 
@@ -71,20 +73,36 @@ class Synchronizer(ABC):
         """After backward, before the optimizer step: whether to take it (always, by default)."""
         return True
 
-    def finished(self, steps: int, step: int) -> bool:
-        """Whether the run ends with ``steps`` planned and ``step`` taken: there, by default; with
-        fault tolerance where every replica group ends at the same step."""
-        return step >= steps
-
     @property
     def writes_checkpoints(self) -> bool:
         """Whether this process's group writes the checkpoint file (every rank writes its own
         state beside it): always, but with fault tolerance, where one replica group does."""
         return True
 
-    def share_state(self, objects: dict[str, Any]) -> None:  # noqa: B027 (a hook: nothing by default)
-        """Objects with ``state_dict`` and ``load_state_dict`` (optimizers, LR schedules, a loop's
-        counters) that a replica joining late must take from a live peer (fault tolerance)."""
+    def register_healed(self, objects: dict[str, Any]) -> None:  # noqa: B027 (a hook: nothing by default)
+        """Objects with ``state_dict`` and ``load_state_dict`` (LR schedules, a loop's counters)
+        that a replica group healing must take from a live peer, by key (fault tolerance)."""
+
+    @property
+    def last_round(self) -> Any:
+        """Fault tolerance: the last round's report (participants, committed, failed rounds);
+        None otherwise."""
+        return None
+
+    def finished(self, steps: int, step: int) -> bool:
+        """Whether the run ends with ``steps`` planned and ``step`` taken: there, by default; with
+        fault tolerance where every replica group ends at the same step."""
+        return step >= steps
+
+    @property
+    def checkpoint_rank(self) -> int:
+        """The index of this rank's state file beside a checkpoint: its rank, by default."""
+        return self.rank
+
+    @property
+    def checkpoint_world_size(self) -> int:
+        """How many state files a checkpoint holds: the world size, by default."""
+        return self.world_size
 
     def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:  # noqa: B027 (a hook: nothing by default)
         """The training's optimizers, whose states a checkpoint keeps per rank where they differ

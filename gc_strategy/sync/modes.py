@@ -3,7 +3,7 @@ build their own synchroniser.
 
 A sync mode is a :class:`SyncMode` registered by name in :data:`SYNC_MODES`, as the roles are in
 theirs: :class:`EveryStep` averages every optimizer step's gradients (the default); :class:`DiLoCo`
-runs ``inner_steps`` local steps, then a compressed outer step (:mod:`gc_strategy.sync.diloco`). Its
+runs ``inner_steps`` local steps, then a compressed outer step (:mod:`gc_strategy.sync.diloco.synchronizer`). Its
 options, defaults and ranges are declared once, in ``OPTIONS``, and checked as a role's options are,
 before any work, with a message that names the option, the value and what is allowed.
 
@@ -28,18 +28,16 @@ import torch
 from torch import Tensor, nn
 
 from ..components import DEFAULT_FUSION, Components
-from ..fusion.plans import AutoPlanner, FilePlanner
 from ..registry import Configuration, Option, Registry
 from .base import Synchronizer
-from .diloco import DiLoCoSynchronizer
-from .every_step import GradientSynchronizer
-from .fault_tolerant import FaultTolerantSynchronizer, refuse_measured_plan
-from .fault_tolerant_diloco import FaultTolerantDiLoCo, refuse_streaming
-from .hierarchy import NodeHierarchy, hierarchy_of, parse_hierarchy
-from .quorum import FaultTolerance
-from .sharded import ShardedSynchronizer
-from .sharded_diloco import ShardedDiLoCo
-from .torchft_setup import require_torchft
+from .diloco.synchronizer import DiLoCoSynchronizer
+from .every_step.synchronizer import GradientSynchronizer
+from .fault_tolerance.diloco import FaultTolerantDiLoCo
+from .fault_tolerance.every_step import FaultTolerantSynchronizer
+from .fault_tolerance.options import FaultTolerance
+from .paths.hierarchy import NodeHierarchy, hierarchy_of, parse_hierarchy
+from .sharded.diloco import ShardedDiLoCo
+from .sharded.synchronizer import ShardedSynchronizer, refuse_replicated_options
 
 VECTOR_POLICIES = ("bf16", "fp32", "compressed")
 
@@ -52,26 +50,27 @@ def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> Callable[[list[Tenso
 @dataclass(frozen=True)
 class Replicated:
     """Every rank holds the whole model: the synchroniser averages over ``hierarchy`` (``"flat"`` or
-    a :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
+    a :class:`~gc_strategy.sync.paths.hierarchy.NodeHierarchy`), broadcasts rank 0's buffers before each
     forward where ``broadcast_buffers`` and its parameters at the start where
     ``broadcast_from_rank0``, and, where ``find_unused_parameters``, takes steps in which a
     parameter got no gradient (DDP's options). With ``fault_tolerance`` the ranks of this launch are a
-    replica group that the others survive (:mod:`gc_strategy.sync.fault_tolerant`)."""
+    replica group that the others survive (:mod:`gc_strategy.sync.fault_tolerance.every_step`)."""
 
     hierarchy: str | NodeHierarchy = "flat"
     broadcast_buffers: bool = True
     broadcast_from_rank0: bool = True
     find_unused_parameters: bool = False
-    #: replica groups that survive each other's loss (:mod:`gc_strategy.sync.fault_tolerant`)
+    #: replica groups that survive each other's loss (:mod:`gc_strategy.sync.fault_tolerance.every_step`)
     fault_tolerance: FaultTolerance | None = None
 
 
 @dataclass(frozen=True)
 class Sharded:
     """FSDP2 shards the model inside each node of ``mesh``, a ``("replicate", "shard")`` device mesh
-    (:mod:`gc_strategy.sync.sharded`); the model is already ``fully_shard``-ed over ``mesh["shard"]``."""
+    (:mod:`gc_strategy.sync.sharded.synchronizer`); the model is already ``fully_shard``-ed over
+    ``mesh["shard"]`` (None while the setup is only checked)."""
 
-    mesh: Any
+    mesh: Any = None
 
 
 class SyncMode(Configuration):
@@ -96,9 +95,9 @@ class SyncMode(Configuration):
     def check_fault_tolerant(self) -> None:
         """Refuse, before any work, options that fault tolerance cannot serve (none, by default)."""
 
-    def check_replica_group(self, ranks: int) -> None:
-        """Refuse, before any work, fault-tolerant replica groups of ``ranks`` processes that the
-        mode cannot serve (none, by default)."""
+    def check_replica_group(self, ranks: int, name: str = "ranks") -> None:
+        """Refuse, before any work, fault-tolerant replica groups of ``ranks`` processes (the
+        option the caller sets them with: ``name``) that the mode cannot serve (none, by default)."""
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         """The synchroniser of ``module`` with ``components``, placed as ``placement`` says."""
@@ -112,21 +111,22 @@ SYNC_MODES: Registry[SyncMode] = Registry("sync mode")
 @SYNC_MODES.register("every_step")
 class EveryStep(SyncMode):
     """Average the gradients of every optimizer step (``sync="every_step"``): as DDP, through the
-    roles (:class:`~gc_strategy.sync.every_step.GradientSynchronizer`), or across nodes over FSDP2's
-    shards (:class:`~gc_strategy.sync.sharded.ShardedSynchronizer`)."""
+    roles (:class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer`), or across nodes over FSDP2's
+    shards (:class:`~gc_strategy.sync.sharded.synchronizer.ShardedSynchronizer`)."""
 
     fault_tolerant = True
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         if isinstance(placement, Sharded):
             return ShardedSynchronizer(module, components, placement.mesh)
-        c = components
         if placement.fault_tolerance is not None:
             unused = placement.find_unused_parameters
-            return FaultTolerantSynchronizer(module, c, placement.fault_tolerance, find_unused_parameters=unused)
+            return FaultTolerantSynchronizer(
+                module, components, placement.fault_tolerance, find_unused_parameters=unused
+            )
         return GradientSynchronizer(
             module,
-            c,
+            components,
             broadcast_from_rank0=placement.broadcast_from_rank0,
             find_unused_parameters=placement.find_unused_parameters,
             broadcast_buffers=placement.broadcast_buffers,
@@ -195,28 +195,35 @@ class DiLoCo(SyncMode):
                 f"sync=DiLoCo with compressor '{compressor.name}': it alternates its payloads step by step and "
                 "needs consecutive steps' gradients; use e.g. 'powersgd', 'topk' or 'qsgd' for the outer exchange"
             )
-        if isinstance(components.fusion, (AutoPlanner, FilePlanner)):
+        if components.fusion.measured or components.fusion.fixes_tensors:
             raise ValueError(
                 f"sync=DiLoCo with fusion={components.fusion.describe()!r}: automatic and file plans are made for "
                 f"the backward's gradients of the whole model; use a fixed plan (e.g. fusion={DEFAULT_FUSION!r})"
             )
 
     def check_fault_tolerant(self) -> None:
-        refuse_streaming(self)
-
-    def check_replica_group(self, ranks: int) -> None:
-        if ranks > 1:
+        """One outer exchange per round: a group healing between two fragments' exchanges would
+        hold fragments of different outer steps."""
+        if self.fragments != 1 or self.overlap_steps != 0:
             raise ValueError(
-                f"fault_tolerance with sync=DiLoCo: replica groups of {ranks} processes are not supported; allowed: "
-                "1 (each process its own replica group: start more groups instead)"
+                f"fault_tolerance with Streaming DiLoCo (fragments = {self.fragments!r}, overlap_steps = "
+                f"{self.overlap_steps}) is not supported; allowed: fragments=1, overlap_steps=0 (one outer exchange "
+                "per round: a group healing between fragments would hold fragments of different outer steps)"
+            )
+
+    def check_replica_group(self, ranks: int, name: str = "ranks") -> None:
+        if ranks != 1:
+            raise ValueError(
+                f"fault_tolerance with sync=DiLoCo and {name} = {ranks} is not supported; allowed: 1 (each process "
+                "its own replica group: start more groups instead)"
             )
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
-        """Replicated: :class:`~gc_strategy.sync.diloco.DiLoCoSynchronizer` (every replica starts from rank
+        """Replicated: :class:`~gc_strategy.sync.diloco.synchronizer.DiLoCoSynchronizer` (every replica starts from rank
         0's values, and the inner steps use whichever parameters they use: ``broadcast_from_rank0``
         and ``find_unused_parameters`` do not apply); sharded:
-        :class:`~gc_strategy.sync.sharded_diloco.ShardedDiLoCo`; with fault tolerance,
-        :class:`~gc_strategy.sync.fault_tolerant_diloco.FaultTolerantDiLoCo`."""
+        :class:`~gc_strategy.sync.sharded.diloco.ShardedDiLoCo`; with fault tolerance,
+        :class:`~gc_strategy.sync.fault_tolerance.diloco.FaultTolerantDiLoCo`."""
         if isinstance(placement, Sharded):
             return ShardedDiLoCo(module, components, self, placement.mesh)
         if placement.fault_tolerance is not None:
@@ -226,44 +233,71 @@ class DiLoCo(SyncMode):
         )
 
 
-def check_fault_tolerance(
-    fault_tolerance: FaultTolerance | None, mode: SyncMode, hierarchy: Any, components: Components
+#: how the library's callers name the options :func:`check_setup` refuses (the app names its own keys)
+OPTION_NAMES = {
+    "fusion": "option fusion",
+    "hierarchy": "option hierarchy",
+    "find_unused_parameters": "option find_unused_parameters",
+    "broadcast_buffers": "option broadcast_buffers",
+    "fault_tolerance": "option fault_tolerance",
+    "sharding": "sharding",
+    "nodes": "num_nodes",
+    "ranks": "devices",
+}
+
+
+def check_setup(
+    mode: SyncMode,
+    components: Components,
+    placement: Replicated | Sharded,
+    ranks: int | None = None,
+    nodes: int = 1,
+    switches_roles: bool = False,
+    replicated_options: dict[str, Any] | None = None,
+    names: dict[str, str] | None = None,
 ) -> None:
-    """Refuse, before any work, what fault tolerance cannot serve: a mode that does not build a
-    fault-tolerant synchroniser, a hierarchy (a replica group's ranks reduce inside the group on
-    their own), a measured fusion plan, or a missing torchft."""
+    """Every refusal made before any work, in one place for every integration and the app: the roles
+    the mode cannot serve; roles switched during the run (a baseline phase, a Pufferfish conversion)
+    where the mode's or the placement's state is made for the roles it started with; sharded, the
+    options of replicated training given (``replicated_options``); with fault tolerance, a mode
+    without it, options it cannot serve (the mode's, its own:
+    :meth:`~gc_strategy.sync.fault_tolerance.options.FaultTolerance.check`) and, where the launch's
+    ``ranks`` per machine and ``nodes`` are known, a replica group it cannot serve. ``names``: how
+    the caller names the options (:data:`OPTION_NAMES`), for the messages."""
+    names = {**OPTION_NAMES, **(names or {})}
+    mode.check(components)
+    replicated = isinstance(placement, Replicated)
+    fault_tolerance = placement.fault_tolerance if replicated else None
+    if switches_roles and (mode.fixed_roles or not replicated or fault_tolerance is not None):
+        why = "its state" if mode.fixed_roles else "sharding's" if not replicated else "fault tolerance's"
+        raise ValueError(
+            "switch_components (a baseline phase, a Pufferfish conversion) is not supported with "
+            f"sync={mode!r}{'' if replicated else ', sharded'}{', fault_tolerance' if fault_tolerance else ''}: "
+            f"{why} is made for the model and roles the run started with"
+        )
+    if not replicated:
+        refuse_replicated_options(names, **(replicated_options or {}))
+        return
+    parse_hierarchy(placement.hierarchy)
     if fault_tolerance is None:
         return
     if not isinstance(fault_tolerance, FaultTolerance):
         raise ValueError(
-            f"option fault_tolerance = {fault_tolerance!r} is invalid; allowed: None or "
+            f"{names['fault_tolerance']} = {fault_tolerance!r} is invalid; allowed: None or "
             "FaultTolerance(lighthouse=..., replica_group=...)"
         )
     if not mode.fault_tolerant:
         allowed = sorted(name for name in SYNC_MODES.names() if SYNC_MODES.get(name).fault_tolerant)
         raise ValueError(f"fault_tolerance with sync={mode.name!r} is not supported; allowed: sync in {allowed}")
     mode.check_fault_tolerant()
-    if parse_hierarchy(hierarchy) is not None:
-        raise ValueError(
-            f"fault_tolerance with hierarchy = {hierarchy!r} is invalid; allowed: 'flat' (a replica group of several "
-            "ranks reduces inside the group and exchanges across groups on its own)"
-        )
-    refuse_measured_plan(components)
-    require_torchft()
-
-
-def check_replica_group(fault_tolerance: FaultTolerance | None, mode: SyncMode, ranks: int, nodes: int) -> None:
-    """Refuse, before any process starts, a fault-tolerant replica group of ``ranks`` processes per
-    machine on ``nodes`` machines that cannot be served: one that spans machines (its ranks meet
-    at the group's store on their own machine's address), or one the mode cannot serve."""
-    if fault_tolerance is None:
-        return
+    fault_tolerance.check(components, placement.hierarchy)
     if nodes != 1:
         raise ValueError(
-            f"fault_tolerance with num_nodes = {nodes} is not supported; allowed: 1 (a replica group is the ranks "
-            "of one machine: start a group per machine, each with its own replica_group)"
+            f"fault_tolerance with {names['nodes']} = {nodes} is not supported; allowed: 1 (a replica group is the "
+            "ranks of one machine: start a group per machine, each with its own replica_group)"
         )
-    mode.check_replica_group(ranks)
+    if ranks is not None:
+        mode.check_replica_group(ranks, names["ranks"])
 
 
 def parse_sync(sync: Any, components: Components) -> SyncMode:
@@ -318,3 +352,42 @@ def refuse_misplaced_options(options: dict[str, Any]) -> None:
             raise ValueError(
                 f"{key} is an option of the hierarchy; pass hierarchy=NodeHierarchy({name}={options[key]!r})"
             )
+
+
+#: SparseLoCo's chunk and its entries kept per chunk (Sarfi et al. 2025: 64 of every 4096, 1.6%)
+SPARSELOCO_CHUNK, SPARSELOCO_KEPT = 4096, 64
+
+
+def sparseloco(
+    inner_steps: int,
+    density: float = SPARSELOCO_KEPT / SPARSELOCO_CHUNK,
+    chunk: int = SPARSELOCO_CHUNK,
+    value_bits: int = 2,
+    beta: float = 0.95,
+    outer_lr: float = 1.0,
+    **diloco: Any,
+) -> dict[str, Any]:
+    """SparseLoCo (Sarfi et al. 2025, "Communication Efficient LLM Pre-training with SparseLoCo"):
+    DiLoCo whose pseudo-gradients ``Δ`` travel as chunked top-k with ``value_bits``-bit values,
+    with error feedback that decays by ``β`` in place of the outer momentum:
+
+        e ← β e + Δ        c = Q(TopK_chunk(e))        e ← e − c        θ ← θ − α (1/N) Σ_nodes c
+
+    (``Q``: :class:`~gc_strategy.algos.topk.TopK`'s ``value_bits``; the memory is ``residual``
+    with ``beta``; the outer optimizer plain SGD at ``outer_lr = α``). Why: the error feedback
+    already accumulates past pseudo-gradients, as the outer momentum would, and the payload is
+    about ``density × (value_bits + 16)`` bits per element (2-byte in-chunk indices for chunks of
+    up to 32768, and a 32-bit scale per chunk). ``diloco``: further :class:`DiLoCo` options
+    (``vectors``, ``offload``)::
+
+        GCFSDPStrategy(**sparseloco(inner_steps=30))
+    """
+    return {
+        "sync": DiLoCo(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=0.0, **diloco),
+        "compressor": "topk",
+        "density": density,
+        "chunk": chunk,
+        "value_bits": value_bits,
+        "memory": "residual",
+        "beta": beta,
+    }

@@ -46,11 +46,11 @@ import torch
 
 from ..communicators import EAGER_AFTER_BYTES
 from ..components import build_components, parse_options
-from ..fusion.plans import AutoPlanner, FusionPlanner
+from ..fusion.plans import FusionPlanner
 from ..fusion.timeline import Cost, CostModel, Node, best_plan, simulate
 from ..fusion.topology import Link, Topology, bytes_across_nodes, exchange_seconds, parse_rate
-from ..sync.autotune import TRIAL_PLANS
-from ..sync.hierarchy import hierarchy_of
+from ..sync.every_step.autotune import TRIAL_PLANS
+from ..sync.paths.hierarchy import hierarchy_of
 from .advise_measure import (
     EXCHANGE_BYTES,
     EXCHANGE_SPANS,
@@ -81,7 +81,7 @@ def predict(
 ) -> float:
     """The timeline model's step time of one profiled configuration on ``topology``, bucketed as
     ``cut`` (tensors per bucket; None: ``fusion="auto"``, which keeps the fastest measured of the
-    plan it searches and the plans it tries (:mod:`gc_strategy.sync.autotune`), here the fastest simulated of
+    plan it searches and the plans it tries (:mod:`gc_strategy.sync.every_step.autotune`), here the fastest simulated of
     the same plans), with encode and decode times times ``codec_scale``. With ``hierarchy="node"`` each
     bucket is coded by its owner alone, and the step is the latest rank's
     (:class:`~gc_strategy.fusion.timeline.Node`). On ``cpu`` ranks the collectives also take compute
@@ -306,7 +306,7 @@ def _plan(options: dict[str, Any], numels: list[int]) -> list[int] | None:
     """Tensors per bucket as the configuration's fusion planner cuts fp32 gradients of ``numels``
     elements; None for ``fusion=auto``, whose plan the model chooses (:func:`predict`)."""
     planner = build_components(**roles(options)).fusion
-    return None if isinstance(planner, AutoPlanner) else _cut(planner, numels)
+    return None if planner.measured else _cut(planner, numels)
 
 
 def _cut(planner: FusionPlanner, numels: list[int]) -> list[int]:

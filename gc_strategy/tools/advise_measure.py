@@ -1,6 +1,6 @@
 """What the advisor (:mod:`gc_strategy.tools.advise`) measures on this machine: each configuration's
 exchange on sample buckets of a model (payload bytes, rounds, encode and decode time at the target's
-world size, through :class:`Replicas`, with :mod:`gc_strategy.sync.profiler`'s sample buckets and
+world size, through :class:`Replicas`, with :mod:`gc_strategy.sync.paths.profiler`'s sample buckets and
 exchange timing, the same that ``fusion="auto"`` uses), the backward's gradient-ready times, and a
 cluster of CPU ranks like this machine's (:mod:`gc_strategy.tools.contention`). Its models are random-weight
 instances of :data:`MODELS`: only their shapes and compute time matter.
@@ -21,7 +21,7 @@ from ..communicators import Communicator, Exchange, Payload, Round
 from ..components import Components, build_components
 from ..fusion.timeline import Cost
 from ..fusion.topology import Link
-from ..sync.profiler import sample_buckets, time_exchange
+from ..sync.paths.profiler import sample_buckets, time_exchange
 from . import contention
 
 #: timed runs of each sample bucket after one warm-up run; the median is kept
@@ -82,7 +82,7 @@ def profile(options: dict[str, Any], shapes: dict[str, torch.Size], world_size: 
     """Measure one configuration (``GCFusedStrategy`` options) on buckets cut from ``shapes``
     (gradient-ready order), as it runs among ``world_size`` ranks (for ``hierarchy="node"``: nodes).
     With ``node_precision="bf16"`` also the casts around the node's collectives, as
-    :func:`~gc_strategy.sync.hierarchy.node_exchange` makes them: the fp32 bucket rounded to bf16 and the
+    :func:`~gc_strategy.sync.paths.hierarchy.node_exchange` makes them: the fp32 bucket rounded to bf16 and the
     bf16 bucket copied back into fp32."""
     components = build_components(**roles(options))
     compressor, memory, sums = components.compressor, components.memory, components.communicator.sums

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..sync.hierarchy import node_groups
+from ..sync.paths.hierarchy import node_groups
 from .ranks import run_ranks
 
 #: the collectives: the hierarchy's reduce onto a group's first rank and broadcast from it, and the

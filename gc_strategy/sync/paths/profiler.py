@@ -1,5 +1,5 @@
 """The costs of a synchroniser's roles, measured on this rank with real collectives: how
-``fusion="auto"`` (:mod:`gc_strategy.sync.autotune`) and the benchmarks time an exchange.
+``fusion="auto"`` (:mod:`gc_strategy.sync.every_step.autotune`) and the benchmarks time an exchange.
 
 :func:`time_exchange` runs one bucket's exchange as the synchroniser runs it and times its parts;
 :func:`measure_costs` samples bucket sizes from one tensor to the whole model and returns the cost
@@ -16,24 +16,24 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..algos import Compressor, Memory
-from ..bucket import Bucket
-from ..communicators import Communicator, RunningExchange
-from ..components import Components, build_components
-from ..fusion.plans import AutoPlanner
+from ...algos import Compressor, Memory
+from ...bucket import Bucket
+from ...communicators import Communicator, RunningExchange
+from ...components import Components, build_components
+from ...fusion.plans import AutoPlanner
 
 #: timed runs per sample bucket (after one warm-up run, the samples interleaved); the median is kept
 RUNS = 5
 
 
 class TimedRoute(Protocol):
-    """What the profiler uses of a :class:`~gc_strategy.sync.routes.Route`."""
+    """What the profiler uses of a :class:`~gc_strategy.sync.paths.routes.Route`."""
 
     def timed_exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes: ...
 
 
 class TunedLayout(Protocol):
-    """What the tuner and the profiler use of a :class:`~gc_strategy.sync.layout.BucketLayout`."""
+    """What the tuner and the profiler use of a :class:`~gc_strategy.sync.every_step.layout.BucketLayout`."""
 
     #: the parameters' names in bucket order, and how many of them each bucket holds
     order: list[str]
@@ -47,7 +47,7 @@ class TunedLayout(Protocol):
 
 
 class TunedSynchronizer(Protocol):
-    """What the tuner and the profiler use of a :class:`~gc_strategy.sync.every_step.GradientSynchronizer`:
+    """What the tuner and the profiler use of a :class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer`:
     its public API."""
 
     compressor: Compressor
@@ -107,7 +107,7 @@ def measure_costs(
     ``gradients`` (flat local gradients by parameter name; zeros where one is missing); and whether
     the exchange has an eager round (then it waits for the synchroniser to advance it).
 
-    Each sample runs as the synchroniser's route runs it (:meth:`~gc_strategy.sync.routes.Route.timed_exchange`);
+    Each sample runs as the synchroniser's route runs it (:meth:`~gc_strategy.sync.paths.routes.Route.timed_exchange`);
     with ``hierarchy="node"`` only the owners report times, so the maximum across ranks is theirs."""
     roles = synchronizer.roles.fresh()
     roles.bind(synchronizer.communicator.group)  # the route's group: across nodes with hierarchy="node"

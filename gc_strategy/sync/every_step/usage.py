@@ -1,12 +1,11 @@
 """Which parameters took part in a synchronised step, and what ``find_unused_parameters`` makes of
-it (the semantics of ``DistributedDataParallel``: :mod:`gc_strategy.sync.every_step`'s docstring)."""
+it (the semantics of ``DistributedDataParallel``: :mod:`gc_strategy.sync.every_step.synchronizer`'s docstring)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .layout import BucketLayout
@@ -19,10 +18,11 @@ class Usage:
     A parameter counts as used on a rank when its gradient arrived in this backward (``filled``) or
     in a ``no_sync`` backward since the last synchronisation (``accumulated``, with a ``.grad``). One
     that did not contributes its ``.grad`` where it has one (as DDP does), else zeros. Where usage
-    across ranks must be known, one allreduce of the per-parameter flags over
-    ``group`` (``world_size`` ranks) follows the launch of every bucket, at the same point of the
-    collective order on every rank: with ``find_unused_parameters``, and in the ``first`` step. ``layout``
-    holds the buckets, their buffers and the roles.
+    across ranks must be known, one sum of the per-parameter flags along ``layout``'s route (over
+    its ``world_size`` ranks: :meth:`~gc_strategy.sync.paths.routes.Route.sum_counts`) follows the
+    launch of every bucket, at the same point of the collective order on every rank: with
+    ``find_unused_parameters``, and in the ``first`` step. ``layout`` holds the buckets, their
+    buffers, the roles and the route.
     """
 
     def __init__(
@@ -32,14 +32,13 @@ class Usage:
         accumulated: list[bool],
         find_unused_parameters: bool,
         first: bool,
-        group: Any,
         world_size: int,
     ) -> None:
         self.layout, self.filled = layout, filled
         self.used = [f or (a and p.grad is not None) for f, a, p in zip(filled, accumulated, layout.params)]
         self.find_unused_parameters = find_unused_parameters
         self.global_check = find_unused_parameters or first
-        self.group, self.world_size = group, world_size
+        self.world_size = world_size
         self._count: Tensor | None = None
         self._work: Any = None
         #: (parameter index, bucket, slot) of each parameter this rank did not use ->
@@ -77,7 +76,7 @@ class Usage:
         if not self.global_check or self.world_size == 1:
             return
         self._count = torch.tensor(self.used, dtype=torch.int32, device=self.layout.device)
-        self._work = dist.all_reduce(self._count, group=self.group, async_op=True)
+        self._work = self.layout.route.sum_counts(self._count)
 
     def unused_by_all(self) -> set[int]:
         """Parameters no rank used (where that is known: with the allreduce, or at world size 1),

@@ -3,7 +3,7 @@
 A :class:`Route` runs a bucket's exchange through the roles over its process groups, places the
 buckets on the ranks that compress them, and says which rank keeps a bucket's per-element state.
 :class:`FlatRoute` exchanges among all ranks of one process group; the hierarchy's
-:class:`~gc_strategy.sync.hierarchy.NodeRoute` reduces inside each node and compresses across nodes.
+:class:`~gc_strategy.sync.paths.hierarchy.NodeRoute` reduces inside each node and compresses across nodes.
 The synchronizer, its bucket layout and the profiler ask their route; none of them branches on the
 topology.
 """
@@ -14,11 +14,12 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..bucket import Bucket
-from ..communicators import Exchange
-from ..components import Components
+from ...bucket import Bucket
+from ...communicators import Exchange
+from ...components import Components
 from .profiler import ExchangeTimes, time_exchange
 
 
@@ -42,6 +43,11 @@ class Route(ABC):
         compress the new cut need it (a collective where buckets change owners)."""
         return state
 
+    def sum_counts(self, counts: Tensor) -> Any:
+        """Sum ``counts`` (the usage flags) in place over every rank whose exchanges this route
+        joins, asynchronously: the returned work's ``wait()`` ends it."""
+        return dist.all_reduce(counts, group=self.group, async_op=True)
+
     @abstractmethod
     def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
         """One bucket's exchange through ``roles`` along this route: returns ``(average, finite)``
@@ -49,7 +55,7 @@ class Route(ABC):
 
     @abstractmethod
     def timed_exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> ExchangeTimes:
-        """One sample bucket's exchange timed as :func:`~gc_strategy.sync.profiler.measure_costs` counts it."""
+        """One sample bucket's exchange timed as :func:`~gc_strategy.sync.paths.profiler.measure_costs` counts it."""
 
 
 class FlatRoute(Route):

@@ -1,5 +1,5 @@
 """A replica group's place in torchft's quorums, shared by the fault-tolerant synchronisers
-(:mod:`gc_strategy.sync.fault_tolerant`: every step; :mod:`gc_strategy.sync.fault_tolerant_diloco`:
+(:mod:`gc_strategy.sync.fault_tolerance.every_step`: every step; :mod:`gc_strategy.sync.fault_tolerance.diloco`:
 every outer step). docs/fault_tolerance.md.
 
 A *replica group* is a set of ranks that live and die together: one process, or the ranks of one
@@ -19,12 +19,9 @@ torchft's vote (:meth:`Quorum.vote`) then says, on every participant, not to com
 from __future__ import annotations
 
 import os
-import socket
 import time
-import urllib.parse
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -32,100 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..bucket import Bucket
-from ..communicators import Exchange, Round
-from ..components import Components
-from .hierarchy import NodeGroups, NodeRoute, node_exchange
-from .routes import FlatRoute, Route
+from ...bucket import Bucket
+from ...communicators import Exchange, Round
+from ...components import Components
+from ..paths.hierarchy import NodeGroups, NodeRoute, node_exchange
+from ..paths.routes import FlatRoute, Route
+from .lighthouse import reach_lighthouse
+from .options import FaultTolerance
 from .torchft_setup import checkpoint_transport, require_torchft
-
-
-@dataclass(frozen=True)
-class FaultTolerance:
-    """Where the lighthouse is and which replica group this process is.
-
-    ``lighthouse``: the lighthouse's address (``http://HOST:PORT``; ``torchft_lighthouse`` prints
-    it). ``replica_group``: this group's id, 0 to ``groups - 1`` (a group that comes back uses its
-    old id); ``groups``: how many the run is planned with, the shards the data is split into (group
-    ``g`` reads shard ``g``; the integrations' samplers do so). ``min_replicas``: the fewest groups a
-    step commits with. ``timeout_s``: the bound on a collective, the commit vote and a healing
-    transfer; ``quorum_timeout_s``: on waiting for a quorum. ``host``: the address the peers reach
-    this group's manager and store at (a healing peer fetches state from it)."""
-
-    lighthouse: str
-    replica_group: int
-    groups: int = 1
-    min_replicas: int = 1
-    timeout_s: float = 30.0
-    quorum_timeout_s: float = 120.0
-    host: str = socket.gethostname()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lighthouse, str) or not self.lighthouse.startswith(("http://", "https://")):
-            raise ValueError(
-                f"fault_tolerance: lighthouse = {self.lighthouse!r} is invalid; allowed: the lighthouse's address "
-                "as http://HOST:PORT (torchft_lighthouse prints it)"
-            )
-        for name, low in (("replica_group", 0), ("groups", 1), ("min_replicas", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: an integer >= {low}")
-        if self.replica_group >= self.groups:
-            raise ValueError(
-                f"fault_tolerance: replica_group = {self.replica_group} is invalid with groups = {self.groups}; "
-                f"allowed: 0 to {self.groups - 1}"
-            )
-        for name in ("timeout_s", "quorum_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"fault_tolerance: {name} = {value!r} is invalid; allowed: a number of seconds > 0")
-
-
-#: how long a lighthouse's port may refuse connections before it is reported (one starting with
-#: the groups opens it within that)
-REFUSED_S = 3.0
-
-
-class LighthouseUnreachable(ConnectionError):
-    """The lighthouse's address refuses connections, does not resolve, or does not answer."""
-
-
-def reach_lighthouse(options: FaultTolerance) -> None:
-    """Connect to ``options.lighthouse`` once, before torchft's manager does, and report at once
-    what cannot change: an address that refuses connections (nothing listens there) within
-    :data:`REFUSED_S`, a host name that does not resolve at once; an address that does not answer
-    (a dropped packet, a host that is down) after ``timeout_s``. torchft's manager would wait
-    ``timeout_s`` in every case, then fail naming neither."""
-    url = urllib.parse.urlsplit(options.lighthouse)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    start = time.monotonic()
-    deadline, refused_since = start + options.timeout_s, None
-    fix = "start it first (torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000) or correct lighthouse="
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1)).close()
-            return
-        except socket.gaierror as error:
-            raise LighthouseUnreachable(
-                f"fault_tolerance: the lighthouse's host {host!r} (lighthouse = {options.lighthouse!r}) is unknown "
-                f"({error}); correct lighthouse="
-            ) from None
-        except ConnectionRefusedError:
-            refused_since = refused_since or time.monotonic()
-        except OSError:  # no answer yet, or no route
-            refused_since = None
-        now = time.monotonic()
-        if refused_since is not None and (now - refused_since >= REFUSED_S or now >= deadline):
-            raise LighthouseUnreachable(
-                f"fault_tolerance: the lighthouse at {options.lighthouse} refused the connection for "
-                f"{now - refused_since:.1f} s (nothing listens at {host}:{port}); {fix}"
-            )
-        if now >= deadline:
-            raise LighthouseUnreachable(
-                f"fault_tolerance: the lighthouse at {options.lighthouse} did not answer within timeout_s = "
-                f"{options.timeout_s} s; {fix}"
-            )
-        time.sleep(0.2)
 
 
 class StepFailure:
@@ -184,9 +95,38 @@ def guarded(inner: Exchange, flat: Tensor, failure: StepFailure) -> Exchange:
         return flat, None
 
 
+class GuardedWork:
+    """A collective's work whose ``wait`` reports a failure instead of raising; ``counts`` then
+    holds this rank's own values (the round will not commit)."""
+
+    def __init__(self, work: Any, counts: Tensor, failure: StepFailure) -> None:
+        self.work, self.counts, self.failure = work, counts, failure
+        self.own = counts.clone()
+
+    def wait(self) -> None:
+        try:
+            if self.work is not None:
+                self.work.wait()
+        except Exception as error:  # a peer died
+            self.failure.report(error)
+        if self.failure.failed:
+            self.counts.copy_(self.own)
+
+
+def guarded_sum(counts: Tensor, group: Any, failure: StepFailure) -> GuardedWork:
+    """``counts`` summed over ``group`` asynchronously, guarded (skipped after a failure)."""
+    work = None
+    if not failure.failed:
+        try:
+            work = dist.all_reduce(counts, group=group, async_op=True)
+        except Exception as error:  # issuing it on a broken group
+            failure.report(error)
+    return GuardedWork(work, counts, failure)
+
+
 class QuorumRoute(FlatRoute):
     """Groups of one rank: every participating group exchanges with every other over ``quorum``'s
-    process group, each exchange guarded by the round's :class:`StepFailure`."""
+    process group, each collective guarded by the round's :class:`StepFailure`."""
 
     def __init__(self, quorum: Quorum) -> None:
         super().__init__(quorum.group)
@@ -195,9 +135,12 @@ class QuorumRoute(FlatRoute):
     def exchange(self, flat: Tensor, bucket: Bucket, roles: Components) -> Exchange:
         return guarded(super().exchange(flat, bucket, roles), flat, self.quorum.failure)
 
+    def sum_counts(self, counts: Tensor) -> GuardedWork:
+        return guarded_sum(counts, self.group, self.quorum.failure)
+
 
 class QuorumNodeRoute(NodeRoute):
-    """Groups of several ranks (:mod:`gc_strategy.sync.hierarchy`'s exchange, a group as a node):
+    """Groups of several ranks (:mod:`gc_strategy.sync.paths.hierarchy`'s exchange, a group as a node):
     each bucket is reduced onto its owner inside the group, exchanged by the owners across the
     groups over ``quorum``'s process group (the same local rank of every group; guarded), and
     broadcast back inside the group. The collectives inside the group run whatever happened across,
@@ -213,6 +156,12 @@ class QuorumNodeRoute(NodeRoute):
             return guarded(roles.exchange(flat, bucket), flat, self.quorum.failure)
 
         return node_exchange(flat, bucket, roles, self.groups, self.owners[bucket.index], across=across)
+
+    def sum_counts(self, counts: Tensor) -> GuardedWork:
+        """Inside the group (every rank of it, whatever happened across), then across the groups
+        (guarded)."""
+        dist.all_reduce(counts, group=self.groups.intra)
+        return guarded_sum(counts, self.group, self.quorum.failure)
 
 
 def quorum_route(quorum: Quorum) -> Route:
@@ -334,7 +283,7 @@ class Quorum:
                 "were lost), and min_replicas = 1 lets a round commit with it alone. To wait for peers instead, "
                 "set min_replicas to the fewest groups a step should have (e.g. 2)",
                 RuntimeWarning,
-                stacklevel=4,  # the loop's call of start_step
+                stacklevel=5,  # the loop's call of start_step
             )
         self._alone = alone
 
@@ -379,15 +328,28 @@ class Quorum:
                 "more groups or lower min_replicas"
             )
 
-    def sum(self, tensor: Tensor) -> None:
-        """``tensor`` summed in place over the participants, guarded as the exchanges are (after a
-        failure its value is meaningless: the round will not commit)."""
+    def sum(self, value: float) -> float:
+        """``value`` summed over the participants, guarded as the exchanges are (after a failure the
+        sum is meaningless: the round will not commit)."""
+        tensor = torch.tensor([value], dtype=torch.float64)
+        if not self.failure.failed:
+            try:
+                dist.all_reduce(tensor, group=self.group, async_op=True).wait()
+            except Exception as error:  # a peer died
+                self.failure.report(error)
+        return tensor.item()
+
+    def guard(self, collective: Callable[[], Any]) -> bool:
+        """Run ``collective`` over the quorum's group (several collectives, or work that issues
+        them); where a peer died in it, report the failure instead of raising. Whether it succeeded."""
         if self.failure.failed:
-            return
+            return False
         try:
-            dist.all_reduce(tensor, group=self.group, async_op=True).wait()
+            collective()
         except Exception as error:  # a peer died
             self.failure.report(error)
+            return False
+        return True
 
     def vote(self) -> bool:
         """torchft's vote: True where every participant's round succeeded."""

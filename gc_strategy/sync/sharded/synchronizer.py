@@ -13,7 +13,7 @@ ranks holding shard ``s`` on the other nodes (the mesh's ``"replicate"`` dimensi
 
 which, with ``compressor="none"``, is native HSDP's ``(1/W) Σ_ranks g_s``. Each FSDP module's reduced
 shard is one bucket of the roles, laid out as the shards of the parameters that reduction holds
-(:mod:`gc_strategy.sync.sharded_layout`: FSDP2 leaves out a frozen parameter, and one that got no gradient
+(:mod:`gc_strategy.sync.sharded.layout`: FSDP2 leaves out a frozen parameter, and one that got no gradient
 in this step), each a matrix for PowerSGD and ACP-SGD; its error-feedback and compressor state cover
 this rank's shard alone, ``1/S`` of the module, and follow each parameter from reduction to
 reduction. Every rank of a replicate group holds the same shard of the same module and runs the
@@ -27,7 +27,7 @@ average is written into FSDP2's buffer, which FSDP2 then views as each parameter
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..bucket import Bucket, split_by_parameter
-from ..communicators import RunningExchange
-from ..components import DEFAULT_FUSION, Components
-from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
-from .base import Synchronizer
-from .sharded_layout import ReducedParameters
-from .state import resharded
+from ...bucket import Bucket, split_by_parameter
+from ...communicators import RunningExchange
+from ...components import DEFAULT_FUSION, Components
+from ...telemetry import StepTelemetry, TelemetryLog, add_exchange
+from ..base import Synchronizer
+from ..every_step.state import resharded
+from .layout import ReducedParameters
 
 #: the mesh dimensions: across nodes (the compressed exchange) and inside a node (FSDP2's shards)
 MESH_DIMS = ("replicate", "shard")
@@ -109,6 +109,7 @@ def shard_by_policy(
 
 
 def refuse_replicated_options(
+    names: Mapping[str, str],
     fusion: Any = DEFAULT_FUSION,
     hierarchy: Any = "flat",
     find_unused_parameters: Any = False,
@@ -116,7 +117,8 @@ def refuse_replicated_options(
     fault_tolerance: Any = None,
 ) -> None:
     """Refuse, before any work, the options of replicated training that sharded training does not
-    take (through ``gc_fsdp`` and Accelerate alike)."""
+    take (through ``gc_fsdp``, Accelerate and the app alike), each named as the caller calls it
+    (``names``: ``{"fusion": "option fusion", "sharding": "sharding", ...}``)."""
     require_fsdp2_hook()
     refused = (
         ("fusion", fusion, fusion != DEFAULT_FUSION, f"{DEFAULT_FUSION!r} (each FSDP2 module's shard is one bucket)"),
@@ -138,7 +140,7 @@ def refuse_replicated_options(
     )
     for name, value, wrong, allowed in refused:
         if wrong:
-            raise ValueError(f"option {name} = {value!r} is invalid with sharding; allowed: {allowed}")
+            raise ValueError(f"{names[name]} = {value!r} is invalid with {names['sharding']}; allowed: {allowed}")
 
 
 def check_sharded_model(module: nn.Module, mesh: Any) -> list[tuple[str, nn.Module]]:
@@ -219,7 +221,7 @@ class ShardedSynchronizer(Synchronizer):
 
     def _bucket(self, b: int, shard: Tensor) -> Bucket:
         """FSDP module ``b``'s bucket: its flat shard, seen as the shards of the parameters this
-        reduction holds (:class:`~gc_strategy.sync.sharded_layout.ReducedParameters`; row-shards, each a
+        reduction holds (:class:`~gc_strategy.sync.sharded.layout.ReducedParameters`; row-shards, each a
         matrix, for a compressor of matrices). Where they are other parameters than last time, the
         roles' per-element state follows the parameters: a parameter left out keeps its state for
         the reduction that next holds it."""
@@ -310,7 +312,7 @@ class ShardedSynchronizer(Synchronizer):
 
     def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
         """Start from a run on another number of nodes of as many ranks: the resharding rule of the
-        replicated synchroniser (:func:`~gc_strategy.sync.state.resharded`) over the old
+        replicated synchroniser (:func:`~gc_strategy.sync.every_step.state.resharded`) over the old
         nodes' ranks that held this rank's shard, ``e_s = (1/N) Σ_nodes e_{n,s}``, so the correction
         the nodes apply together is the old one."""
         self.load_state_dict({**resharded(same_shard(states, self.place)), "shard": self.place})

@@ -1,8 +1,8 @@
 """``fusion="auto"``: profile the first steps of training, fit the timeline model, search the best plan.
 
-The :class:`AutoTuner` serves a :class:`~gc_strategy.sync.every_step.GradientSynchronizer` whose
+The :class:`AutoTuner` serves a :class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer` whose
 planner is an :class:`~gc_strategy.fusion.plans.AutoPlanner` (``auto:S``), through the synchroniser's
-public API only (:class:`~gc_strategy.sync.profiler.TunedSynchronizer`: its roles, process group, bucket
+public API only (:class:`~gc_strategy.sync.paths.profiler.TunedSynchronizer`: its roles, process group, bucket
 order and sizes, and ``rebucket``); the planning itself (plans, timeline model, search) is
 :mod:`gc_strategy.fusion`, which knows no synchroniser. Once the gradient-ready order is known:
 
@@ -17,7 +17,7 @@ order and sizes, and ``rebucket``); the planning itself (plans, timeline model, 
    of the last settling step: what the compressor sees in training, not the averages that ``.grad``
    holds after a synchronised step) at sizes spread geometrically from one tensor to the whole model:
    the *shape* of the cost curves. With ``hierarchy="node"`` each sample runs the whole node
-   exchange (:func:`~gc_strategy.sync.profiler.measure_costs`).
+   exchange (:func:`~gc_strategy.sync.paths.profiler.measure_costs`).
 3. **Trials**, ``S`` steps each with a few fixed plans of different granularity (:data:`TRIAL_PLANS`):
    real step times of real plans in this training run.
 4. **Fit and search**: the compression and communication curves are scaled by the two factors under
@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..communicators import EAGER_AFTER_BYTES
-from ..fusion.plans import AutoPlanner, GroupsPlanner, LayerwisePlanner, SinglePlanner, SizeCapPlanner
-from ..fusion.timeline import Cost, CostModel, best_plan, simulate
-from .profiler import TunedSynchronizer, measure_costs
+from ...communicators import EAGER_AFTER_BYTES
+from ...fusion.plans import AutoPlanner, GroupsPlanner, LayerwisePlanner, SinglePlanner, SizeCapPlanner
+from ...fusion.timeline import Cost, CostModel, best_plan, simulate
+from ..paths.profiler import TunedSynchronizer, measure_costs
 
 #: fixed plans whose predicted times the report lists next to the chosen one
 REFERENCE_PLANS = [LayerwisePlanner(), SinglePlanner(), GroupsPlanner(4), GroupsPlanner(16), SizeCapPlanner(25)]

@@ -9,7 +9,7 @@ parameters, identical on every rank, and ``θ_r`` replica ``r``'s after ``H`` in
     θ  ← OuterOpt(θ, Δ̄)                               (SGD with Nesterov momentum, lr 0.7, momentum 0.9)
     θ_r ← θ                                           (every rank continues from the same values)
 
-The exchange of ``Δ`` is a :class:`~gc_strategy.sync.every_step.GradientSynchronizer` with
+The exchange of ``Δ`` is a :class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer` with
 ``on_backward=False``: the configured compressor, memory and communicator over fused buckets, and
 the hierarchy where on. Error feedback therefore acts on ``Δ``: what compression dropped from one
 outer step's pseudo-gradient is added to the next one's.
@@ -50,15 +50,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..components import Components, build_components
-from ..fusion import parse_fusion
-from ..fusion.fragments import fragments_to_overlap
-from ..registry import Configuration
-from ..telemetry import StepTelemetry, TelemetryLog, add_into
-from .base import Synchronizer
-from .collectives import average_buffers
-from .every_step import GradientSynchronizer
-from .hierarchy import NodeHierarchy
+from ...components import Components, build_components
+from ...fusion import parse_fusion
+from ...fusion.fragments import fragments_to_overlap
+from ...registry import Configuration
+from ...telemetry import StepTelemetry, TelemetryLog, add_into
+from ..base import Synchronizer
+from ..every_step.synchronizer import GradientSynchronizer
+from ..paths.collectives import average_buffers
+from ..paths.hierarchy import NodeHierarchy
 
 STATE_FORMAT = "diloco-1"
 
@@ -101,7 +101,7 @@ class _Fragment:
 class DiLoCoSynchronizer(Synchronizer):
     """Synchronise ``module`` as ``config`` (:class:`~gc_strategy.sync.modes.DiLoCo`) says: every
     ``inner_steps`` optimizer steps (see the module's docstring), over ``hierarchy`` (as for
-    :class:`~gc_strategy.sync.every_step.GradientSynchronizer`).
+    :class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer`).
 
     Call :meth:`after_optimizer_step` after every inner optimizer step on every rank (the Lightning
     strategy and the Accelerate integration do).
@@ -294,6 +294,53 @@ class DiLoCoSynchronizer(Synchronizer):
         self.step += 1
         if self.broadcast_buffers and self.world_size > 1:
             average_buffers(list(self.module.buffers()), self.process_group)
+
+    # ------------------------------------------------------------------ one outer exchange, driven from outside
+    def exchange_outer(self) -> None:
+        """Exchange every fragment's ``Δ`` now and wait for the averages (kept until
+        :meth:`apply_outer` or :meth:`drop_outer`): an outer exchange that another schedule drives,
+        as fault tolerance's rounds do."""
+        for fragment in self.fragments:
+            self._start(fragment)
+            self._collect(fragment)
+
+    def apply_outer(self, scale: float = 1.0) -> None:
+        """The outer step on the averages of :meth:`exchange_outer`, each ``Δ̄`` times ``scale``
+        first (fault tolerance: a mean over the participants made a mean over those that trained)."""
+        for fragment in self.fragments:
+            if scale != 1.0:
+                for delta in fragment.averaged:
+                    delta.mul_(scale)
+            self._apply(fragment)
+
+    def drop_outer(self) -> None:
+        """Forget the averages of :meth:`exchange_outer` (an exchange that did not commit)."""
+        for fragment in self.fragments:
+            fragment.started, fragment.averaged = None, None
+
+    def replicated_state(self) -> dict[str, Any]:
+        """What every replica holds alike after an outer step (a healing one takes it from a peer):
+        ``θ``, the outer optimizer, the counters and each synchroniser's
+        :meth:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer.replicated_state`."""
+        return {
+            "outer": self.outer,
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "synchronizers": [s.replicated_state() for s in self.synchronizers],
+            "inner_step": self.inner_step,
+            "step": self.step,
+        }
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        """A peer's :meth:`replicated_state`; the parameters become ``θ``, and this rank's own error
+        feedback starts at zero."""
+        with torch.no_grad():
+            for name, p in self.named:
+                self.outer[name].copy_(state["outer"][name])
+                p.copy_(self.outer[name])
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        for synchronizer, replicated in zip(self.synchronizers, state["synchronizers"]):
+            synchronizer.load_replicated_state(replicated)
+        self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
 
     def _record_telemetry(self, fragment: _Fragment) -> None:
         merged = StepTelemetry()

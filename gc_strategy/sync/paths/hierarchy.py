@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..bucket import Bucket
-from ..communicators import Exchange, Round, RunningExchange
-from ..components import Components
-from ..fusion.timeline import bucket_owners
-from ..registry import Configuration, Option
+from ...bucket import Bucket
+from ...communicators import Exchange, Round, RunningExchange
+from ...components import Components
+from ...fusion.timeline import bucket_owners
+from ...registry import Configuration, Option
 from .profiler import ExchangeTimes, device_clock
 from .routes import FlatRoute, Route
 
@@ -170,7 +170,7 @@ def node_groups(ranks_per_node: Any, node_rank: int | None = None, local_rank: i
 
 
 def route_for(hierarchy: Any, process_group: Any, world_size: int) -> Route:
-    """The :class:`~gc_strategy.sync.routes.Route` of ``hierarchy`` (any form :func:`parse_hierarchy`
+    """The :class:`~gc_strategy.sync.paths.routes.Route` of ``hierarchy`` (any form :func:`parse_hierarchy`
     takes; docs/design.md, "Hierarchical synchronisation"): a flat one also on one rank."""
     hierarchy = parse_hierarchy(hierarchy)
     if hierarchy is None or world_size == 1:
@@ -201,6 +201,10 @@ class NodeRoute(Route):
 
     def keeps_state(self, b: int) -> bool:
         return self.owners[b] == self.groups.local_rank
+
+    def sum_counts(self, counts: Tensor) -> Any:
+        """Over every rank of every node (the default process group the nodes are formed over)."""
+        return dist.all_reduce(counts, async_op=True)
 
     def carry_state(
         self, state: dict[str, dict[str, Tensor]], shapes: dict[str, torch.Size], device: torch.device

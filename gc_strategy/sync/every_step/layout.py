@@ -1,7 +1,7 @@
 """The gradient synchroniser's bucket layout: the order of its parameters, the buckets cut from it,
 their flat buffers, and the roles' per-element state carried across a new cut (by parameter name,
 to the ranks its route places the new buckets on). An object that
-:class:`~gc_strategy.sync.every_step.GradientSynchronizer` owns, apart from its pipeline.
+:class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer` owns, apart from its pipeline.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..bucket import Bucket
-from ..components import Components
-from ..fusion import FilePlanner, FusionPlanner
-from ..fusion.plans import write_plan_file
-from .routes import Route
+from ...bucket import Bucket
+from ...components import Components
+from ...fusion import FusionPlanner
+from ...fusion.plans import write_plan_file
+from ..paths.routes import Route
 
 
 class BucketLayout:
@@ -79,7 +79,7 @@ class BucketLayout:
         """The first cut, and the gradient-ready order where it is known already: a plan file's
         (which fixes the order too), else the reverse registration order, taken as the ready
         order where no backward will record one (``recorded`` False)."""
-        if isinstance(self.planner, FilePlanner):
+        if self.planner.fixes_tensors:  # a plan file's order
             self.planner.check({name: p.numel() for name, p in zip(self.names, self.params)})
             self.build(list(self.planner.order))
             return list(self.order)

@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
-from gc_strategy.sync.torchft_setup import require_torchft
+from gc_strategy.sync.fault_tolerance.torchft_setup import require_torchft
 
 #: the overrides each group gets from this process (the user's own are dropped)
 GROUP_KEYS = (
@@ -72,9 +72,9 @@ class StepRecord(pl.Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        extra = trainer.strategy.synchronizer.telemetry.last.extra
+        report = trainer.strategy.synchronizer.last_round
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        row = [trainer.global_step - 1, int(extra["participants"]), int(extra["committed"]), float(loss), time.time()]
+        row = [trainer.global_step - 1, report.participants, int(report.committed), float(loss), time.time()]
         new = not self.path.exists()
         with self.path.open("a", newline="") as f:
             writer = csv.writer(f)
@@ -129,7 +129,7 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
     named = plural(ft.groups, "replica group")
     print(f"lighthouse {address}; {named} ({each}), outputs in {output_dir}/group<g>", flush=True)
     own = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in GROUP_KEYS]
-    app = Path(__file__).resolve().parents[1] / "train.py"
+    script = Path(__file__).resolve().parents[1] / "train.py"
     logs = output_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
@@ -148,7 +148,7 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
         log = open(logs / f"group{group}.log", "ab")  # noqa: SIM115 (the child writes it)
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}  # each group its own world
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-        return subprocess.Popen([sys.executable, str(app), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen([sys.executable, str(script), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
     groups = {g: start(g, ft.kill_at if g == ft.kill_group else None) for g in range(ft.groups)}
     restarted = False

@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..bucket import Bucket
-from ..communicators import RunningExchange
-from ..components import Components
-from ..registry import Configuration
-from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
-from .base import Synchronizer
-from .diloco import roles_by_dimension
-from .sharded import check_shard_place, check_sharded_model, same_shard, shard_place
-from .state import resharded
+from ...bucket import Bucket
+from ...communicators import RunningExchange
+from ...components import Components
+from ...registry import Configuration
+from ...telemetry import StepTelemetry, TelemetryLog, add_exchange
+from ..base import Synchronizer
+from ..diloco.synchronizer import roles_by_dimension
+from ..every_step.state import resharded
+from .synchronizer import check_shard_place, check_sharded_model, same_shard, shard_place
 
 
 class _Group:
@@ -155,7 +155,7 @@ class ShardedDiLoCo(Synchronizer):
         """Start from a run on another number of nodes of as many ranks: the outer shards, the outer
         optimizer and the schedule of the first old node's rank that held this rank's shard (every
         node's are the same after an outer step), the roles' state the mean over the old nodes'
-        (:func:`~gc_strategy.sync.state.resharded`)."""
+        (:func:`~gc_strategy.sync.every_step.state.resharded`)."""
         first: dict[str, Any] = {}
 
         def roles() -> Iterator[dict[str, Any]]:

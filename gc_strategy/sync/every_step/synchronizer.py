@@ -59,17 +59,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..bucket import Bucket
-from ..communicators import EAGER_AFTER_BYTES, RunningExchange
-from ..components import Components
-from ..fusion import AutoPlanner, parse_fusion
-from ..telemetry import StepTelemetry, TelemetryLog, add_exchange
+from ...bucket import Bucket
+from ...communicators import EAGER_AFTER_BYTES, RunningExchange
+from ...components import Components
+from ...fusion import parse_fusion
+from ...telemetry import StepTelemetry, TelemetryLog, add_exchange
+from ..base import Synchronizer
+from ..paths.collectives import broadcast_from_rank0
+from ..paths.hierarchy import NodeHierarchy, route_for
+from ..paths.routes import Route
 from .autotune import AutoTuner
-from .base import Synchronizer
-from .collectives import broadcast_from_rank0
-from .hierarchy import NodeHierarchy, route_for
 from .layout import BucketLayout, agreed_order
-from .routes import Route
 from .state import any_rank_holds_state, load_state, resharded, state_of
 from .usage import Usage
 
@@ -100,17 +100,14 @@ def synchronised_parameters(module: nn.Module, parameters: Iterable[str] | None)
 class GradientSynchronizer(Synchronizer):
     """Averages gradients of ``module`` across ``process_group`` through ``roles`` (compressor,
     memory and communicator, :func:`~gc_strategy.components.build_components`), over buckets cut by
-    their fusion planner.
-    On CUDA the exchanges run on a side stream unless ``side_stream=False`` (then on the compute
-    stream, after backward's kernels: for measuring what the overlap gains).
-    ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for
-    ``DistributedDataParallel`` (see the module's docstring). ``hierarchy``: ``"flat"``, or
-    ``"node"`` / a :class:`~gc_strategy.sync.hierarchy.NodeHierarchy`: a reduction inside each node and
-    compression only across nodes (:mod:`gc_strategy.sync.hierarchy`). ``parameters`` (names) limits it to
-    some of the trainable parameters. With ``on_backward=False`` backward does nothing: the
-    caller averages the current ``.grad`` with :meth:`start_synchronize` and
-    :meth:`finish_synchronize`, as DiLoCo's outer step does (:mod:`gc_strategy.sync.diloco`).
-    """
+    their fusion planner. On CUDA the exchanges run on a side stream unless ``side_stream=False``
+    (then on the compute stream, after backward's kernels: to measure what the overlap gains).
+    ``find_unused_parameters`` and ``broadcast_buffers`` mean what they mean for DDP (see the
+    module's docstring). ``hierarchy``: ``"flat"``, or ``"node"`` / a
+    :class:`~gc_strategy.sync.paths.hierarchy.NodeHierarchy`: a reduction inside each node and
+    compression only across nodes. ``parameters`` (names) limits it to some of the trainable
+    parameters. With ``on_backward=False`` backward does nothing: the caller averages the current
+    ``.grad`` with :meth:`start_synchronize` and :meth:`finish_synchronize` (DiLoCo's outer step)."""
 
     def __init__(
         self,
@@ -141,8 +138,7 @@ class GradientSynchronizer(Synchronizer):
         self.route = route_for(hierarchy, process_group, self.world_size)
         self.roles.bind(self.route.group)
         named = synchronised_parameters(module, parameters)
-        self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
+        self.names, self.params = [name for name, _ in named], [p for _, p in named]
         self.device = self.params[0].device
         #: the buckets, their buffers, and the roles' state laid out over them
         self.layout = BucketLayout(self.names, self.params, self.device, self.planner, self.route, self.roles)
@@ -151,7 +147,7 @@ class GradientSynchronizer(Synchronizer):
             self._broadcast([*module.parameters(), *module.buffers()])
         self.step = 0
         self.telemetry = TelemetryLog()
-        self.tuner = AutoTuner(self, self.planner) if isinstance(self.planner, AutoPlanner) else None
+        self.tuner = AutoTuner(self, self.planner) if self.planner.measured else None
         #: the gradient-ready order, recorded in the first synchronised backward (None until then)
         self.ready_order = self.layout.build_first(recorded=on_backward)
         self.compressor.check_group(self.communicator.group, self.buckets)
@@ -170,7 +166,7 @@ class GradientSynchronizer(Synchronizer):
 
     def rebind(self, route: Route) -> None:
         """Synchronise over ``route`` from the next step on (fault tolerance's new quorum): the roles
-        bound to its group and checked again, the buckets placed on its ranks (no state depends on its size)."""
+        bound to its group and checked again (a collective for some compressors), the buckets placed."""
         self.route, self.process_group = route, route.group
         self.roles.bind(route.group)
         self.world_size, self.rank = self.communicator.world_size, self.communicator.rank
@@ -264,10 +260,10 @@ class GradientSynchronizer(Synchronizer):
             self._reset_step()
 
     def _launch_rest(self) -> None:
-        """Launch every bucket not launched yet (:class:`~gc_strategy.sync.usage.Usage`: the missing gradients)."""
+        """Launch every bucket not launched yet (:class:`~.usage.Usage`: the missing gradients)."""
         first = self.ready_order is None
         usage = (self._filled, self._accumulated, self.find_unused_parameters, first)
-        self._usage = Usage(self.layout, *usage, self.process_group, self.world_size)
+        self._usage = Usage(self.layout, *usage, self.world_size)
         for b in range(self._next_launch, len(self.buckets)):
             self._usage.prepare_bucket(b)
             self._launch(b)
@@ -313,10 +309,9 @@ class GradientSynchronizer(Synchronizer):
             self._step_telemetry.nonfinite_buckets = len(finite_flags) - torch.stack(finite_flags).sum()
 
     # ------------------------------------------------------------------ public API
-
     def before_forward(self) -> None:
-        """With ``broadcast_buffers``, rank 0's buffers are broadcast before a forward where DDP
-        would: the previous forward was grad-enabled and synchronised, or there was none."""
+        """With ``broadcast_buffers``, rank 0's buffers are broadcast before a forward where DDP would
+        (the previous forward was grad-enabled and synchronised, or there was none)."""
         if self._buffers_due and self.broadcast_buffers:
             self._broadcast(list(self.module.buffers()))
 
@@ -333,10 +328,9 @@ class GradientSynchronizer(Synchronizer):
             self._enabled = previous
 
     def start_synchronize(self) -> None:
-        """Average every synchronised parameter's ``.grad`` outside backward (``on_backward=False``;
-        DiLoCo's outer exchange), in two halves that other work can overlap. This one copies each
-        ``.grad`` into its bucket (zeros where None; it may change afterwards) and launches every
-        exchange. Every rank calls it at the same point of its collective order."""
+        """Average every synchronised ``.grad`` outside backward (``on_backward=False``; DiLoCo's outer
+        exchange), in two halves that other work can overlap: this one copies each ``.grad`` into its
+        bucket (zeros where None) and launches every exchange, at the same point on every rank."""
         if self._in_backward or self._jobs:
             raise RuntimeError("start_synchronize: an exchange is already running; finish it first")
         self._accumulated = [p.grad is not None for p in self.params]
@@ -347,8 +341,7 @@ class GradientSynchronizer(Synchronizer):
             raise
 
     def finish_synchronize(self) -> None:
-        """The second half of :meth:`start_synchronize`: wait for the exchanges, decode, and make
-        each ``.grad`` the average."""
+        """:meth:`start_synchronize`'s second half: wait, decode, make each ``.grad`` the average."""
         if not self._jobs:
             raise RuntimeError("finish_synchronize: no exchange was started (call start_synchronize first)")
         try:
@@ -382,14 +375,12 @@ class GradientSynchronizer(Synchronizer):
         return any_rank_holds_state(self, state)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's synchronisation state, on the CPU, keyed by parameter name
-        (:func:`~gc_strategy.sync.state.state_of`)."""
+        """This rank's state, on the CPU, by parameter name (:func:`~.state.state_of`)."""
         return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: one saved by this rank, or one that
-        :func:`~gc_strategy.sync.state.resharded` made from the states of a run with another
-        world size (:func:`~gc_strategy.sync.state.load_state`)."""
+        """Restore a :meth:`state_dict` saved by this rank, or made by :func:`~.state.resharded` from
+        a run with another world size (:func:`~.state.load_state`)."""
         load_state(self, state)
         self.layout.keep_owned_state()
         self._reset_step()
@@ -397,3 +388,12 @@ class GradientSynchronizer(Synchronizer):
     def load_states_of(self, states: Iterable[dict[str, Any]], world_size: int) -> None:
         """Start from the :func:`resharded` states of a run with another world size."""
         self.load_state_dict(resharded(states))
+
+    def replicated_state(self) -> dict[str, Any]:
+        """What every replica holds alike: all but each rank's own error feedback and compressor state."""
+        return {**self.state_dict(), "memory": {}, "compressor": {}}
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        """A peer's :meth:`replicated_state`; this rank's own error feedback starts at zero."""
+        self.roles.clear_state()
+        self.load_state_dict(state)

@@ -14,7 +14,7 @@ STATE_FORMAT = 1
 
 
 def state_of(synchronizer: Any) -> dict[str, Any]:
-    """A :class:`~gc_strategy.sync.every_step.GradientSynchronizer`'s state for a checkpoint, on the CPU,
+    """A :class:`~gc_strategy.sync.every_step.synchronizer.GradientSynchronizer`'s state for a checkpoint, on the CPU,
     keyed by parameter name: the step, the gradient order and plan, and the roles' state."""
     return _to_cpu(
         {

@@ -1,0 +1,1 @@
+"""DiLoCo and Streaming DiLoCo: local inner steps, then a compressed outer step."""

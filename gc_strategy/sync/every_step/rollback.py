@@ -1,0 +1,29 @@
+"""A rollback point on a synchroniser, for an exchange that may not commit (fault tolerance's
+rounds, :mod:`gc_strategy.sync.fault_tolerance.round`)."""
+
+from __future__ import annotations
+
+import copy
+
+from .synchronizer import GradientSynchronizer
+
+
+class RollbackPoint:
+    """Held on ``synchronizer`` when made: the roles' per-element state copy-on-write
+    (:meth:`~gc_strategy.bucket.BucketState.hold`: error feedback formed from its old value in one
+    pass, as the residual's, PowerSGD's and DGC's, is written into a second vector at no cost),
+    copies of the step counter and of the compressor's other state. :meth:`release` ends it,
+    keeping what the exchange wrote or putting the state back as it was, to the bit."""
+
+    def __init__(self, synchronizer: GradientSynchronizer) -> None:
+        self.synchronizer = synchronizer
+        synchronizer.roles.hold()
+        self.step = synchronizer.step
+        self.extra = copy.deepcopy(synchronizer.compressor.extra_state())
+
+    def release(self, keep_changes: bool) -> None:
+        synchronizer = self.synchronizer
+        synchronizer.roles.release(keep_changes)
+        if not keep_changes:
+            synchronizer.step = self.step
+            synchronizer.compressor.load_extra_state(self.extra)
