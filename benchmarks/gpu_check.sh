@@ -63,7 +63,7 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output fenced in th
 
 compressors=(fp16 bf16 topk+residual randk+residual dgc+dgc efsignsgd+residual qsgd powersgd acpsgd)
 every=("${compressors[@]}" topk+residual:chunk=256 threshold+residual sidco+residual onebit+residual signsgd signum terngrad natural)
-part "CUDA tests" 70 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_bits.py
+part "CUDA tests" 70 $python -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_cuda.py tests/kernels/test_triton_bits.py
 # 12 warm-up steps: PowerSGD and ACP-SGD compress from their 11th
 part "Time added to a ResNet-50 step (batch 64, fp32), and two steps of each traced" 95 \
     $python benchmarks/step_overhead.py --rounds 8 --steps 4 --warmup 12 --seconds 65 --profile \

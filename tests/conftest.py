@@ -1,7 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the helpers and workers in this folder (models.py, ft_worker.py, ...), for the tests in its subfolders
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # One thread per rank: two ranks share this machine's cores, and oversubscription only adds noise.
 torch.set_num_threads(1)

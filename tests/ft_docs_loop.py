@@ -1,5 +1,5 @@
 """docs/fault_tolerance.md's plain training loop, run as written as one replica group of the
-fault-tolerance tests (tests/test_fault_tolerance.py), with a recorder around it: at each training
+fault-tolerance tests (tests/sync/fault_tolerance/test_fault_tolerance.py), with a recorder around it: at each training
 forward, the step the synchroniser stands at (after its quorum: the step the forward belongs to)
 and whether the model's input is the loop's ``batch`` of that step. Writes the record and the final
 parameters to ``OUT`` (the first argument); with a folder as the second, first waits there for

@@ -1,4 +1,4 @@
-"""One replica group of the Lightning fault-tolerance test (tests/test_fault_tolerance.py): a
+"""One replica group of the Lightning fault-tolerance test (tests/sync/fault_tolerance/test_fault_tolerance.py): a
 LightningModule trained by ``Trainer(strategy=GCFusedStrategy(..., fault_tolerance=...))``, the
 ranks of one torchrun, each on its own shard of the data. With ``--die-at S`` every rank kills
 itself (SIGKILL) in the first training step from global step ``S`` on that every group takes part

@@ -1,4 +1,4 @@
-"""One replica group of tests/test_fault_tolerant_mode.py: docs/extending.md's fault-tolerant toy
+"""One replica group of tests/sync/fault_tolerance/test_fault_tolerant_mode.py: docs/extending.md's fault-tolerant toy
 sync mode (``local_odd_steps``, registered by the page's blocks) trains ft_worker's MLP on the
 group's own batches for ``--steps`` steps, in a plain loop (``attach``), under Lightning
 (``GCFusedStrategy``) or under Accelerate (``prepare``), each selecting it by name. Writes the

@@ -1,4 +1,4 @@
-"""One replica group of the fault-tolerance tests (tests/test_fault_tolerance.py): a small MLP
+"""One replica group of the fault-tolerance tests (tests/sync/fault_tolerance/test_fault_tolerance.py): a small MLP
 trained through FaultTolerantSynchronizer (in a plain loop, or through Accelerate's ``prepare``
 with ``--via accelerate``) on data of its own, until a step at least ``--steps``
 that every one of ``--groups`` groups took part in. With ``--die-at S`` it kills itself (SIGKILL)

@@ -171,7 +171,7 @@ class Threshold(CapacitySparsifier):
     allgather needs), and reaches host memory an adaptation period after it is made, without
     the host waiting (:class:`~gc_strategy.bucket.HostCopy`, as SIDCo's stage counts). With counts
     above ``τ`` that vary by a few standard deviations from step to step, the 25% headroom leaves
-    under 1% of them unsent in steady state (``tests/test_threshold_capacity.py``).
+    under 1% of them unsent in steady state (``tests/algos/test_threshold_capacity.py``).
 
     A fixed ``τ`` may let far more than ``C`` entries through (early in training, or a small
     ``τ``), and the selection ranks only the first ``2C`` of them. So the threshold used is

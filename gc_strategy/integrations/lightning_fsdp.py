@@ -143,7 +143,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         """``ModelParallelStrategy.setup`` without its demand that ``configure_model`` shard the
         module (the policy shards what it leaves): Lightning has no hook in between, so its body is
-        written again here, and ``tests/test_lightning_dependencies.py`` pins the Lightning code it
+        written again here, and ``tests/integrations/test_lightning_dependencies.py`` pins the Lightning code it
         follows."""
         self.accelerator.setup(trainer)
         if not fsdp_modules(self.model):

@@ -5,7 +5,7 @@ where it pays a CPU variant through numpy (:mod:`.numpy_ops`), a one-pass Triton
 (:mod:`.triton_bits`, :mod:`.triton_select`, :mod:`.triton_memory`) or CuPy's kernel where that was
 the fastest measured (:mod:`.cupy_ops`). :func:`~.dispatch.variant_for` picks one, and :func:`~.dispatch.forced`
 makes every operation take one, so that the accelerator's code runs on the CPU in CI
-(``tests/test_kernels.py`` checks every variant against the torch one). The algorithm files call
+(``tests/kernels/test_kernels.py`` checks every variant against the torch one). The algorithm files call
 these functions and read as their math.
 """
 

@@ -5,7 +5,7 @@ DLPack) was the fastest measured on a GPU, where it beat the torch and Triton va
 The code is written against the array API that CuPy shares with numpy, and takes its module from
 the tensor: CuPy for a CUDA tensor, numpy for one in host memory. Under ``forced("cupy")`` on the
 CPU the same lines run through numpy, which is how CI checks them (the DLPack exchange, the dtypes,
-the bit order); on a GPU ``tests/test_cuda.py`` checks CuPy's kernels against the torch variant.
+the bit order); on a GPU ``tests/kernels/test_cuda.py`` checks CuPy's kernels against the torch variant.
 CuPy is an optional extra (``pip install "gc_strategy[cupy]"``). Its kernels run on torch's
 current stream, so they keep the stream order of the torch work around them and the host never
 waits for them, and what they allocate comes from torch's caching allocator on that stream (CuPy's

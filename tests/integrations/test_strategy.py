@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from locations import TESTS
 from models import ParityModule, fit, flat_params
 
 from gc_strategy import GCFusedStrategy, NodeHierarchy
@@ -128,7 +129,7 @@ def _validate_then_fit(rank, world_size, checkpoints):
 
 
 def test_bf16_mixed_precision_trains():
-    # (on the CPU Lightning runs "16-mixed" as bf16-mixed; the fp16 + GradScaler path is tests/test_cuda.py)
+    # (on the CPU Lightning runs "16-mixed" as bf16-mixed; the fp16 + GradScaler path is tests/kernels/test_cuda.py)
     before = flat_params(ParityModule())
     module = _train(GCFusedStrategy(compressor="fp16", memory="residual", start_method="fork"), precision="bf16-mixed")
     after = flat_params(module)
@@ -343,7 +344,7 @@ SCRIPT = textwrap.dedent(
 
 def test_popen_launcher_from_a_script(tmp_path):
     script = tmp_path / "train_script.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(__file__)))
+    script.write_text(SCRIPT.format(tests=TESTS))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env

@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from locations import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from checkpoint_memory import measure  # noqa: E402
 

@@ -2,7 +2,7 @@
 FSDP2 over both, the exchange across nodes over one node): ``compressor="none"`` equals Lightning's
 own ``ModelParallelStrategy`` with FSDP2, with and without gradient accumulation; the default
 sharding policy applies where ``configure_model`` shards nothing; a resume from a sharded checkpoint
-with each rank's error feedback is exact. Across several nodes: tests/test_sharded.py."""
+with each rank's error feedback is exact. Across several nodes: tests/sync/sharded/test_sharded.py."""
 
 import warnings
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from locations import TESTS
 from models import ShardedMLP, fit
 
 from gc_strategy import DiLoCo, GCFSDPStrategy
@@ -163,11 +164,10 @@ def _two_nodes(tmp_path, kind, port):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path / kind
     out.mkdir()
-    script = Path(__file__).with_name("fsdp_two_nodes.py")
+    script = TESTS / "fsdp_two_nodes.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
     address = ["--master-addr=127.0.0.1", f"--master-port={port}"]

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from locations import ROOT
 from models import SmallCNN
 from torch import nn
 
@@ -277,9 +278,8 @@ def test_gradients_kept_between_steps_accumulate_in_their_bucket_with_no_copy():
     synchronised backward copies nothing into the buckets; the gradients equal plain backward's
     (world size 1). With set_to_none, one copy each."""
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from op_recorder import OpRecorder
 
     torch.manual_seed(0)

@@ -7,17 +7,17 @@ host, or a tensor built from Python data would each stall a GPU's host behind th
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from compressor_helpers import STEP_CONFIGS, STEP_OPTIONS
+from locations import ROOT
 from models import SmallCNN
 
 from gc_strategy import GradientSynchronizer, build_components, kernels
 from gc_strategy.tools.ranks import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from op_recorder import OpRecorder  # noqa: E402
 

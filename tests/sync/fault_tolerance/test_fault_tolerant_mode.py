@@ -6,17 +6,17 @@ computed plainly here."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 
 coordination = pytest.importorskip("torchft.coordination")
 
 from ft_worker import batch, model  # noqa: E402
 from test_fault_tolerance import group_env  # noqa: E402
 
-WORKER = Path(__file__).with_name("ft_toy_worker.py")
+WORKER = TESTS / "ft_toy_worker.py"
 STEPS = 6
 
 

@@ -23,7 +23,7 @@ def _check_all(rank, world_size, memory):
     rank's decode of its own ``x`` (``x = g``; with residual memory ``x = g + e`` and ``e ← x −
     decode(x)``, tracked here), and the synchroniser's residual against the tracked ``e``."""
     errors = {}
-    for name in sorted(set(COMPRESSORS.names()) - LOWRANK):  # low-rank: tests/test_powersgd.py
+    for name in sorted(set(COMPRESSORS.names()) - LOWRANK):  # low-rank: tests/algos/test_powersgd.py
         torch.manual_seed(7)
         model = SmallCNN()
         c = build_components(name, memory, "auto", "groups:3", **OPTIONS.get(name, {}))

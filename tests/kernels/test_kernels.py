@@ -1,6 +1,6 @@
 """The kernel layer: every variant of every operation against plain torch computed here, and every
 compressor with the accelerator's variants forced on the CPU against its CPU variants. (The Triton
-variants: tests/test_triton_bits.py, under Triton's interpreter.)"""
+variants: tests/kernels/test_triton_bits.py, under Triton's interpreter.)"""
 
 import math
 from contextlib import nullcontext
@@ -17,7 +17,7 @@ from gc_strategy.communicators import COMMUNICATORS
 CPU_VARIANTS = ["numpy", "torch"]
 #: quantizers whose draws come from each variant's own generator: compared by sampling, not exactly
 OWN_DRAWS = {"qsgd", "terngrad", "natural"}
-#: draws its positions on the device by another method than the host's (tests/test_sparsifiers.py checks both)
+#: draws its positions on the device by another method than the host's (tests/algos/test_sparsifiers.py checks both)
 DEVICE_DRAWS = {"randk"}
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from locations import ROOT
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -337,7 +338,7 @@ def test_sharding_options_are_refused_before_any_work(monkeypatch):
 
 @pytest.mark.slow
 def test_the_example_runs_under_accelerate_launch(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     launcher = Path(sys.executable).with_name("accelerate")
     done = subprocess.run(
         [

@@ -48,7 +48,7 @@ from gc_strategy import COMPRESSORS  # noqa: E402
 from gc_strategy.bucket import Bucket  # noqa: E402
 
 #: draws on the tensor's device (the CPU and CUDA generators differ): checked by sampling instead
-#: (randk: tests/test_sparsifiers.py checks its device draw on the CPU)
+#: (randk: tests/algos/test_sparsifiers.py checks its device draw on the CPU)
 RANDOM_ON_DEVICE = {"qsgd", "terngrad", "natural", "dgc", "randk"}
 UNBIASED = {"qsgd", "terngrad", "natural"}
 MEMORY = {
@@ -243,8 +243,9 @@ from compressor_helpers import STEP_CONFIGS, STEP_OPTIONS  # noqa: E402
 
 @pytest.mark.parametrize("config", STEP_CONFIGS, ids=[f"{name}+{memory}" for name, memory in STEP_CONFIGS])
 def test_a_synchronised_step_runs_under_cuda_sync_debug_mode_error(config):
-    """Every compressor and memory (``STEP_CONFIGS``, as tests/test_no_host_wait.py runs them) on one GPU: the fourth
-    synchronised step, after the gradient order is recorded and the buckets built, runs with
+    """Every compressor and memory (``STEP_CONFIGS``, as tests/kernels/test_no_host_wait.py runs them)
+    on one GPU: the fourth synchronised step, after the gradient order is recorded and the buckets
+    built, runs with
     ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host synchronisation."""
     name, memory = config
     torch.manual_seed(0)

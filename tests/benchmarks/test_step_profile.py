@@ -4,11 +4,11 @@ its plumbing through torch's profiler on the CPU."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
+from locations import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from step_profile import Event, by_step, profile_steps, summarize, table, union_ns  # noqa: E402
 
 MS = 1_000_000  # ns

@@ -292,7 +292,7 @@ def test_lightning_resume_mid_inner_phase_is_exact(tmp_path):
 def _offloaded(rank, world_size):
     """offload=True against offload=False: the same weights, bit for bit, with the outer state and
     the residuals in CPU memory (on a GPU the residuals wait there between exchanges; see
-    tests/test_cuda.py)."""
+    tests/kernels/test_cuda.py)."""
     weights = []
     for offload in (False, True):
         torch.manual_seed(0)

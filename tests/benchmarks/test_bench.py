@@ -5,13 +5,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from locations import ROOT
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench  # noqa: E402

@@ -2,18 +2,18 @@
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from compressor_helpers import EDGE_INPUTS, bucket, build, finish, payload_bytes, roundtrip
+from locations import ROOT
 
 from gc_strategy import kernels
 
 
 def _op_recorder():
     """``benchmarks/op_recorder.py``'s recorder of aten ops."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from op_recorder import OpRecorder
 
     return OpRecorder

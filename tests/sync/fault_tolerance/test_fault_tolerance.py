@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import ROOT, TESTS
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log (native, past pytest's capture): warnings only
 coordination = pytest.importorskip("torchft.coordination")
@@ -30,8 +31,7 @@ from gc_strategy import FaultTolerance, FaultTolerantSynchronizer, build_compone
 from gc_strategy.sync.fault_tolerance.lighthouse import reach_lighthouse  # noqa: E402
 from gc_strategy.tools.ranks import run_ranks  # noqa: E402
 
-WORKER = Path(__file__).with_name("ft_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = TESTS / "ft_worker.py"
 #: a replica group of several ranks: torchrun with a rendezvous of its own on this machine
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
 
@@ -394,7 +394,7 @@ def test_the_documented_plain_loop_survives_a_kill_and_every_step_reads_its_own_
     the restarted group healed (its first step is its peers', not 0); all three end at the same step
     with the same parameters. Their consoles hold none of torchft's INFO lines, torch's warnings at
     a heal or the checkpoint server's access lines."""
-    worker = Path(__file__).with_name("ft_docs_loop.py")
+    worker = TESTS / "ft_docs_loop.py"
 
     def run(group: int, *barrier: str) -> subprocess.Popen:
         env = group_env(LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group), GROUPS="3")
@@ -575,7 +575,7 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
     step fails; group 0 goes on alone; group 1, started again, heals the model, the optimizer, the
     LR schedule and the Trainer's step counters rank by rank. Every rank ends with the same
     parameters, optimizer state, schedule and global step, to the bit."""
-    worker = Path(__file__).with_name("ft_lightning_worker.py")
+    worker = TESTS / "ft_lightning_worker.py"
 
     def run(group: int, *extra: str) -> subprocess.Popen:
         args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "2", "--steps", "40"]
@@ -622,7 +622,7 @@ def test_under_lightning_one_group_writes_each_checkpoint_and_a_full_restart_res
     again from the first epoch's checkpoint end with the same parameters, optimizer state,
     schedule and global step as the run that was not stopped, to the bit: each took its own error
     feedback back, and the rounds' counter."""
-    worker = Path(__file__).with_name("ft_lightning_worker.py")
+    worker = TESTS / "ft_lightning_worker.py"
     folder = tmp_path / "checkpoints"
     lighthouse = lighthouse_of_two
 
@@ -655,7 +655,7 @@ def test_under_lightning_diloco_groups_train_their_inner_steps_and_meet_at_each_
     """``GCFusedStrategy(sync=DiLoCo(inner_steps=4), fault_tolerance=...)``, two groups (every outer
     step with both), each on its half of the data: after the last outer step both hold the same
     parameters and ``global_step`` to the bit, and differ from where they started."""
-    worker = Path(__file__).with_name("ft_lightning_worker.py")
+    worker = TESTS / "ft_lightning_worker.py"
     args = ["--lighthouse", lighthouse_of_two, "--groups", "2", "--steps", "12", "--inner-steps", "4"]
     args += ["--min-replicas", "2", "--out"]
     launcher = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args]

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from locations import ROOT
 
 from gc_strategy import COMPRESSORS, MEMORIES, EveryStep, GCFSDPStrategy, NodeHierarchy
 
-ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 sys.path.insert(0, str(ROOT))
 
