@@ -344,7 +344,7 @@ SCRIPT = textwrap.dedent(
 
 def test_popen_launcher_from_a_script(tmp_path):
     script = tmp_path / "train_script.py"
-    script.write_text(SCRIPT.format(tests=TESTS))
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
