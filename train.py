@@ -164,7 +164,8 @@ def fault_tolerance_of(cfg: DictConfig) -> FaultTolerance | None:
     ft = cfg.fault_tolerance
     if ft.lighthouse is None:
         return None
-    options = {k: ft[k] for k in ("replica_group", "groups", "min_replicas", "timeout_s", "quorum_timeout_s")}
+    keys = ("replica_group", "groups", "min_replicas", "timeout_s", "quorum_timeout_s", "silence_s")
+    options = {k: ft[k] for k in keys}
     # ``local``: each group gets the address of the lighthouse the app starts; checked with a stand-in
     lighthouse = "http://127.0.0.1:0" if ft.lighthouse == "local" else ft.lighthouse
     try:

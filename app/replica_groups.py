@@ -121,7 +121,14 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
     ft = cfg.fault_tolerance
     # the join timeout exceeds the time between two quorums: a step, or DiLoCo's inner phase (docs/fault_tolerance.md)
     join_timeout_ms = 60_000 if cfg.sync.name == "diloco" else 1000
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=ft.min_replicas, join_timeout_ms=join_timeout_ms)
+    # a silent group is left out of the next quorum as soon as the groups find it silent (silence_s)
+    heartbeat_timeout_ms = int(min(5.0, ft.silence_s) * 1000)
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=ft.min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
     address = lighthouse.address()
     devices = group_devices(cfg, overrides)
     checkpoints = cfg.checkpoint_dir if cfg.checkpoint_dir is not None else output_dir / "checkpoints"

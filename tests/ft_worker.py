@@ -86,6 +86,14 @@ def main() -> None:
     parser.add_argument("--lose-first-healing", type=int, default=-1, help="a rank of the group")
     parser.add_argument("--pause-at", type=int, default=-1, help="DiLoCo: an inner step to stall in, once")
     parser.add_argument("--pause-s", type=float, default=3.0)
+    parser.add_argument("--timeout", type=float, default=10.0, help="timeout_s")
+    parser.add_argument("--silence", type=float, default=5.0, help="silence_s")
+    parser.add_argument(
+        "--fail-at", type=int, default=-1, help="a step (every group in it) this group fails before its exchange, alive"
+    )
+    parser.add_argument("--step-pause", type=float, default=0.02, help="seconds between two steps")
+    parser.add_argument("--host", default="127.0.0.1", help="the address the peers reach this group at")
+    parser.add_argument("--steps-file", help="a file that, once written, holds the step to end at instead of --steps")
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ and args.via == "loop":  # a group of several ranks, started by torchrun
         dist.init_process_group("gloo")
@@ -98,9 +106,10 @@ def main() -> None:
         args.group,
         groups=args.groups,
         min_replicas=args.min_replicas,
-        timeout_s=10,
+        timeout_s=args.timeout,
         quorum_timeout_s=args.quorum_timeout,
-        host="127.0.0.1",
+        silence_s=args.silence,
+        host=args.host,
     )
     if args.inner_steps:
         return diloco(args, net, optimizer, options)
@@ -124,6 +133,7 @@ def main() -> None:
         die_in_the_usage_sum(args, lambda: args.die_at <= sync.committed_steps and all_took_part(record, args.groups))
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     while True:
+        began = time.monotonic()
         with sync.forward_pass():
             step = sync.committed_steps
             x, y = batch(args.group * ranks + rank, step)
@@ -132,6 +142,10 @@ def main() -> None:
         if dies and args.die_when == "exchange":
             os.kill(os.getpid(), signal.SIGKILL)
         kept = snapshot(net, optimizer, sync)
+        if 0 <= args.fail_at <= step and sync.participants == args.groups and all_took_part(record, args.groups):
+            # as a participant that saw a peer fail: it issues none of the round's collectives
+            sync.round.quorum.failure.report(RuntimeError(f"group {args.group} fails step {step}"))
+            args.fail_at = -1
         loss.backward()
         if args.via == "accelerate":  # its optimizer steps where the step commits
             optimizer.step()
@@ -147,16 +161,20 @@ def main() -> None:
                 "participants": sync.participants,
                 "committed": committed,
                 "state_kept": same(kept, snapshot(net, optimizer, sync)),
+                "seconds": time.monotonic() - began,
+                "ended": time.time(),
                 "params": {n: p.detach().clone() for n, p in net.named_parameters()},
             }
         )
         if committed:
-            print(f"group {args.group} rank {rank}: committed step {step}", flush=True)
+            print(f"group {args.group} rank {rank}: committed step {step} with {sync.participants} groups", flush=True)
         if dies:  # between steps: after this step's optimizer step, before the next quorum
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.steps_file and os.path.exists(args.steps_file) and os.path.getsize(args.steps_file):
+            args.steps = int(Path(args.steps_file).read_text())
         if committed and step + 1 >= args.steps and sync.participants == args.groups:
             break
-        time.sleep(0.02)
+        time.sleep(args.step_pause)
     final = snapshot(net, optimizer, sync)
     out = args.out if ranks == 1 else args.out.replace(".pt", f".rank{rank}.pt")
     torch.save({**final, "record": record, "committed_steps": sync.committed_steps}, out)

@@ -54,6 +54,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("op_census.py", "--steps"),
         ("kernel_variants.py", "--repeats"),
         ("fault_tolerance.py", "--rounds"),
+        ("fault_chaos.py", "--count"),
     ],
 )
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):

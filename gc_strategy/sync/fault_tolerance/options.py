@@ -21,6 +21,9 @@ class FaultTolerance(Configuration):
     (:meth:`shard`). ``min_replicas``: the fewest groups a step commits with. ``timeout_s``: the
     bound on a collective, the commit vote, a healing transfer and reaching the lighthouse;
     ``quorum_timeout_s``: on waiting for a quorum, and for a group to come back at the end.
+    ``silence_s``: how long a peer of a running round may be unheard (its heartbeats) before the
+    round fails as the peer's hang or loss (:mod:`~gc_strategy.sync.fault_tolerance.silence`),
+    independent of ``timeout_s``.
     ``host``: the address the peers reach this group's manager and store at (a healing peer fetches
     state from it); None: this machine's host name."""
 
@@ -31,6 +34,7 @@ class FaultTolerance(Configuration):
         "min_replicas": Option(1, int, low=1),
         "timeout_s": Option(30.0, float, low=0, low_open=True),
         "quorum_timeout_s": Option(120.0, float, low=0, low_open=True),
+        "silence_s": Option(5.0, float, low=0, low_open=True),
         "host": Option(None, str, optional=True),
     }
 

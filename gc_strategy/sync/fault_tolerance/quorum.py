@@ -19,6 +19,7 @@ torchft's vote (:meth:`Quorum.vote`) then says, on every participant, not to com
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -34,22 +35,30 @@ from ...communicators import Exchange, Round
 from ...components import Components
 from ..paths.hierarchy import NodeGroups, NodeRoute, node_exchange
 from ..paths.routes import FlatRoute, Route
+from .abort import abortable_gloo
 from .lighthouse import reach_lighthouse
 from .options import FaultTolerance
+from .silence import Address, Heartbeats
 from .torchft_setup import checkpoint_transport, require_torchft
 
 
 class StepFailure:
-    """Whether an exchange of the current step failed; the first failure goes to the manager."""
+    """Whether a collective of the current round failed. The first failure goes to the manager and
+    aborts the round's process group (``abort``), so that every participant's pending collective
+    of the round fails at once (:mod:`~gc_strategy.sync.fault_tolerance.abort`). Reported from the
+    training thread or from the heartbeats' (:mod:`~gc_strategy.sync.fault_tolerance.silence`)."""
 
-    def __init__(self, manager: Any) -> None:
-        self.manager = manager
+    def __init__(self, manager: Any, abort: Callable[[], None]) -> None:
+        self.manager, self.abort = manager, abort
         self.failed = False
+        self._lock = threading.Lock()
 
     def report(self, error: Exception) -> None:
-        if not self.failed:
-            self.failed = True
+        with self._lock:
+            first, self.failed = not self.failed, True
+        if first:
             self.manager.report_error(error)
+            self.abort()
 
 
 class _GuardedRound(Round):
@@ -202,7 +211,7 @@ class Quorum:
         else:
             self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
             store_port = self._store.port
-        self.process_group = torchft.process_group.ProcessGroupGloo(timeout=timeout)
+        self.process_group = abortable_gloo(torchft)(timeout=timeout)
         self._load_state_dict = load_state_dict
         self._received: dict[str, Any] | None = None
         #: the group's own ranks, on the host, to agree at each round whether all of them formed it
@@ -233,7 +242,9 @@ class Quorum:
                 f"timeout_s = {options.timeout_s} s; start it first (torchft_lighthouse --min_replicas 1 "
                 f"--join_timeout_ms 10000) or correct lighthouse=. {error}"
             ) from error
-        self.failure = StepFailure(self.manager)
+        self.failure = self._new_failure()
+        #: beats to the round's peers, and the watch on theirs: a silent peer fails the round
+        self.heartbeats = Heartbeats(options.host, options.silence_s, self._silent)
         #: the quorum's process group (None before the first quorum, or where it could not be formed)
         self.group: Any = None
         #: the participating groups of the current round (0 before the first quorum)
@@ -253,7 +264,7 @@ class Quorum:
                 f"fault_tolerance: no quorum within quorum_timeout_s = {options.quorum_timeout_s} s from the "
                 f"lighthouse at {options.lighthouse} (is it running, and are enough replica groups up?): {error}"
             ) from error
-        self.failure = StepFailure(self.manager)
+        self.failure = self._new_failure()
         received, self._received = self._received, None
         changed = False
         if not self._all_ranks_formed_it():  # the round cannot commit, and no rank applies a peer's state
@@ -270,6 +281,30 @@ class Quorum:
         self._say_when_alone()
         self._check_enough_groups()
         return changed
+
+    def _new_failure(self) -> StepFailure:
+        return StepFailure(self.manager, self.process_group.abort_connections)
+
+    def _silent(self, peers: list[Address]) -> None:
+        self.failure.report(
+            TimeoutError(
+                f"fault_tolerance: {len(peers)} peer(s) of this round unheard for silence_s = "
+                f"{self.options.silence_s} s ({', '.join(f'{h}:{p}' for h, p in peers)}): hung or cut off"
+            )
+        )
+
+    def meet(self) -> None:
+        """Learn the peers of a new process group, to watch their heartbeats (a collective over
+        it: run under :meth:`guard`)."""
+        self.heartbeats.exchange(self.group)
+
+    def watch(self) -> None:
+        """The round's collectives begin: a peer silent for ``silence_s`` fails it from now on."""
+        self.heartbeats.arm()
+
+    def unwatch(self) -> None:
+        """The round's collectives are over (the vote and the next quorum involve no peer)."""
+        self.heartbeats.disarm()
 
     def _say_when_alone(self) -> None:
         """Warn, each time this group starts to train alone, that its steps are averaged with no
@@ -377,4 +412,5 @@ class Quorum:
 
     def close(self) -> None:
         """Leave the quorums: the others go on without this group."""
+        self.heartbeats.close()
         self.manager.shutdown(wait=False)

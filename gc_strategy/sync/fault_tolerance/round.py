@@ -118,6 +118,7 @@ class Round:
         changed = self.quorum.start()
         if changed or not self._bound:
             self._bound = self.quorum.guard(self._rebind)
+        self.quorum.watch()
         self._held = [RollbackPoint(synchronizer) for synchronizer in self.synchronizers]
 
     @property
@@ -126,6 +127,7 @@ class Round:
         return self._held is not None
 
     def _rebind(self) -> bool:
+        self.quorum.meet()
         route = quorum_route(self.quorum)
         for synchronizer in self.synchronizers:
             synchronizer.rebind(route)  # a collective where the compressor checks the group (randk)
@@ -144,6 +146,7 @@ class Round:
         """torchft's vote, the rollback point released, the report; whether the round committed."""
         if self._held is None:
             raise RuntimeError("a round ends after it began (Round.begin)")
+        self.quorum.unwatch()
         committed = self.quorum.vote()
         for point in self._held:
             point.release(keep_changes=committed)

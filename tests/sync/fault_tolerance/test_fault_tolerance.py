@@ -2,7 +2,6 @@
 torchft lighthouse on loopback, each replica group a process started here (tests/ft_worker.py), one
 killed with SIGKILL in the middle of a step and started again under its old id."""
 
-import contextlib
 import csv
 import json
 import math
@@ -19,85 +18,16 @@ import pytest
 import torch
 from locations import ROOT, TESTS
 
-os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log (native, past pytest's capture): warnings only
 coordination = pytest.importorskip("torchft.coordination")
 
 from doc_blocks import command_overrides  # noqa: E402
+from ft_groups import STARTED, TORCHRUN, finish, group_env, launch, same, start  # noqa: E402
 from ft_lightning_worker import Regression  # noqa: E402
 from ft_worker import batch, model  # noqa: E402
 
-from app.replica_groups import LAUNCHER_KEYS  # noqa: E402
 from gc_strategy import FaultTolerance, FaultTolerantSynchronizer, build_components  # noqa: E402
 from gc_strategy.sync.fault_tolerance.lighthouse import reach_lighthouse  # noqa: E402
 from gc_strategy.tools.ranks import run_ranks  # noqa: E402
-
-WORKER = TESTS / "ft_worker.py"
-#: a replica group of several ranks: torchrun with a rendezvous of its own on this machine
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
-
-
-def group_env(**extra: str) -> dict[str, str]:
-    """A replica group's environment: a world of its own, sharing no launcher's variables."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
-    return {**env, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), **extra}
-
-
-#: the groups a test started: none outlives it
-STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _groups_end_with_their_test():
-    yield
-    while STARTED:  # every process of each group, by its process group id (torchrun's workers too)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(STARTED.pop().pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def lighthouse():
-    """torchft's lighthouse on loopback: a quorum as soon as the live groups asked (or after 0.5 s)."""
-    server = coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500)
-    yield server.address()
-    server.shutdown()
-
-
-def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str, ranks: int = 1) -> subprocess.Popen:
-    """Replica group ``group``: one process, or ``ranks`` started by one torchrun of its own."""
-    args = [
-        "--lighthouse",
-        lighthouse,
-        "--group",
-        str(group),
-        "--groups",
-        str(groups),
-        "--out",
-        str(out / f"{group}.pt"),
-    ]
-    launcher = [sys.executable] if ranks == 1 else [*TORCHRUN, f"--nproc_per_node={ranks}"]
-    return launch([*launcher, str(WORKER), *args, *extra], out / f"{group}.log")
-
-
-def launch(command: list[str], log: Path) -> subprocess.Popen:
-    """``command`` in a process group of its own (killed when the test ends), writing to ``log``."""
-    with open(log, "ab") as file:
-        STARTED.append(subprocess.Popen(command, env=group_env(), stdout=file, stderr=file, start_new_session=True))
-    return STARTED[-1]
-
-
-def finish(process: subprocess.Popen, out: Path, group: int, timeout: float = 240, load: bool = True) -> dict | None:
-    assert process.wait(timeout=timeout) == 0, (out / f"{group}.log").read_text()[-3000:]
-    return torch.load(out / f"{group}.pt") if load else None
-
-
-def same(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.slow

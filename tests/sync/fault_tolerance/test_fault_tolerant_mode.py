@@ -13,8 +13,8 @@ from locations import TESTS
 
 coordination = pytest.importorskip("torchft.coordination")
 
+from ft_groups import group_env  # noqa: E402
 from ft_worker import batch, model  # noqa: E402
-from test_fault_tolerance import group_env  # noqa: E402
 
 WORKER = TESTS / "ft_toy_worker.py"
 STEPS = 6

@@ -3,7 +3,8 @@ fails here, naming what to read again (gc_strategy/sync/fault_tolerance/).
 
 - ``ProcessGroupGloo._create_pg`` builds gloo's process group through the module's
   ``BaseProcessGroupGloo`` and calls its deprecated ``_set_sequence_number_for_group``, which
-  ``quiet_torchft`` makes a no-op there (torchft_setup.py).
+  ``quiet_torchft`` makes a no-op there (torchft_setup.py); ``abortable_gloo`` overrides it to hold
+  the connections the construction opens (abort.py).
 - ``ProcessGroupWrapper.parent`` and ``configure``: a new process group object at every
   reconfiguration, which ``Quorum.start`` takes as "the quorum changed" (quorum.py).
 - ``Manager.state_dict`` and ``load_state_dict``: the rounds' counters, which ``Quorum.start``
@@ -12,7 +13,9 @@ fails here, naming what to read again (gc_strategy/sync/fault_tolerance/).
   advertised port and whose request handler class is made quiet (torchft_setup.py).
 
 Each is read from the installed torchft and compared with the source it was written against
-(torchft 0.2)."""
+(torchft 0.2). The lighthouse's new quorum id after a failed commit, which makes every group
+configure a new process group after an abort (abort.py), is native code: the abort's tests
+(test_failure_detection.py) fail where it stops."""
 
 import subprocess
 import sys

@@ -1,0 +1,41 @@
+"""Heartbeats (gc_strategy/sync/fault_tolerance/silence.py) between processes' watchers on loopback:
+a beating peer is never found silent; one that stopped is, once, while a round runs only."""
+
+import threading
+import time
+
+from gc_strategy.sync.fault_tolerance.silence import Heartbeats
+
+
+class Silences:
+    def __init__(self) -> None:
+        self.found: list[list] = []
+        self.event = threading.Event()
+
+    def __call__(self, peers: list) -> None:
+        self.found.append(peers)
+        self.event.set()
+
+
+def test_a_peer_that_stops_beating_is_found_silent_once_and_only_while_a_round_runs():
+    silence = 1.0
+    silences = Silences()
+    watcher = Heartbeats("127.0.0.1", silence, silences)
+    peer = Heartbeats("127.0.0.1", silence, lambda peers: None)
+    try:
+        watcher.watch([watcher.address, peer.address])  # its own address is left out
+        peer.watch([watcher.address])
+        watcher.arm()
+        time.sleep(3 * silence)  # 15 beats: the peer is heard throughout
+        assert silences.found == []
+        watcher.disarm()
+        peer.close()
+        time.sleep(2 * silence)  # silent, but no round runs
+        assert silences.found == []
+        watcher.arm()
+        assert silences.event.wait(timeout=30)
+        assert silences.found == [[peer.address]]
+        time.sleep(2 * silence)  # found once: the watch is disarmed until the next round
+        assert len(silences.found) == 1
+    finally:
+        watcher.close()
