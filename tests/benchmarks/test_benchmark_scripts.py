@@ -363,3 +363,20 @@ def test_the_exposed_time_is_the_difference_of_medians_and_its_range_is_per_roun
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in exposure_table(times).splitlines()[2:]}
     assert [cell.strip() for cell in rows["gc x"]] == ["18.00", "1.200", "3.00", "1.00 to 5.00"]
     assert [cell.strip() for cell in rows["plain"]] == ["15.00", "1.000", "0.00", "0.00 to 0.00"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_the_chaos_benchmark_strikes_a_fault_and_reports_its_cost():
+    """One hang of the last of three groups on emulated nodes: its row (a stall within
+    ``silence_s`` + 1 s) and every group's parameters equal at the end."""
+    pytest.importorskip("torchft")
+    options = ["--count", "1", "--faults", "hang", "--silence-s", "2"]
+    done = subprocess.run(
+        [sys.executable, "fault_chaos.py", *options], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| hang | 1 |"))
+    median, worst = (float(cell) for cell in row.split("|")[3:5])
+    assert median == worst < 2 + 1
+    assert "every group ended with the same parameters: True (3 digests)" in done.stdout
