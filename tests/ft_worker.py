@@ -92,6 +92,9 @@ def main() -> None:
         "--fail-at", type=int, default=-1, help="a step (every group in it) this group fails before its exchange, alive"
     )
     parser.add_argument("--step-pause", type=float, default=0.02, help="seconds between two steps")
+    parser.add_argument(
+        "--freeze-at", type=int, default=-1, help="DiLoCo: freeze (SIGSTOP) once in the first outer exchange from it"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the address the peers reach this group at")
     parser.add_argument("--steps-file", help="a file that, once written, holds the step to end at instead of --steps")
     args = parser.parse_args()
@@ -249,6 +252,7 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
 
     def recorded_round() -> bool:
         kept = diloco_snapshot(net, optimizer, sync)
+        began = time.monotonic()
         committed = try_round()
         record.append(
             {
@@ -257,13 +261,18 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
                 "contributors": sync.last_round.contributors if committed else None,
                 "committed": committed,
                 "state_kept": committed or same(kept, diloco_snapshot(net, optimizer, sync)),
+                "seconds": time.monotonic() - began,
             }
         )
         return committed
 
     def dying_vectors() -> None:  # the matrices' exchange is in flight
-        if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and sync.participants == args.groups:
+        due = sync.participants == args.groups
+        if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and due:
             os.kill(os.getpid(), signal.SIGKILL)
+        if 0 <= args.freeze_at <= sync.committed_steps and due:
+            args.freeze_at = -1
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
         start_vectors()
 
     sync.try_round, sync.synchronizers[1].start_synchronize = recorded_round, dying_vectors

@@ -192,3 +192,54 @@ def test_a_group_cut_off_by_the_network_is_left_out_after_its_silence_and_heals_
     for survivor in results[:2]:
         assert max(stalls(survivor["record"])) < silence + HANG_MARGIN_S, sorted(stalls(survivor["record"]))[-5:]
     assert_bit_identical(results)
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by a signal)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_diloco_fails_an_outer_round_frozen_in_within_its_silence_and_loses_no_inner_step(tmp_path):
+    """DiLoCo (``inner_steps=5``, ``topk`` + residual), three groups, ``silence_s`` = 2 (the
+    lighthouse's heartbeat timeout the same): group 2 freezes itself (SIGSTOP) in the first outer
+    exchange from inner step 12 with all three, its Δ half sent, and is woken 5 s later. The
+    survivors' round fails within ``silence_s`` + 1 s, state as before it, and is redone as two at
+    the same inner step (no inner step lost); group 2, awake, fails its round and heals in a later
+    one; all end with the same parameters, outer values, outer optimizer and inner step."""
+    silence = 2.0
+    server = coordination.LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=int(silence * 1000)
+    )
+    try:
+        options = ["--steps", "30", "--inner-steps", "5", "--compressor", "topk", "--memory", "residual"]
+        options += ["--barrier", str(tmp_path), "--silence", str(silence), "--timeout", "30"]
+        groups = [
+            start(server.address(), g, GROUPS, tmp_path, *options, *(["--freeze-at", "12"] if g == 2 else []))
+            for g in range(GROUPS)
+        ]
+        deadline = time.monotonic() + 120
+        while not stopped(groups[2].pid):
+            assert time.monotonic() < deadline and groups[2].poll() is None, (tmp_path / "2.log").read_text()[-2000:]
+            time.sleep(0.05)
+        time.sleep(silence + 3)
+        os.kill(groups[2].pid, signal.SIGCONT)
+        results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    finally:
+        server.shutdown()
+    for survivor in results[:2]:
+        rounds = survivor["record"]
+        failed = [r for r in rounds if not r["committed"]]
+        assert len(failed) == 1 and failed[0]["participants"] == GROUPS and failed[0]["state_kept"]
+        assert failed[0]["seconds"] < silence + HANG_MARGIN_S, failed[0]["seconds"]
+        committed = [r["step"] for r in rounds if r["committed"]]
+        assert committed == list(range(committed[0], committed[-1] + 1, 5))  # each outer step once
+        redone = next(r for r in rounds if r["committed"] and r["step"] == failed[0]["step"])
+        assert redone["participants"] == 2
+    frozen = results[2]["record"]
+    woke = next(i for i, r in enumerate(frozen) if not r["committed"])
+    assert any(r["committed"] and r["participants"] == GROUPS for r in frozen[woke:])  # healed, with everyone
+    for other in results[1:]:
+        for key in ("params", "outer", "outer_optimizer"):
+            assert same(results[0][key], other[key]), key
+        assert other["inner_step"] == results[0]["inner_step"]
