@@ -7,21 +7,13 @@ throughout: every bound below is far under it."""
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from ft_groups import finish, launch, same, start
-from locations import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import netns  # noqa: E402
+from ft_groups import finish, same, start
 
 coordination = pytest.importorskip("torchft.coordination")
 
@@ -72,14 +64,12 @@ def assert_bit_identical(results: list[dict]) -> None:
         assert other["committed_steps"] == results[0]["committed_steps"]
 
 
-def start_group(
-    lighthouse: str, group: int, out: Path, *extra: str, roles: str = "topk+residual", node: object = None
-) -> object:
+def start_group(lighthouse: str, group: int, out: Path, *extra: str, roles: str = "topk+residual") -> object:
     """Group ``group`` (``roles``, ``timeout_s`` at its default), training until told to end
     (:func:`end_together`)."""
     compressor, memory = roles.split("+")
     options = ["--steps", "1000000", "--steps-file", str(out / "steps"), "--compressor", compressor, "--memory", memory]
-    return start(lighthouse, group, GROUPS, out, *options, "--timeout", "30", *extra, node=node)
+    return start(lighthouse, group, GROUPS, out, *options, "--timeout", "30", *extra)
 
 
 @pytest.mark.slow
@@ -124,7 +114,8 @@ def test_a_kill_at_any_moment_stalls_the_survivors_under_3_s(lighthouse, tmp_pat
 @pytest.mark.slow
 def test_a_frozen_group_is_left_out_after_its_silence_and_heals_when_it_wakes(tmp_path):
     """``silence_s`` = 2 (the lighthouse's heartbeat timeout the same): group 2 is frozen (SIGSTOP)
-    twice, each at a moment drawn at random, for 5 s, then woken (SIGCONT). Its connections stay
+    twice in steady training (10 steps with every group before each), each at a moment drawn at
+    random, for 5 s, then woken (SIGCONT). Its connections stay
     open: only its silence tells. Every stall of the survivors is under ``silence_s`` + 1 s; each
     time it wakes it finds itself out, heals and takes part again; all end bit-identical."""
     silence = 2.0
@@ -136,7 +127,7 @@ def test_a_frozen_group_is_left_out_after_its_silence_and_heals_when_it_wakes(tm
         options = ["--step-pause", "0", "--silence", str(silence)]
         groups = [start_group(server.address(), g, tmp_path, *options, roles=ROLES) for g in range(GROUPS)]
         for _ in range(2):
-            wait_for_commits(tmp_path / "2.log", committed(tmp_path / "2.log") + 3)
+            wait_for_commits(tmp_path / "2.log", committed(tmp_path / "2.log") + 10)
             time.sleep(draw.uniform(0, 0.2))
             os.kill(groups[2].pid, signal.SIGSTOP)
             time.sleep(silence + 3)
@@ -145,50 +136,6 @@ def test_a_frozen_group_is_left_out_after_its_silence_and_heals_when_it_wakes(tm
         results = end_together(tmp_path, groups)
     finally:
         server.shutdown()
-    for survivor in results[:2]:
-        assert max(stalls(survivor["record"])) < silence + HANG_MARGIN_S, sorted(stalls(survivor["record"]))[-5:]
-    assert_bit_identical(results)
-
-
-LIGHTHOUSE_SCRIPT = """
-import sys, time
-from torchft.coordination import LighthouseServer
-server = LighthouseServer(bind=sys.argv[1], min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=int(sys.argv[2]))
-print("lighthouse up", flush=True)
-time.sleep(3600)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="network namespaces need root and tc")
-def test_a_group_cut_off_by_the_network_is_left_out_after_its_silence_and_heals_when_it_is_back(tmp_path):
-    """Each group on a node of its own (a network namespace behind a 1 Gbit/s link), the lighthouse
-    on node 0, ``silence_s`` = 2. Node 2's link is cut (its bridge port down: every packet dropped,
-    no connection closed, no reset) twice, each at a moment drawn at random, for 5 s, and
-    restored. Every stall of the survivors is under ``silence_s`` + 1 s; group 2, back on the
-    network, heals and takes part again; all end bit-identical."""
-    silence = 2.0
-    with netns.emulated_network(GROUPS, "1gbit") as nodes:
-        address = f"{nodes[0].address}:29510"
-        lighthouse = launch(
-            [*nodes[0].command, sys.executable, "-c", LIGHTHOUSE_SCRIPT, address, str(int(silence * 1000))],
-            tmp_path / "lighthouse.log",
-        )
-        draw = random.Random(6322)
-        options = ["--step-pause", "0", "--silence", str(silence)]
-        groups = [
-            start_group(f"http://{address}", g, tmp_path, *options, roles=ROLES, node=nodes[g]) for g in range(GROUPS)
-        ]
-        link = f"{netns.PREFIX}2h"  # node 2's end on the bridge
-        for _ in range(2):
-            wait_for_commits(tmp_path / "2.log", committed(tmp_path / "2.log") + 3)
-            time.sleep(draw.uniform(0, 0.2))
-            subprocess.run(["ip", "link", "set", link, "down"], check=True)
-            time.sleep(silence + 3)
-            subprocess.run(["ip", "link", "set", link, "up"], check=True)
-        wait_for_commits(tmp_path / "2.log", committed(tmp_path / "2.log") + 3)
-        results = end_together(tmp_path, groups)
-        lighthouse.kill()
     for survivor in results[:2]:
         assert max(stalls(survivor["record"])) < silence + HANG_MARGIN_S, sorted(stalls(survivor["record"]))[-5:]
     assert_bit_identical(results)
