@@ -1,8 +1,7 @@
 """How fast the survivors learn of a failure (gc_strategy/sync/fault_tolerance/abort.py, silence.py), tested
 for real: three replica groups of tests/ft_worker.py on a lighthouse on loopback, one of them
-failing a round alive, killed (SIGKILL) or frozen (SIGSTOP) at moments drawn at random, by the
-process ids started here, and started again or woken. ``timeout_s`` stays at its default (30 s)
-throughout: every bound below is far under it."""
+failing a round alive or frozen (SIGSTOP), by the process ids started here, and woken. ``timeout_s``
+stays at its default (30 s) throughout: every bound below is far under it."""
 
 import os
 import random
@@ -18,7 +17,8 @@ from ft_groups import finish, same, start
 coordination = pytest.importorskip("torchft.coordination")
 
 GROUPS = 3
-#: the survivors' longest stall allowed for a kill, and beyond the silence bound for a hang
+#: the longest a failure seen in a collective may take to reach every participant, and the margin
+#: beyond the silence bound for a hang
 KILL_STALL_S = 3.0
 HANG_MARGIN_S = 1.0
 #: the roles of the runs of thousands of steps: PowerSGD (its shared factors healed too); top-k with
@@ -86,28 +86,6 @@ def test_a_participant_that_fails_a_round_alive_fails_it_at_once_on_every_other(
         failed = [r for r in result["record"] if not r["committed"] and r["participants"] == GROUPS]
         assert len(failed) == 1 and failed[0]["state_kept"]
         assert failed[0]["seconds"] < KILL_STALL_S, failed[0]["seconds"]
-    assert_bit_identical(results)
-
-
-@pytest.mark.slow
-def test_a_kill_at_any_moment_stalls_the_survivors_under_3_s(lighthouse, tmp_path):
-    """Group 2 is killed (SIGKILL) 3 times, each at a moment drawn at random (steps back to back:
-    the moment falls in the forward, the backward, an exchange, the vote, the quorum or the
-    healing of its previous restart alike), and started again at once. Every stall of the
-    survivors is under 3 s; all end bit-identical."""
-    draw = random.Random(63)
-    pace = ["--step-pause", "0"]
-    groups = [start_group(lighthouse, g, tmp_path, *pace, roles=ROLES) for g in range(GROUPS)]
-    for _ in range(3):
-        wait_for_commits(tmp_path / "2.log", committed(tmp_path / "2.log") + 3)
-        time.sleep(draw.uniform(0, 0.2))
-        os.kill(groups[2].pid, signal.SIGKILL)
-        groups[2].wait(timeout=10)
-        groups[2] = start_group(lighthouse, 2, tmp_path, *pace, roles=ROLES)
-    wait_for_commits(tmp_path / "2.log", committed(tmp_path / "2.log") + 3)
-    results = end_together(tmp_path, groups)
-    for survivor in results[:2]:
-        assert max(stalls(survivor["record"])) < KILL_STALL_S, sorted(stalls(survivor["record"]))[-5:]
     assert_bit_identical(results)
 
 
