@@ -7,7 +7,7 @@ replacement is not guarded against concurrent callers: where the first users are
 starting at once, as the autograd engine's device threads do at FSDP2's first backward (each sets
 its number of intra-op threads), one thread may find the pool gone while another replaces it, and
 the child aborts with "pool INTERNAL ASSERT FAILED ... Invalid thread pool!". A parent whose main
-thread has run an intra-op parallel operation (a notebook that trained a model, a test session)
+thread has run an intra-op parallel operation (a notebook that trained a model, a pytest process)
 leaves its children in that state, and the ``*_fork`` strategies (Lightning's fork launcher) fork
 such children. Setting the number of threads in the child right after the fork, on its one
 thread, makes the replacement there.

@@ -1,5 +1,6 @@
 """Replica groups as process trees started by the fault-tolerance tests (tests/sync/fault_tolerance/):
-each in a session of its own, killed when its test ends (tests/sync/fault_tolerance/conftest.py)."""
+each the leader of its own process group (setsid), killed when its test ends
+(tests/sync/fault_tolerance/conftest.py)."""
 
 import os
 import subprocess
