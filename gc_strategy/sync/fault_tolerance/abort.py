@@ -28,17 +28,20 @@ from typing import Any
 FDS = "/proc/self/fd"
 
 
-def socket_fds() -> set[int]:
-    """This process's open descriptors that are sockets (none where ``/proc`` is absent)."""
+def sockets() -> dict[int, str]:
+    """This process's open sockets: each descriptor's socket, named by its inode (``socket:[N]``),
+    which a socket keeps for its life while a closed descriptor's number is soon given to another
+    (none where ``/proc`` is absent)."""
     if not os.path.isdir(FDS):
-        return set()
-    found = set()
+        return {}
+    found = {}
     for name in os.listdir(FDS):
         try:
-            if os.readlink(f"{FDS}/{name}").startswith("socket:"):
-                found.add(int(name))
+            target = os.readlink(f"{FDS}/{name}")
         except OSError:  # closed meanwhile
-            pass
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
     return found
 
 
@@ -61,9 +64,11 @@ class Connections:
         self.sockets = sockets or []
 
     @classmethod
-    def opened_since(cls, before: set[int]) -> Connections:
-        """The connections opened since the sockets ``before`` (:func:`socket_fds`) were taken."""
-        held = [_connection(fd) for fd in sorted(socket_fds() - before)]
+    def opened_since(cls, before: set[str]) -> Connections:
+        """The connections opened since the sockets ``before`` (:func:`sockets`' values) were taken:
+        told apart by inode, not by descriptor, as the previous process group's descriptors are
+        closed while the new one opens its own and their numbers are reused."""
+        held = [_connection(fd) for fd, inode in sorted(sockets().items()) if inode not in before]
         return cls([s for s in held if s is not None])
 
     def shut(self) -> None:
@@ -95,7 +100,7 @@ def abortable_gloo(torchft: Any) -> type:
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             self.connections.close()
-            before = socket_fds()
+            before = set(sockets().values())
             group = super()._create_pg(store, rank, world_size)
             self.connections = Connections.opened_since(before)
             return group
