@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from locations import ROOT, TESTS
@@ -25,19 +26,24 @@ def group_env(**extra: str) -> dict[str, str]:
     return {**env, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), **extra}
 
 
-def start(lighthouse: str, group: int, groups: int, out: Path, *extra: str, ranks: int = 1) -> subprocess.Popen:
+def start(
+    lighthouse: str, group: int, groups: int, out: Path, *extra: str, ranks: int = 1, node: Any = None
+) -> subprocess.Popen:
     """Replica group ``group`` of tests/ft_worker.py: one process, or ``ranks`` started by one
-    torchrun of its own."""
+    torchrun of its own; on loopback, or on an emulated ``node`` (benchmarks/netns.py)."""
     args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", str(groups)]
     args += ["--out", str(out / f"{group}.pt")]
     launcher = [sys.executable] if ranks == 1 else [*TORCHRUN, f"--nproc_per_node={ranks}"]
-    return launch([*launcher, str(WORKER), *args, *extra], out / f"{group}.log")
+    if node is None:
+        return launch([*launcher, str(WORKER), *args, *extra], out / f"{group}.log")
+    command = [*node.command, *launcher, str(WORKER), *args, "--host", node.address, *extra]
+    return launch(command, out / f"{group}.log", GLOO_SOCKET_IFNAME=node.interface)
 
 
-def launch(command: list[str], log: Path) -> subprocess.Popen:
+def launch(command: list[str], log: Path, **env: str) -> subprocess.Popen:
     """``command`` in a process group of its own (killed when the test ends), writing to ``log``."""
     with open(log, "ab") as file:
-        process = subprocess.Popen(command, env=group_env(), stdout=file, stderr=file, start_new_session=True)
+        process = subprocess.Popen(command, env=group_env(**env), stdout=file, stderr=file, start_new_session=True)
     STARTED.append(process)
     return process
 

@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument(
         "--freeze-at", type=int, default=-1, help="DiLoCo: freeze (SIGSTOP) once in the first outer exchange from it"
     )
+    parser.add_argument("--host", default="127.0.0.1", help="the address the peers reach this group at")
     parser.add_argument("--steps-file", help="a file that, once written, holds the step to end at instead of --steps")
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ and args.via == "loop":  # a group of several ranks, started by torchrun
@@ -111,7 +112,7 @@ def main() -> None:
         timeout_s=args.timeout,
         quorum_timeout_s=args.quorum_timeout,
         silence_s=args.silence,
-        host="127.0.0.1",
+        host=args.host,
     )
     if args.inner_steps:
         return diloco(args, net, optimizer, options)

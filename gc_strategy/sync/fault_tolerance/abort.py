@@ -12,18 +12,21 @@ same connections, on every participant that waits on this one: a failure spreads
 participant instead of one timeout. The listening socket is left alone (gloo's accept loop treats its
 shutdown as fatal).
 
-The sockets held are those new after the construction, which runs in torchft's quorum thread while
-the training thread waits for the quorum; a connection another thread opened meanwhile (a healing
-peer fetching this group's state) is held too, and an abort would only end that fetch early: the
-peer then heals at its next quorum. Linux only (the sockets are found in ``/proc/self/fd``);
-elsewhere nothing is held and a failure reaches the peers at the collectives' timeout.
+The sockets held are those new after the construction (told apart by inode), which runs in
+torchft's quorum thread while the training thread waits for the quorum; a connection another thread
+opened meanwhile (a healing peer fetching this group's state) is held too, and an abort would only
+end that fetch early: the peer then heals at its next quorum. Linux only (the sockets are found in
+``/proc/self/fd``); elsewhere nothing is held and a failure reaches the peers at the collectives' timeout.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from typing import Any
+
+import torch
 
 FDS = "/proc/self/fd"
 
@@ -91,12 +94,28 @@ class Connections:
 def abortable_gloo(torchft: Any) -> type:
     """torchft's reconfigurable gloo process group, holding each configuration's connections:
     ``abort_connections()`` shuts the current one's down; a reconfiguration lets the previous one's go
-    (shut down first, so that no participant left on it waits)."""
+    (shut down first, so that no participant left on it waits).
+
+    Each configuration is formed within ``formation_timeout`` (the store's connection, the exchange
+    of addresses and the connections), its collectives then wait up to ``timeout``: the members of a
+    quorum form its group together, right after the lighthouse answered them all, so a member that
+    takes longer is dead, hung or cut off, and the heartbeats that would tell are not yet exchanged
+    (:mod:`~gc_strategy.sync.fault_tolerance.silence`). The formation then fails, the round with it,
+    and the next quorum goes on without that member."""
 
     class ProcessGroupGloo(torchft.process_group.ProcessGroupGloo):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
+        def __init__(self, timeout: timedelta, formation_timeout: timedelta) -> None:
+            super().__init__(timeout=timeout)
+            self.formation_timeout = formation_timeout
             self.connections = Connections()
+
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            collectives, self._timeout = self._timeout, self.formation_timeout
+            try:
+                super().configure(*args, **kwargs)
+            finally:
+                self._timeout = collectives
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(collectives)
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             self.connections.close()

@@ -211,7 +211,7 @@ class Quorum:
         else:
             self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
             store_port = self._store.port
-        self.process_group = abortable_gloo(torchft)(timeout=timeout)
+        self.process_group = abortable_gloo(torchft)(timeout, timedelta(seconds=options.silence_s))
         self._load_state_dict = load_state_dict
         self._received: dict[str, Any] | None = None
         #: the group's own ranks, on the host, to agree at each round whether all of them formed it
