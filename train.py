@@ -42,12 +42,14 @@ from gc_strategy.sync.fault_tolerance.lighthouse import LighthouseUnreachable, r
 from gc_strategy.sync.modes import Replicated, Sharded, check_setup, parse_sync, sync_of
 from gc_strategy.sync.paths.hierarchy import hierarchy_of
 from recipes.bert import BertMaskedLM, MaskedTextDataModule
+from recipes.corpus import CorpusDataModule
+from recipes.gpt import GPTLanguageModel
 from recipes.images import ImageDataModule, MissingDataset
 from recipes.lstm import LSTMLanguageModel
 from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
-RECIPES = {"resnet": "images", "lstm": "text", "bert": "mlm"}
+RECIPES = {"resnet": "images", "lstm": "text", "bert": "mlm", "gpt": "corpus"}
 CHECKPOINTS = ("last", "all", "none")
 #: the Hydra groups made from the registries: one member per registered name
 ROLE_GROUPS = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
@@ -221,6 +223,9 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
         data = ImageDataModule(seed=seed, **data_options)
         data.check_present()
         return ResNetClassifier(**model_options), data
+    if recipe == "gpt":  # the vocabulary is known without reading the corpus: bytes, or the tokenizer's
+        data = CorpusDataModule(seed=seed, **data_options)
+        return GPTLanguageModel(vocab_size=data.vocab_size, context=data.context, **model_options), data
     if recipe == "bert":
         data = MaskedTextDataModule(seed=seed, **data_options)
         data.setup("fit")  # the tokenizer's vocabulary and the block length are the model's
@@ -231,7 +236,7 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
 
 
 def data_members(kind: str) -> list[str]:
-    """The members of the ``data`` group of this ``kind`` (``images``, ``text``, ``mlm``)."""
+    """The members of the ``data`` group of this ``kind`` (``images``, ``text``, ``mlm``, ``corpus``)."""
     folder = Path(__file__).parent / "conf" / "data"
     return sorted(f.stem for f in folder.glob("*.yaml") if OmegaConf.load(f).get("kind") == kind)
 
@@ -450,7 +455,8 @@ def remove_unused_run_folder(output_dir: Path) -> None:
 
 
 def print_summary(cfg: DictConfig, summary: dict, output_dir: Path) -> None:
-    """Rank 0's closing lines: the median step and the speedup, and where the outputs went."""
+    """Rank 0's closing lines: the median step and the speedup, the last validation, and where the
+    outputs went."""
     if not summary:
         print(
             f"\nno step was timed: all trainer.max_steps = {cfg.trainer.max_steps} fell within "
@@ -469,6 +475,10 @@ def print_summary(cfg: DictConfig, summary: dict, output_dir: Path) -> None:
             f"\nmedian step {summary['step_time_s']:.3f} s, {summary['throughput_samples_per_s']:.1f} samples/s, "
             f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: {verdict}"
         )
+        validation = {k: v for k, v in summary.items() if k.startswith("val/")}
+        if validation:
+            metrics = ", ".join(f"{k} {v:.4g}" for k, v in sorted(validation.items()))
+            print(f"last validation (step {summary['val_step']}): {metrics}")
         if "auto_plan_buckets" in summary:
             print(
                 f"fusion=auto plan: {summary['auto_plan_buckets']} buckets, predicted step "
