@@ -50,6 +50,8 @@ from recipes.resnet import ResNetClassifier
 from recipes.text import LanguageModelDataModule
 
 RECIPES = {"resnet": "images", "lstm": "text", "bert": "mlm", "gpt": "corpus"}
+#: the data option that is one sample's tokens, by data kind (language models' throughput in tokens too)
+SEQUENCE_LENGTH = {"text": "bptt", "mlm": "max_length", "corpus": "context"}
 CHECKPOINTS = ("last", "all", "none")
 #: the Hydra groups made from the registries: one member per registered name
 ROLE_GROUPS = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
@@ -390,7 +392,11 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"
     checkpoints = checkpoint_folder(cfg, output_dir)
     monitor = ThroughputMonitor(
-        cfg.data.batch_size, str(output_dir), cfg.speedup.baseline_steps, cfg.speedup.warmup_steps
+        cfg.data.batch_size,
+        str(output_dir),
+        cfg.speedup.baseline_steps,
+        cfg.speedup.warmup_steps,
+        tokens_per_sample=cfg.data[SEQUENCE_LENGTH[cfg.data.kind]] if cfg.data.kind in SEQUENCE_LENGTH else None,
     )
     demo = ft.kill_at is not None and ft.replica_group == ft.kill_group
     record = [StepRecord(output_dir / "steps.csv"), ParameterDigest(output_dir / "parameters.sha256"), FinishTogether()]
@@ -471,8 +477,12 @@ def print_summary(cfg: DictConfig, summary: dict, output_dir: Path) -> None:
             verdict = f"{estimate:.2f}x (timeline-model estimate; set speedup.baseline_steps=N to measure it)"
         else:
             verdict = "not measured (set speedup.baseline_steps=N, or fusion=auto for an estimate)"
+        tokens = summary.get("throughput_tokens_per_s")
+        throughput = f"{summary['throughput_samples_per_s']:.1f} samples/s" + (
+            f" ({tokens:,.0f} tokens/s)" if tokens else ""
+        )
         print(
-            f"\nmedian step {summary['step_time_s']:.3f} s, {summary['throughput_samples_per_s']:.1f} samples/s, "
+            f"\nmedian step {summary['step_time_s']:.3f} s, {throughput}, "
             f"compression ratio {summary.get('compression_ratio', 1.0):.1f}, speedup vs fp32 allreduce: {verdict}"
         )
         validation = {k: v for k, v in summary.items() if k.startswith("val/")}

@@ -7,7 +7,9 @@ plan) and the summary reports the **measured** speedup: median baseline step tim
 compressed step time, each phase without its first ``warmup_steps`` steps. With ``fusion=auto`` the
 summary also carries the timeline model's **estimate** (labelled so): the predicted step time of an
 uncompressed fp32 allreduce / its predicted step time for the chosen plan. The summary holds the
-last validation's ``val/...`` metrics beside them, with its step (``val_step``).
+last validation's ``val/...`` metrics beside them, with its step (``val_step``). Where each sample
+is a sequence of ``tokens_per_sample`` tokens (a language model), throughput is also counted in
+tokens (``perf/tokens_per_s``, shown in the progress bar; ``throughput_tokens_per_s``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ class ThroughputMonitor(pl.Callback):
     sends the summary, the bucket plan (a table) and the step-time breakdown (a bar chart) to the
     loggers."""
 
-    def __init__(self, batch_size: int, output_dir: str, baseline_steps: int = 0, warmup_steps: int = 5) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        output_dir: str,
+        baseline_steps: int = 0,
+        warmup_steps: int = 5,
+        tokens_per_sample: int | None = None,
+    ) -> None:
         if baseline_steps < 0 or warmup_steps < 0:
             raise ValueError(
                 f"speedup.baseline_steps = {baseline_steps} and speedup.warmup_steps = {warmup_steps}: "
@@ -40,6 +49,7 @@ class ThroughputMonitor(pl.Callback):
             )
         self.batch_size, self.baseline_steps, self.warmup_steps = batch_size, baseline_steps, warmup_steps
         self.output_dir = Path(output_dir)
+        self.tokens_per_sample = tokens_per_sample
         self.times: dict[str, list[float]] = {"baseline": [], "compressed": []}
         self.telemetry: list[StepTelemetry] = []  # the synchroniser's record of each timed compressed step
         self.summary: dict[str, Any] = {}
@@ -88,6 +98,9 @@ class ThroughputMonitor(pl.Callback):
             },
             rank_zero_only=True,
         )
+        if self.tokens_per_sample is not None:
+            tokens_per_s = samples * self.tokens_per_sample / elapsed
+            pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True, rank_zero_only=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -106,6 +119,8 @@ class ThroughputMonitor(pl.Callback):
             "throughput_samples_per_s": self.batch_size * trainer.world_size / median,
             **self.validation,
         }
+        if self.tokens_per_sample is not None:
+            summary["throughput_tokens_per_s"] = summary["throughput_samples_per_s"] * self.tokens_per_sample
         if self.telemetry:  # over the timed steps only (not the warm-up, e.g. PowerSGD's start_iter)
             raw, sent = (sum(getattr(t, key) for t in self.telemetry) for key in ("raw_bytes", "sent_bytes"))
             summary["compression_ratio"] = raw / sent if sent else float("inf")

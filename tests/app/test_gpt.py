@@ -3,6 +3,7 @@ files, ``compressor=none`` against Lightning's ``ddp``, and the app's runs with 
 
 import csv
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -177,8 +178,8 @@ def run_app(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, list[
     and each metrics.csv's validation rows."""
     run = tmp_path / "run"
     args = ["model=gpt", "data=text", "data.val_tokens=4096", "logger=csv", "trainer.max_steps=4"]
-    args += ["trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=4", "speedup.warmup_steps=0"]
-    args += [f"hydra.run.dir={run}"]
+    args += ["trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=4", "trainer.log_every_n_steps=1"]
+    args += ["speedup.warmup_steps=0", f"hydra.run.dir={run}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args, *options],
@@ -216,6 +217,11 @@ def test_the_app_trains_the_gpt_on_the_default_corpus_and_reports_perplexity(tmp
     assert len(validations) == 1
     assert_perplexity_reported(validations[0])
     assert "last validation (step 4): val/loss " in done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["throughput_tokens_per_s"] == pytest.approx(summary["throughput_samples_per_s"] * 128)
+    assert f"({summary['throughput_tokens_per_s']:,.0f} tokens/s)" in done.stdout
+    steps = [r for f in (tmp_path / "run").rglob("metrics.csv") for r in csv.DictReader(f.open())]
+    assert len([r for r in steps if r.get("perf/tokens_per_s")]) == 4
 
 
 @pytest.mark.slow
