@@ -64,7 +64,8 @@ class KillAt(pl.Callback):
 
 class StepRecord(pl.Callback):
     """Append each training step of this replica group to ``path`` (CSV: global step, participating
-    groups, committed, loss, the wall-clock time); a group started again appends to the same file."""
+    groups, committed, the group's first rank's loss, the wall-clock time), from that rank alone; a
+    group started again appends to the same file."""
 
     FIELDS = ("step", "participants", "committed", "loss", "time")
 
@@ -72,6 +73,8 @@ class StepRecord(pl.Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        if not trainer.is_global_zero:  # the group's launch: its ranks report one round
+            return
         report = trainer.strategy.synchronizer.last_round
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         row = [trainer.global_step - 1, report.participants, int(report.committed), float(loss), time.time()]

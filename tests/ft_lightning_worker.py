@@ -68,9 +68,10 @@ class Watch(L.Callback):
                 "committed": report.committed,
             }
         )
-        outer_step = not self.args.inner_steps or trainer.global_step % self.args.inner_steps == 0
-        together = report.committed and report.participants == self.args.groups
-        if together and trainer.global_step >= self.args.steps and outer_step:
+        # DiLoCo: an outer step that every group took part in and contributed to, with no inner step since
+        every = report.committed and report.participants == self.args.groups
+        together = sync.together if self.args.inner_steps else every
+        if together and trainer.global_step >= self.args.steps:
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer, module):

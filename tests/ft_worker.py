@@ -12,7 +12,8 @@ of the group kills itself at the same point (a lost node); with ``--lose-first-h
 rank ``R`` alone fails to fetch the first peer state it heals from (the transport raises, as where
 the peer died while sending it).
 
-With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loop), until an outer
+With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loop; a group of one
+or of several ranks), until an outer
 step at least ``--steps`` that every group took part in, recording every round; ``--die-when inner``
 kills it in the inner step ``S`` (after its forward), ``outer`` in the first outer round from ``S``
 on that every group takes part in, after the exchange of the matrices' Δ started."""
@@ -301,7 +302,8 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
             break
         time.sleep(0.05)
     final = diloco_snapshot(net, optimizer, sync)
-    torch.save({**final, "record": record, "inner_step": sync.committed_steps}, args.out)
+    out = args.out if ranks == 1 else args.out.replace(".pt", f".rank{rank}.pt")
+    torch.save({**final, "record": record, "inner_step": sync.committed_steps}, out)
     sync.close()
 
 

@@ -9,6 +9,7 @@ group's end at exit, and closing it at teardown."""
 from __future__ import annotations
 
 import atexit
+import copy
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -111,7 +112,8 @@ class SynchronizerGlue:
             rank_zero_warn(message)
         if self.synchronizer is not None:
             self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
-            self.synchronizer.register_healed(loop_state(trainer))
+            self._loop_state = LoopState(trainer)
+            self.synchronizer.register_healed({"trainer_loop": self._loop_state})
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.synchronizer is not None and self.synchronizer.votes_on_commit:
@@ -122,7 +124,11 @@ class SynchronizerGlue:
             closure = lambda: output  # noqa: E731 (the optimizer calls it for the loss)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self.synchronizer is not None:
-            self.synchronizer.after_optimizer_step()
+            self._loop_state.after_step = True  # a round here sees the step taken, not yet counted
+            try:
+                self.synchronizer.after_optimizer_step()
+            finally:
+                self._loop_state.after_step = False
         self._log_telemetry()
         self._announce_plan()
         return output
@@ -181,26 +187,42 @@ class SynchronizerGlue:
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-class _LoopProgress:
-    """The Trainer's step counters (``global_step`` and the epoch loop's progress) as a stateful
-    object, through the loop's own ``state_dict`` and ``load_state_dict``."""
+class LoopState:
+    """The Trainer's step counters (``global_step`` and the epoch loop's progress) and its LR
+    schedulers' states, as one object a replica group joining late takes from a live peer
+    (:meth:`~gc_strategy.sync.base.Synchronizer.register_healed`), so that every group has the same
+    ``global_step`` and learning rate.
+
+    Where the peer's state is taken matters: a round in the forward (every step's; DiLoCo's first)
+    comes before the peer's step is counted, as the healing group's own step will be; DiLoCo's outer
+    round comes after the peer's optimizer step (:attr:`after_step`, set around
+    ``after_optimizer_step``), before Lightning counts it and steps the schedulers, while the
+    healing group's current step is the peer's next one. Such a state is loaded as the peer will
+    stand once its step ends: the step counted, each per-step scheduler stepped once."""
 
     def __init__(self, trainer: Any) -> None:
-        self.loop = trainer.fit_loop.epoch_loop
+        self.trainer = trainer
+        #: whether the optimizer's step of the current training step was taken
+        self.after_step = False
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loop.state_dict()
+        trainer = self.trainer
+        schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        loop = trainer.fit_loop.epoch_loop.state_dict()
+        return {"loop": loop, "schedulers": schedulers, "after_step": self.after_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loop.load_state_dict(state)
-
-
-def loop_state(trainer: Any) -> dict[str, Any]:
-    """What a replica group joining late takes from a live peer besides the model and optimizers
-    (:meth:`~gc_strategy.sync.base.Synchronizer.register_healed`): the Trainer's step counters, so that
-    ``global_step`` is the same in every group, and each LR scheduler's state."""
-    schedulers = {f"lr_scheduler_{i}": config.scheduler for i, config in enumerate(trainer.lr_scheduler_configs)}
-    return {"trainer_progress": _LoopProgress(trainer), **schedulers}
+        loop = copy.deepcopy(state["loop"])
+        step = loop.get("automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
+        after_step = state["after_step"] and step is not None
+        if after_step:
+            for counts in (step["total"], step["current"]):
+                counts["completed"] = counts["ready"]
+        self.trainer.fit_loop.epoch_loop.load_state_dict(loop)
+        for config, scheduler_state in zip(self.trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(scheduler_state)
+            if after_step and config.interval == "step" and not config.reduce_on_plateau:
+                config.scheduler.step()
 
 
 def end_process_group() -> None:

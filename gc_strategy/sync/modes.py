@@ -211,13 +211,6 @@ class DiLoCo(SyncMode):
                 "per round: a group healing between fragments would hold fragments of different outer steps)"
             )
 
-    def check_replica_group(self, ranks: int, name: str = "ranks") -> None:
-        if ranks != 1:
-            raise ValueError(
-                f"fault_tolerance with sync=DiLoCo and {name} = {ranks} is not supported; allowed: 1 (each process "
-                "its own replica group: start more groups instead)"
-            )
-
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
         """Replicated: :class:`~gc_strategy.sync.diloco.synchronizer.DiLoCoSynchronizer` (every replica starts from rank
         0's values, and the inner steps use whichever parameters they use: ``broadcast_from_rank0``

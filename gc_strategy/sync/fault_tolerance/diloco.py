@@ -1,7 +1,9 @@
 """DiLoCo across replica groups that survive each other's loss, on torchft (docs/fault_tolerance.md).
 
-Each replica group (one process) runs DiLoCo's ``H`` inner steps on its own data
-(:mod:`gc_strategy.sync.diloco.synchronizer`); each outer step's exchange of the pseudo-gradients
+Each replica group (one process, or the ranks of one launch) runs DiLoCo's ``H`` inner steps on its
+own data (:mod:`gc_strategy.sync.diloco.synchronizer`): a group of several ranks is one DiLoCo
+replica, its inner steps' gradients averaged over its ranks as DDP averages them (densely, during
+backward), so that its ranks hold the same ``θ_r``; each outer step's exchange of the pseudo-gradients
 is a fault-tolerant round (:mod:`~gc_strategy.sync.fault_tolerance.round`), so that a group that
 died during the inner steps is simply absent from the outer average:
 
@@ -24,26 +26,33 @@ A group starting (the first forward) runs a round before its first inner step: a
 every group takes ``θ`` from the first one (torchft's first-step synchronisation), and a group that
 comes back waits in its quorum until the others reach their next outer step, then heals.
 
+In a group of several ranks, each ``Δ`` crosses the groups once: the quorum's route reduces it onto
+one owner rank per bucket inside the group (every rank holds the same ``Δ``), the owners exchange it
+across the groups, and broadcast the result back (:class:`~gc_strategy.sync.fault_tolerance.quorum.QuorumNodeRoute`).
+
 Refused (:meth:`~gc_strategy.sync.modes.DiLoCo.check_fault_tolerant`): Streaming DiLoCo's fragments
 and overlapped exchanges (each fragment's exchange would be a round of its own, and a group healing
-between them would hold fragments of different outer steps), and groups of several processes. Each
-group keeps its own buffers (BatchNorm's statistics); a healing group takes a peer's.
+between them would hold fragments of different outer steps). Each group keeps its own buffers
+(BatchNorm's statistics; inside a group, its first rank's before each forward, as DDP does); a
+healing group takes a peer's.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...components import Components
+from ...components import Components, build_components
 from ...registry import Configuration
 from ..diloco.synchronizer import DiLoCoSynchronizer
+from ..every_step.synchronizer import GradientSynchronizer
 from .options import FaultTolerance
 from .quorum import Quorum
 from .round import ReplicaState
@@ -76,7 +85,10 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
     ) -> None:
         options.check(components)
         config.check_fault_tolerant()
-        config.check_replica_group(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        config.check_replica_group(ranks)
+        #: a group of several ranks: its inner steps' gradients averaged over its ranks (the default group)
+        self.within = GradientSynchronizer(module, build_components("none")) if ranks > 1 else None
         inner = DiLoCoSynchronizer(module, components, config, broadcast_buffers=False)
         super().__init__(module, inner, inner.synchronizers, options, ReplicaState(inner, self._healed), quorum)
         #: the inner step of the last committed round (a group that did none since contributes no Δ)
@@ -92,6 +104,14 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
         if not self.joined and torch.is_grad_enabled():
             self.outer_round()
             self.joined = True
+        if self.within is not None:
+            self.within.before_forward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes that accumulate gradients: inside a group of several ranks too."""
+        with super().no_sync(), self.within.no_sync() if self.within is not None else nullcontext():
+            yield
 
     def after_optimizer_step(self) -> None:
         """After each inner optimizer step; every ``inner_steps``, the outer round."""
@@ -129,8 +149,13 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
 
     @property
     def together(self) -> bool:
-        """Whether the last outer round had every planned group and no inner step followed it."""
-        return self.participants == self.options.groups and self.synced_at == self.inner.inner_step
+        """Whether the last outer round had every planned group, each of them contributing, and no
+        inner step followed it. A group that healed in a round did not contribute to it: it trains
+        on to the next one, so the run ends there, for every group (a group that joined in the
+        others' last round would otherwise train on alone)."""
+        report = self.round.report
+        every_group = report.participants == self.options.groups and report.contributors == report.participants
+        return every_group and self.synced_at == self.inner.inner_step
 
     # ------------------------------------------------------------------ healing
     def _healed(self) -> None:
@@ -160,6 +185,11 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.synced_at, self.joined = int(state["synced_at"]), True  # at the checkpoint's round
+
+    def close(self) -> None:
+        if self.within is not None:
+            self.within.close()
+        super().close()
 
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Always: each replica's own module and inner optimizer states differ inside an inner phase."""

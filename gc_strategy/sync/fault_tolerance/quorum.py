@@ -179,15 +179,6 @@ def quorum_route(quorum: Quorum) -> Route:
     return QuorumRoute(quorum) if quorum.local_world == 1 else QuorumNodeRoute(quorum)
 
 
-def refuse_several_processes() -> None:
-    """Replica groups of one process only (DiLoCo): refuse a process group of several ranks."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(
-            "fault_tolerance with sync=DiLoCo: replica groups of one process are supported (each process its "
-            f"own group); this process group has {dist.get_world_size()} ranks"
-        )
-
-
 class Quorum:
     """This replica group's membership in torchft's quorums (see the module's docstring).
     ``state_dict`` gives what a healing peer loads from this group, ``load_state_dict`` loads a

@@ -128,9 +128,8 @@ class Round:
 
     def _rebind(self) -> bool:
         self.quorum.meet()
-        route = quorum_route(self.quorum)
-        for synchronizer in self.synchronizers:
-            synchronizer.rebind(route)  # a collective where the compressor checks the group (randk)
+        for synchronizer in self.synchronizers:  # a route each: a route places its synchroniser's buckets
+            synchronizer.rebind(quorum_route(self.quorum))  # a collective where the compressor checks the group
         return True
 
     def count(self, flag: bool) -> int:

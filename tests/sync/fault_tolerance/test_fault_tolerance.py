@@ -174,6 +174,24 @@ def test_diloco_survives_a_group_killed_in_inner_steps_or_the_outer_exchange_and
 
 
 @pytest.mark.slow
+def test_diloco_groups_started_apart_end_together_at_one_outer_step(lighthouse, tmp_path):
+    """DiLoCo (``inner_steps=5``, ``--steps 10``), two groups; group 1 starts seconds after group
+    0, which trains past step 10 alone meanwhile. Group 1 heals in an outer step of group 0 to
+    which it contributes nothing; the run ends at the next outer step, where both contribute: both
+    groups end there, at the same inner step with the same parameters (neither trains on alone)."""
+    options = ["--steps", "10", "--inner-steps", "5", "--compressor", "topk", "--memory", "residual"]
+    first = start(lighthouse, 0, 2, tmp_path, *options)
+    time.sleep(8)
+    groups = [first, start(lighthouse, 1, 2, tmp_path, *options)]
+    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    assert results[0]["inner_step"] == results[1]["inner_step"] > 10
+    assert same(results[0]["params"], results[1]["params"])
+    joined = results[1]["record"][0]
+    assert joined["contributors"] == 1 and results[1]["record"][-1]["step"] == joined["step"] + 5
+    assert [(r["participants"], r["contributors"]) for r in results[1]["record"][-1:]] == [(2, 2)]
+
+
+@pytest.mark.slow
 def test_a_diloco_group_left_out_of_an_outer_step_while_alive_heals_and_says_why(lighthouse, tmp_path):
     """Three DiLoCo groups; group 2 stalls 3 s in inner step 7, past the lighthouse's join timeout
     (0.5 s): groups 0 and 1 take outer steps as two (a majority of the live groups), group 2 then
@@ -254,6 +272,88 @@ def test_groups_without_failures_equal_gc_fused_on_the_same_ranks_every_step(tmp
             for name, value in reference.named_parameters():
                 torch.testing.assert_close(record[step]["params"][name], fused[rank][step][name])
                 torch.testing.assert_close(record[step]["params"][name], value.detach(), rtol=0, atol=1e-6)
+
+
+def _diloco_steps(rank: int, world_size: int, steps: int, inner_steps: int, ranks: int) -> dict:
+    """The ft worker's DiLoCo without fault tolerance, as one process per replica (a
+    DiLoCoSynchronizer over a gloo group of ``world_size`` processes): replica ``g`` trains on the
+    ``ranks`` shards of group ``g`` at once (its loss the mean of theirs). Its parameters and outer
+    values at the end."""
+    from gc_strategy import DiLoCo
+    from gc_strategy.sync.diloco.synchronizer import DiLoCoSynchronizer
+
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    roles = build_components("topk", "residual", fusion="groups:2")
+    sync = DiLoCoSynchronizer(net, roles, DiLoCo(inner_steps=inner_steps, outer_lr=0.5))
+    for step in range(steps):
+        losses = []
+        with sync.forward_pass():
+            for shard in range(rank * ranks, (rank + 1) * ranks):
+                x, y = batch(shard, step)
+                losses.append((net(x) - y).square().mean())
+        (sum(losses) / ranks).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.after_optimizer_step()
+    result = {"params": {n: p.detach().clone() for n, p in net.named_parameters()}, "outer": dict(sync.outer)}
+    sync.close()
+    return result
+
+
+@pytest.mark.slow
+def test_diloco_across_groups_of_two_ranks_is_diloco_over_one_replica_per_group(tmp_path):
+    """DiLoCo (``inner_steps=4``, ``topk`` + residual) across two groups of two ranks (one torchrun
+    each), no failure, every outer step with both groups (``min_replicas``): each group trains as one
+    replica whose inner steps average its ranks' gradients, so every rank ends with the parameters
+    and outer values of DiLoCo over two processes that each train on both shards of its group at
+    once, within fp32 rounding; and the two ranks of a group hold the same values, to the bit."""
+    steps, inner = 12, 4
+    reference = run_ranks(_diloco_steps, 2, steps, inner, 2)  # before the lighthouse: the ranks fork from here
+    server = coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500)
+    try:
+        options = ["--steps", str(steps), "--inner-steps", str(inner), "--min-replicas", "2"]
+        options += ["--compressor", "topk", "--memory", "residual"]
+        started = [start(server.address(), g, 2, tmp_path, *options, ranks=2) for g in range(2)]
+        for g, process in enumerate(started):
+            finish(process, tmp_path, g, load=False)
+    finally:
+        server.shutdown()
+    for g in range(2):
+        ranks = [torch.load(tmp_path / f"{g}.rank{r}.pt") for r in range(2)]
+        assert ranks[0]["inner_step"] == steps and same(ranks[0]["params"], ranks[1]["params"])
+        assert all(r["participants"] == 2 for r in ranks[0]["record"] if r["committed"])
+        for name, value in reference[g]["params"].items():
+            torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-5)
+            torch.testing.assert_close(ranks[0]["outer"][name], reference[g]["outer"][name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_diloco_across_groups_of_two_ranks_survives_a_group_killed_in_inner_steps(lighthouse, tmp_path):
+    """DiLoCo (``inner_steps=5``, ``topk`` + residual), two groups of two ranks; both ranks of
+    group 1 kill themselves in the first inner step from 7 on after an outer step both took part
+    in (a lost node). Group 0 goes on alone; group 1, started again, heals rank by rank in an outer
+    step of group 0 and sends no Δ in it; then all four ranks hold the same parameters, outer
+    values, outer optimizer and inner step, to the bit."""
+    options = ["--steps", "25", "--inner-steps", "5", "--compressor", "topk", "--memory", "residual"]
+    dying, together = ["--die-at", "7", "--die-when", "inner"], ["--barrier", str(tmp_path)]
+    groups = [start(lighthouse, g, 2, tmp_path, *options, *together, *(dying if g else []), ranks=2) for g in range(2)]
+    assert groups[1].wait(timeout=180) != 0
+    groups[1] = start(lighthouse, 1, 2, tmp_path, *options, ranks=2)
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = {(g, r): torch.load(tmp_path / f"{g}.rank{r}.pt") for g in range(2) for r in range(2)}
+    for rank in range(2):
+        committed = [r for r in results[0, rank]["record"] if r["committed"]]
+        assert any(r["participants"] == 1 and r["contributors"] == 1 for r in committed)  # alone meanwhile
+        joined = results[1, rank]["record"][0]
+        assert joined["committed"] and joined["step"] >= 10 and joined["contributors"] == 1  # healed, sent no Δ
+        assert committed[-1]["participants"] == 2
+    first = results[0, 0]
+    for other in results.values():
+        for key in ("params", "outer", "outer_optimizer"):
+            assert same(first[key], other[key]), key
+        assert other["inner_step"] == first["inner_step"]
 
 
 @pytest.mark.slow
@@ -581,6 +681,29 @@ def test_under_lightning_one_group_writes_each_checkpoint_and_a_full_restart_res
 
 
 @pytest.mark.slow
+def test_under_lightning_a_diloco_group_that_joins_late_takes_its_peers_step_and_schedule(lighthouse, tmp_path):
+    """``sync=DiLoCo(inner_steps=4)`` under Lightning with a per-step LR schedule; group 1 starts
+    seconds after group 0 and heals in one of its outer steps, whose state is taken inside the
+    peer's optimizer step. The healed group trains on with the peer's ``global_step`` and schedule:
+    both end at the same ``global_step`` with the same parameters, schedule and learning rate, to the
+    bit (each keeps its own inner optimizer's momentum, as DiLoCo's replicas do)."""
+    worker = TESTS / "ft_lightning_worker.py"
+    args = ["--lighthouse", lighthouse, "--groups", "2", "--steps", "12", "--inner-steps", "4", "--out"]
+    launcher = [*TORCHRUN, "--nproc_per_node=1", str(worker), *args]
+    first = launch([*launcher, str(tmp_path / "0.pt"), "--group", "0"], tmp_path / "0.log")
+    time.sleep(10)
+    groups = [first, launch([*launcher, str(tmp_path / "1.pt"), "--group", "1"], tmp_path / "1.log")]
+    for g, process in enumerate(groups):
+        finish(process, tmp_path, g, load=False)
+    results = [torch.load(tmp_path / f"{g}.rank0.pt") for g in range(2)]
+    assert results[1]["record"][0]["global_step"] > 4  # joined late: its first step is past the first outer step
+    assert results[0]["global_step"] == results[1]["global_step"]
+    for key in ("params", "scheduler"):
+        assert same(results[0][key], results[1][key]), key
+    assert same(*(r["optimizer"]["param_groups"] for r in results))
+
+
+@pytest.mark.slow
 def test_under_lightning_diloco_groups_train_their_inner_steps_and_meet_at_each_outer_step(lighthouse_of_two, tmp_path):
     """``GCFusedStrategy(sync=DiLoCo(inner_steps=4), fault_tolerance=...)``, two groups (every outer
     step with both), each on its half of the data: after the last outer step both hold the same
@@ -688,10 +811,6 @@ def test_the_apps_demo_options_are_checked(args, message):
             "fault_tolerance.lighthouse = 'http://127.0.0.1:1' is invalid with trainer.sharding=fsdp; allowed: None",
         ),
         (["trainer.num_nodes=2"], "fault_tolerance with trainer.num_nodes = 2 is not supported; allowed: 1"),
-        (
-            ["sync=diloco", "sync.inner_steps=4", "trainer.devices=2"],
-            "fault_tolerance with sync=DiLoCo and trainer.devices = 2 is not supported; allowed: 1",
-        ),
         (["speedup.baseline_steps=10"], "switch_components (a baseline phase, a Pufferfish conversion) is not supp"),
         (["fusion=auto"], "fault_tolerance: fusion = 'auto' is invalid"),
         (["trainer.hierarchy=node"], "fault_tolerance with hierarchy = NodeHierarchy"),

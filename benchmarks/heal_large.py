@@ -1,0 +1,191 @@
+"""Healing a large state over an emulated link: how fast a restarted replica group loads a live
+peer's state, and what the survivors' steps cost meanwhile.
+
+Two replica groups (one process each, one emulated node each, the lighthouse on node 0; links shaped
+with ``tc tbf``, ``benchmarks/netns.py``; root only) train an MLP of ``--layers`` square layers of
+``--width`` (1.07 GB of fp32 parameters at the default 16 × 4096) with PowerSGD through
+``FaultTolerantSynchronizer``: the gradients cross the link compressed, the healed state is the
+parameters, the optimizer's and PowerSGD's. After ``--steps`` steps together group 1 is killed
+(SIGKILL) and started again at once; it heals from group 0 through torchft's HTTP checkpoint
+transport. Reported: the bytes the healing group received, the transfer's seconds (torchft's
+``recv_checkpoint``) and its rate against the link's, and group 0's steps before, during and after
+the heal (a step waits for the healing group, which takes part in it once healed).
+
+    python benchmarks/heal_large.py --rate 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import netns  # noqa: E402
+from cli import integer_at_least  # noqa: E402
+
+from gc_strategy.fusion.topology import parse_rate  # noqa: E402
+
+LIGHTHOUSE_PORT = 29510
+GROUPS = 2
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One replica group: steps until ``--stop`` names a step it reached with every group; each
+    step's end and outcome, and each checkpoint it received (bytes, seconds), printed as JSON."""
+    import torch
+    from torch import nn
+
+    from gc_strategy import FaultTolerance, build_components
+    from gc_strategy.sync.fault_tolerance.every_step import FaultTolerantSynchronizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    options = FaultTolerance(args.lighthouse, args.group, groups=GROUPS, timeout_s=args.timeout_s, host=args.host)
+    sync = FaultTolerantSynchronizer(model, build_components("powersgd"), options)
+    sync.use_optimizers([optimizer])
+    transport = sync.round.quorum.manager._checkpoint_transport
+    receive = transport.recv_checkpoint
+
+    def timed_receive(*a, **k):
+        begin = time.time()
+        state = receive(*a, **k)
+        tensors = [v for v in torch.utils._pytree.tree_leaves(state) if isinstance(v, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        print(json.dumps({"received": nbytes, "begin": begin, "end": time.time()}), flush=True)
+        return state
+
+    transport.recv_checkpoint = timed_receive
+    stop = Path(args.stop)
+    while True:
+        step = sync.start_step()
+        g = torch.Generator().manual_seed(1000 * args.group + step)
+        x = torch.randn(args.batch, args.width, generator=g)
+        with sync.forward_pass():
+            loss = model(x).square().mean()
+        loss.backward()
+        committed = sync.should_commit()
+        if committed:
+            optimizer.step()
+        optimizer.zero_grad()
+        print(json.dumps({"step": step, "end": time.time(), "committed": committed, "with": sync.participants}))
+        sys.stdout.flush()
+        if committed and sync.participants == GROUPS and stop.exists() and step + 1 >= int(stop.read_text()):
+            break
+    sync.close()
+
+
+def records(log: Path, key: str) -> list[dict]:
+    text = log.read_text() if log.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.startswith(f'{{"{key}"')]
+
+
+def together(log: Path) -> int:
+    return sum(r["committed"] and r["with"] == GROUPS for r in records(log, "step"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--stop", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", default="1gbit", help="every node's link (tc tbf)")
+    parser.add_argument("--width", type=integer_at_least(1), default=4096)
+    parser.add_argument("--layers", type=integer_at_least(1), default=16)
+    parser.add_argument("--batch", type=integer_at_least(1), default=8)
+    parser.add_argument("--steps", type=integer_at_least(1), default=5, help="steps together before and after")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="fault_tolerance's timeout_s (> the heal)")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    netns.check_can_emulate(args.rate)
+    with ExitStack() as stack:
+        nodes = stack.enter_context(netns.emulated_network(GROUPS, args.rate))
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gc_heal")))
+        binary = Path(sys.executable).with_name("torchft_lighthouse")
+        address = f"{nodes[0].address}:{LIGHTHOUSE_PORT}"
+        command = [*nodes[0].command, str(binary), "--min_replicas", "1", "--join_timeout_ms", "1000"]
+        lighthouse = subprocess.Popen(
+            [*command, "--bind", address], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        stack.callback(lighthouse.kill)
+        time.sleep(1.0)
+
+        def start(group: int) -> subprocess.Popen:
+            node = nodes[group]
+            options = ["--worker", "--group", str(group), "--lighthouse", f"http://{address}", "--host", node.address]
+            options += ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch)]
+            options += ["--timeout-s", str(args.timeout_s), "--stop", str(folder / "stop")]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+            log = (folder / f"{group}.log").open("ab")
+            command = [*node.command, sys.executable, str(Path(__file__).resolve()), *options]
+            return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.DEVNULL)
+
+        def wait_for(steps: int, timeout: float = 1200) -> None:
+            deadline = time.monotonic() + timeout
+            while together(folder / "1.log") < steps:
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in processes):
+                    raise SystemExit(
+                        f"the groups did not take {steps} steps together: {(folder / '1.log').read_text()[-2000:]}"
+                    )
+                time.sleep(0.2)
+
+        processes = [start(g) for g in range(GROUPS)]
+        stack.callback(lambda: [p.kill() for p in processes])
+        wait_for(args.steps)
+        processes[1].send_signal(signal.SIGKILL)
+        processes[1].wait(timeout=30)
+        killed = time.time()
+        processes[1] = start(1)
+        wait_for(together(folder / "1.log") + args.steps)
+        last = max(r["step"] for g in range(GROUPS) for r in records(folder / f"{g}.log", "step"))
+        (folder / "stop").write_text(str(last + 2))
+        for g, process in enumerate(processes):
+            if process.wait(timeout=600) != 0:
+                raise SystemExit(f"group {g} failed")
+        received = records(folder / "1.log", "received")
+        survivor = records(folder / "0.log", "step")
+    report(args, killed, received, survivor)
+
+
+def report(args: argparse.Namespace, killed: float, received: list[dict], survivor: list[dict]) -> None:
+    """The transfer, and group 0's committed steps (the seconds since its previous one): before the
+    kill, from the kill to its first step with the healed group, and after."""
+    print(f"\n{GROUPS} replica groups, MLP {args.layers} x {args.width} (powersgd), links {args.rate}")
+    if not received:
+        raise SystemExit("the restarted group received no checkpoint")
+    heal = received[-1]
+    seconds = heal["end"] - heal["begin"]
+    link, rate = parse_rate(args.rate), heal["received"] / seconds  # bytes per second
+    print(f"state received: {heal['received'] / 1e9:.3f} GB in {seconds:.2f} s, {8 * rate / 1e9:.3f} Gbit/s: ", end="")
+    print(f"{rate / link:.2f} of the link's {8 * link / 1e9:g} Gbit/s")
+    committed = [r for r in survivor if r["committed"]]
+    gaps = [(b["end"] - a["end"], b) for a, b in zip(committed, committed[1:])]
+    rejoined = next(r["end"] for r in committed if r["end"] > heal["end"] and r["with"] == GROUPS)
+    before = [s for s, r in gaps if r["end"] < killed]
+    around = [(round(s, 2), r["with"]) for s, r in gaps if killed <= r["end"] <= rejoined]
+    after = [s for s, r in gaps if r["end"] > rejoined]
+    print(
+        f"group 0's steps: before the kill median {statistics.median(before):.2f} s; from the kill to its first ",
+        end="",
+    )
+    print(f"step with the healed group (seconds, groups): {around}; after median {statistics.median(after):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
