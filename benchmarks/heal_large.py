@@ -4,12 +4,13 @@ peer's state, and what the survivors' steps cost meanwhile.
 Two replica groups (one process each, one emulated node each, the lighthouse on node 0; links shaped
 with ``tc tbf``, ``benchmarks/netns.py``; root only) train an MLP of ``--layers`` square layers of
 ``--width`` (1.07 GB of fp32 parameters at the default 16 × 4096) with PowerSGD through
-``FaultTolerantSynchronizer``: the gradients cross the link compressed, the healed state is the
-parameters, the optimizer's and PowerSGD's. After ``--steps`` steps together group 1 is killed
-(SIGKILL) and started again at once; it heals from group 0 through torchft's HTTP checkpoint
-transport. Reported: the bytes the healing group received, the transfer's seconds (torchft's
-``recv_checkpoint``) and its rate against the link's, and group 0's steps before, during and after
-the heal (a step waits for the healing group, which takes part in it once healed).
+``FaultTolerantSynchronizer`` (compressing from the first step): the gradients cross the link
+compressed, the healed state is the parameters, the optimizer's and PowerSGD's. After ``--steps``
+steps together group 1 is killed (SIGKILL) and started again at once; it heals from group 0
+through torchft's HTTP checkpoint transport. Reported: the bytes the healing group received, the
+transfer's seconds (torchft's ``recv_checkpoint``) and its rate against the link's, and group 0's
+steps before, during and after the heal (a step waits for the healing group, which takes part in
+it once healed).
 
     python benchmarks/heal_large.py --rate 1gbit
 """
@@ -55,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     options = FaultTolerance(args.lighthouse, args.group, groups=GROUPS, timeout_s=args.timeout_s, host=args.host)
-    sync = FaultTolerantSynchronizer(model, build_components("powersgd"), options)
+    sync = FaultTolerantSynchronizer(model, build_components("powersgd", start_iter=0), options)
     sync.use_optimizers([optimizer])
     transport = sync.round.quorum.manager._checkpoint_transport
     receive = transport.recv_checkpoint
