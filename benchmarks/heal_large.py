@@ -173,7 +173,8 @@ def report(args: argparse.Namespace, killed: float, received: list[dict], surviv
     heal = received[-1]
     seconds = heal["end"] - heal["begin"]
     link, rate = parse_rate(args.rate), heal["received"] / seconds  # bytes per second
-    print(f"state received: {heal['received'] / 1e9:.3f} GB in {seconds:.2f} s, {8 * rate / 1e9:.3f} Gbit/s: ", end="")
+    print(f"state received: {heal['received'] / 1e9:.3f} GB ({heal['received']} bytes) in {seconds:.2f} s, ", end="")
+    print(f"{8 * rate / 1e9:.3f} Gbit/s: ", end="")
     print(f"{rate / link:.2f} of the link's {8 * link / 1e9:g} Gbit/s")
     committed = [r for r in survivor if r["committed"]]
     gaps = [(b["end"] - a["end"], b) for a, b in zip(committed, committed[1:])]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -380,3 +381,19 @@ def test_the_chaos_benchmark_strikes_a_fault_and_reports_its_cost():
     median, worst = (float(cell) for cell in row.split("|")[3:5])
     assert median == worst < 2 + 1
     assert "every group ended with the same parameters: True (3 digests)" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_the_heal_benchmark_measures_a_restarted_groups_transfer():
+    """A small MLP (2 layers of 256) on two emulated nodes: the restarted group receives at least
+    its parameters' bytes, and the survivor's steps before and after are reported."""
+    pytest.importorskip("torchft")
+    options = ["--width", "256", "--layers", "2", "--steps", "2", "--rate", "1gbit"]
+    done = subprocess.run(
+        [sys.executable, "heal_large.py", *options], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    received = re.search(r"state received: [\d.]+ GB \((\d+) bytes\) in [\d.]+ s", done.stdout)
+    assert received and int(received[1]) >= 2 * (256 * 256 + 256) * 4  # the parameters, at least
+    assert "group 0's steps: before the kill median" in done.stdout
