@@ -38,6 +38,8 @@ class SynchronizerGlue:
     #: how often the telemetry goes to the loggers (None: the Trainer's ``log_every_n_steps``)
     log_every_n_steps: int | None = None
     _announced_plan: dict[str, Any] | None = None
+    #: the Trainer's counters and schedulers as healed objects (where the synchroniser was there to take them)
+    _loop_state: LoopState | None = None
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -124,14 +126,22 @@ class SynchronizerGlue:
             closure = lambda: output  # noqa: E731 (the optimizer calls it for the loss)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self.synchronizer is not None:
-            self._loop_state.after_step = True  # a round here sees the step taken, not yet counted
-            try:
-                self.synchronizer.after_optimizer_step()
-            finally:
-                self._loop_state.after_step = False
+            self._after_optimizer_step()
         self._log_telemetry()
         self._announce_plan()
         return output
+
+    def _after_optimizer_step(self) -> None:
+        """The synchroniser's hook; a round in it (DiLoCo's outer round) sees the step taken and not
+        yet counted by Lightning (:class:`LoopState`)."""
+        if self._loop_state is None:
+            self.synchronizer.after_optimizer_step()  # type: ignore[union-attr]
+            return
+        self._loop_state.after_step = True
+        try:
+            self.synchronizer.after_optimizer_step()  # type: ignore[union-attr]
+        finally:
+            self._loop_state.after_step = False
 
     def _trainer(self) -> Any:
         """The Trainer the LightningModule is attached to, or None: also for a module loaded or
