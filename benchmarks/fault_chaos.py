@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
 from fault_tolerance import configuration, roles_of  # noqa: E402
+from ft_loop import records, together, train_until_stopped  # noqa: E402
 
 LIGHTHOUSE_PORT = 29510
 FAULTS = ("kill", "hang", "partition")
@@ -63,35 +64,16 @@ def worker(args: argparse.Namespace) -> None:
     options = FaultTolerance(args.lighthouse, args.group, groups=args.groups, silence_s=args.silence_s, host=args.host)
     sync = FaultTolerantSynchronizer(model, roles, options)
     sync.use_optimizers([optimizer])
-    stop = Path(args.stop)
-    while True:
-        step = sync.start_step()
+
+    def loss_of(step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * args.group + step)
         x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-        with sync.forward_pass():
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        committed = sync.should_commit()
-        if committed:
-            optimizer.step()
-        optimizer.zero_grad()
-        print(json.dumps({"step": step, "end": time.time(), "committed": committed, "with": sync.participants}))
-        sys.stdout.flush()
-        if committed and sync.participants == args.groups and stop.exists() and step + 1 >= int(stop.read_text()):
-            break
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    train_until_stopped(sync, optimizer, loss_of, args.groups, Path(args.stop))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print(json.dumps({"digest": digest}), flush=True)
     sync.close()
-
-
-def records(log: Path) -> list[dict]:
-    """The steps a group's log holds (every run of it, in order)."""
-    text = log.read_text() if log.exists() else ""
-    return [json.loads(line) for line in text.splitlines() if line.startswith('{"step"')]
-
-
-def together(log: Path, groups: int) -> int:
-    return sum(r["committed"] and r["with"] == groups for r in records(log))
 
 
 class Cluster:

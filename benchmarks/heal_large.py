@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
+from ft_loop import records, together, train_until_stopped  # noqa: E402
 
 from gc_strategy.fusion.topology import parse_rate  # noqa: E402
 
@@ -70,32 +71,13 @@ def worker(args: argparse.Namespace) -> None:
         return state
 
     transport.recv_checkpoint = timed_receive
-    stop = Path(args.stop)
-    while True:
-        step = sync.start_step()
-        g = torch.Generator().manual_seed(1000 * args.group + step)
-        x = torch.randn(args.batch, args.width, generator=g)
-        with sync.forward_pass():
-            loss = model(x).square().mean()
-        loss.backward()
-        committed = sync.should_commit()
-        if committed:
-            optimizer.step()
-        optimizer.zero_grad()
-        print(json.dumps({"step": step, "end": time.time(), "committed": committed, "with": sync.participants}))
-        sys.stdout.flush()
-        if committed and sync.participants == GROUPS and stop.exists() and step + 1 >= int(stop.read_text()):
-            break
+
+    def loss_of(step: int) -> torch.Tensor:
+        x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1000 * args.group + step))
+        return model(x).square().mean()
+
+    train_until_stopped(sync, optimizer, loss_of, GROUPS, Path(args.stop))
     sync.close()
-
-
-def records(log: Path, key: str) -> list[dict]:
-    text = log.read_text() if log.exists() else ""
-    return [json.loads(line) for line in text.splitlines() if line.startswith(f'{{"{key}"')]
-
-
-def together(log: Path) -> int:
-    return sum(r["committed"] and r["with"] == GROUPS for r in records(log, "step"))
 
 
 def main() -> None:
@@ -139,7 +121,7 @@ def main() -> None:
 
         def wait_for(steps: int, timeout: float = 1200) -> None:
             deadline = time.monotonic() + timeout
-            while together(folder / "1.log") < steps:
+            while together(folder / "1.log", GROUPS) < steps:
                 if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in processes):
                     raise SystemExit(
                         f"the groups did not take {steps} steps together: {(folder / '1.log').read_text()[-2000:]}"
@@ -153,7 +135,7 @@ def main() -> None:
         processes[1].wait(timeout=30)
         killed = time.time()
         processes[1] = start(1)
-        wait_for(together(folder / "1.log") + args.steps)
+        wait_for(together(folder / "1.log", GROUPS) + args.steps)
         last = max(r["step"] for g in range(GROUPS) for r in records(folder / f"{g}.log", "step"))
         (folder / "stop").write_text(str(last + 2))
         for g, process in enumerate(processes):

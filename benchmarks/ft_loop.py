@@ -1,0 +1,41 @@
+"""The plain fault-tolerant training loop of docs/fault_tolerance.md as the fault benchmarks run it
+(``fault_chaos.py``, ``heal_large.py``): each step's end, outcome and participants printed as a line
+of JSON, until a step named in a stop file that every group took part in; and those lines read back."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def train_until_stopped(sync: Any, optimizer: Any, loss_of: Callable[[int], Any], groups: int, stop: Path) -> None:
+    """Steps of ``loss_of(step)`` (the step's loss, computed in the forward pass) until ``stop``,
+    once written, names a step this group reached committed with all ``groups``."""
+    while True:
+        step = sync.start_step()
+        with sync.forward_pass():
+            loss = loss_of(step)
+        loss.backward()
+        committed = sync.should_commit()
+        if committed:
+            optimizer.step()
+        optimizer.zero_grad()
+        print(json.dumps({"step": step, "end": time.time(), "committed": committed, "with": sync.participants}))
+        sys.stdout.flush()
+        if committed and sync.participants == groups and stop.exists() and step + 1 >= int(stop.read_text()):
+            return
+
+
+def records(log: Path, key: str = "step") -> list[dict]:
+    """The JSON lines of a group's log whose first key is ``key`` (every run of it, in order)."""
+    text = log.read_text() if log.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.startswith(f'{{"{key}"')]
+
+
+def together(log: Path, groups: int) -> int:
+    """The steps a group's log holds that committed with all ``groups``."""
+    return sum(r["committed"] and r["with"] == groups for r in records(log))
