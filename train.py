@@ -227,6 +227,7 @@ def build_recipe(cfg: DictConfig, seed: int) -> tuple[pl.LightningModule, pl.Lig
         return ResNetClassifier(**model_options), data
     if recipe == "gpt":  # the vocabulary is known without reading the corpus: bytes, or the tokenizer's
         data = CorpusDataModule(seed=seed, **data_options)
+        data.check_present()
         return GPTLanguageModel(vocab_size=data.vocab_size, context=data.context, **model_options), data
     if recipe == "bert":
         data = MaskedTextDataModule(seed=seed, **data_options)

@@ -115,6 +115,12 @@ class CorpusDataModule(pl.LightningDataModule):
             self._tokenizer = Tokenizer.from_file(tokenizer_path)
             self.vocab_size = self._tokenizer.get_vocab_size()
 
+    def check_present(self) -> None:
+        """Raise :class:`MissingDataset` where the corpus's folder is missing or gives no training or
+        no validation file: before any work, rather than in each rank's set-up."""
+        if self.name == "files":
+            self.split()
+
     def split(self) -> tuple[list[Path], list[Path]]:
         """The training and the validation files."""
         if not self.folder.is_dir():

@@ -118,7 +118,7 @@ def test_the_default_corpus_is_the_standard_librarys_source(tmp_path):
 
 def test_a_missing_or_empty_folder_and_a_missing_tokenizer_are_refused(tmp_path):
     with pytest.raises(MissingDataset, match="is not a folder; or use data=synthetic_bytes"):
-        CorpusDataModule(data_dir=str(tmp_path / "absent")).setup("fit")
+        CorpusDataModule(data_dir=str(tmp_path / "absent")).check_present()
     with pytest.raises(MissingDataset, match=r"holds no file ending in \.py, \.txt, \.md"):
         CorpusDataModule(data_dir=str(tmp_path)).setup("fit")
     with pytest.raises(MissingDataset, match="data.tokenizer_path = 'none.json': no such file"):
