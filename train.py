@@ -392,12 +392,13 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     module, data = build_recipe(cfg, cfg.seed)
     run_name = f"{cfg.model.get('arch', cfg.model.recipe)}-{cfg.compressor.name}-{fusion_spec(cfg.fusion)}"
     checkpoints = checkpoint_folder(cfg, output_dir)
+    sequence = cfg.data[SEQUENCE_LENGTH[cfg.data.kind]] if cfg.data.kind in SEQUENCE_LENGTH else None
     monitor = ThroughputMonitor(
         cfg.data.batch_size,
         str(output_dir),
         cfg.speedup.baseline_steps,
         cfg.speedup.warmup_steps,
-        tokens_per_sample=cfg.data[SEQUENCE_LENGTH[cfg.data.kind]] if cfg.data.kind in SEQUENCE_LENGTH else None,
+        tokens_per_sample=sequence,
     )
     demo = ft.kill_at is not None and ft.replica_group == ft.kill_group
     record = [StepRecord(output_dir / "steps.csv"), ParameterDigest(output_dir / "parameters.sha256"), FinishTogether()]
@@ -415,7 +416,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         enable_checkpointing=cfg.checkpoints != "none",
         callbacks=[
             monitor,
-            StepProgressBar(),
+            StepProgressBar(tokens_per_batch=sequence and sequence * cfg.data.batch_size),
             *build_lowrank_model(cfg, module),
             *build_checkpointing(cfg, checkpoints, tolerant),
             *([KillAt(ft.kill_at, ft.groups)] if demo else []),

@@ -180,7 +180,7 @@ def run_app(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, list[
     args = ["model=gpt", "data=text", "data.val_tokens=4096", "logger=csv", "trainer.max_steps=4"]
     args += ["trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=4", "trainer.log_every_n_steps=1"]
     args += ["speedup.warmup_steps=0", f"hydra.run.dir={run}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "COLUMNS": "200"}  # the bar unabridged
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args, *options],
         cwd=tmp_path,
@@ -226,6 +226,7 @@ def test_the_app_trains_the_gpt_on_the_default_corpus_and_reports_perplexity(tmp
     assert f"({summary['throughput_tokens_per_s']:,.0f} tokens/s)" in done.stdout
     steps = [r for f in (tmp_path / "run").rglob("metrics.csv") for r in csv.DictReader(f.open())]
     assert len([r for r in steps if r.get("perf/tokens_per_s")]) == 4
+    assert "Tokens (epoch 0)" in done.stdout and "16.38k/16.38k tokens" in done.stdout  # 4 steps × 2 × 16 × 128
 
 
 @pytest.mark.slow
