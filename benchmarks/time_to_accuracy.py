@@ -25,11 +25,11 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
-from bench import ROOT, run_ranks
+from bench import ROOT
 from bench_worker import BASELINES, parse_config
 from cli import integer_at_least
+from curves import Runs, plot_curves, run_configuration, write_report
 from netns import check_can_emulate, emulated_network, loopback
 
 from gc_strategy import GCFusedStrategy
@@ -71,7 +71,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, Any]]]:
+def run(args: argparse.Namespace, out: Path) -> Runs:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     settings = out / "settings.json"
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, Any]]]:
     settings.write_text(
         json.dumps({**{k: getattr(args, k) for k in keys}, "seed": 0, "threads_per_rank": 1, "world_size": WORLD_SIZE})
     )
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.configs}
+    runs: Runs = {name: [] for name in args.configs}
     network = emulated_network(WORLD_SIZE, args.rate) if args.rate != "none" else loopback(WORLD_SIZE)
     port = 29900 + os.getpid() % 90
     worker = str(ROOT / "benchmarks" / "time_to_accuracy_worker.py")
@@ -87,21 +87,11 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, Any]]]:
         for round_index in range(args.rounds):
             for index, name in enumerate(args.configs):
                 port += 1
-                tag = f"r{round_index}-c{index}"
-                results = [out / "runs" / f"{tag}-rank{r}.json" for r in range(WORLD_SIZE)]
-                logs = [out / "logs" / f"{tag}-rank{r}.log" for r in range(WORLD_SIZE)]
                 started = time.monotonic()
-                why = run_ranks(
-                    [[worker, str(settings), name, str(path)] for path in results],
-                    links,
-                    1,
-                    port,
-                    1,
-                    logs,
-                    args.timeout,
+                per_rank, why = run_configuration(
+                    [worker, str(settings), name], out, f"r{round_index}-c{index}", links, 1, port, args.timeout
                 )
                 if why is None:
-                    per_rank = [json.loads(path.read_text()) for path in results]
                     result = {**per_rank[0], "sent_bytes": sum(r["sent_bytes"] for r in per_rank)}
                     state = f"final accuracy {result['points'][-1]['accuracy']:.3f}"
                 else:
@@ -116,7 +106,7 @@ def time_to_target(points: list[dict[str, float]], target: float) -> float | Non
     return next((p["train_s"] for p in points if p["accuracy"] >= target), None)
 
 
-def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> str:
+def report(args: argparse.Namespace, runs: Runs) -> str:
     reference = [time_to_target(r["points"], args.target) for r in runs.get("ddp", []) if "failed" not in r]
     ddp_time = statistics.median(reference) if reference and None not in reference else None
     lines = [
@@ -140,39 +130,20 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> s
     return "\n".join(lines)
 
 
-def plot(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
+def plot(args: argparse.Namespace, runs: Runs, path: Path) -> None:
+    def decorate(axis) -> None:
+        axis.axhline(args.target, color="black", linewidth=0.8, linestyle=":", label=f"target {args.target:.0%}")
+        axis.set_ylim(max(0.0, args.target - 0.3), 1.0)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for name, results in runs.items():
-        if "failed" in results[0]:
-            continue
-        points = results[0]["points"]
-        axis.plot([p["train_s"] for p in points], [p["accuracy"] for p in points], marker=".", label=name)
-    axis.axhline(args.target, color="black", linewidth=0.8, linestyle="--", label=f"target {args.target:.0%}")
-    axis.set_xlabel("training wall time (s), evaluation excluded")
-    axis.set_ylabel("held-out accuracy (digits)")
-    axis.set_ylim(max(0.0, args.target - 0.3), 1.0)
-    axis.set_title(f"time to accuracy, 2 ranks, {args.rate} links (first round)", fontsize=9)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    title = f"time to accuracy, 2 ranks, {args.rate} links (first round)"
+    plot_curves(runs, path, "accuracy", "held-out accuracy (digits)", title, decorate)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_arguments(argv)
     out = Path(args.out or ROOT / "outputs" / f"time_to_accuracy-{time.strftime('%Y%m%d-%H%M%S')}")
     runs = run(args, out)
-    table = report(args, runs)
-    (out / "results.md").write_text(table + "\n")
-    (out / "runs.json").write_text(json.dumps(runs))
-    plot(args, runs, out / "accuracy.png")
-    print(table)
-    print(f"outputs: {out}")
+    write_report(out, runs, report(args, runs), lambda path: plot(args, runs, path), "accuracy.png")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,59 @@ def test_time_to_accuracy_reports_every_configuration_on_loopback(tmp_path):
     assert (tmp_path / "accuracy.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--configs", "ddp"], "--configs: 'ddp' is invalid; allowed: ddp+powersgd, topk+residual"),
+        (["--configs", "diloco", "diloco"], "repeats a configuration"),
+        (["--max-factor", "0.5"], "--max-factor 0.5 is invalid; allowed: a number >= 1"),
+        (["--eval-every", "15"], "--eval-every 15 is invalid; allowed: a multiple of DiLoCo's 10"),
+        (["--steps", "30"], "--steps 30 is invalid; allowed: a multiple of --eval-every (20)"),
+        (["--width", "30"], "--width 30 is invalid with --heads 4; allowed: a multiple of it"),
+        (["--nodes", "1"], "1 is invalid; allowed: an integer >= 2"),
+    ],
+)
+def test_time_to_perplexity_refuses_bad_settings_before_any_run(args, message, monkeypatch, capsys):
+    assert message in _run("time_to_perplexity.py", monkeypatch, capsys, "--rate", "none", *args)
+
+
+@pytest.mark.slow
+def test_time_to_perplexity_trains_to_ddps_loss_and_reports_it_on_loopback(tmp_path):
+    """2 nodes of 2 ranks on loopback, a small GPT: ddp trains its 20 steps and sets the target; the
+    others train at least as many, and stop at the first validation that reaches it or at twice as
+    many; the control repeats ddp (same seed: the same losses); the table and the plot."""
+    configs = ["topk+residual", "diloco"]
+    options = ["--rate", "none", "--steps", "20", "--eval-every", "10", "--width", "32", "--val-tokens", "2048"]
+    done = subprocess.run(
+        [sys.executable, "time_to_perplexity.py", *options, "--out", str(tmp_path), "--configs", *configs],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    ddp = runs["ddp"][0]
+    assert [p["step"] for p in ddp["points"]] == [10, 20] and ddp["sent_bytes"] > 0
+    target = ddp["points"][-1]["val_loss"]
+    assert [p["val_loss"] for p in runs["ddp (control)"][0]["points"]] == pytest.approx(
+        [p["val_loss"] for p in ddp["points"]], rel=1e-5
+    )
+    for name in configs:
+        points = runs[name][0]["points"]
+        steps = [p["step"] for p in points]
+        assert steps[:2] == [10, 20] and steps[-1] <= 40 and steps == list(range(10, steps[-1] + 1, 10))
+        reached = [p["step"] >= 20 and p["val_loss"] <= target for p in points]
+        assert not any(reached[:-1]) and (reached[-1] or steps[-1] == 40)  # stopped at the first, or at the cap
+        times = [p["train_s"] for p in points]
+        assert times == sorted(times) and times[0] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert f"| time to loss {target:.4f} (s) |" in table
+    for name in ["ddp", *configs, "ddp (control)"]:
+        assert f"| {name} |" in table
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_a_layout_without_a_link_inside_the_node_is_an_argparse_error(monkeypatch, capsys):
     assert "argument --layouts: '2x1' is invalid; allowed: NODESxRANKS" in _run(
         "overlap_cost.py", monkeypatch, capsys, "--layouts", "2x1"
