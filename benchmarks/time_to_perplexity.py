@@ -5,14 +5,15 @@ side by side.
 
 Each configuration (``benchmarks/time_to_perplexity_worker.py``'s ``CONFIGURATIONS``: ``ddp``,
 DDP with torch's ``powerSGD_hook``, ``topk`` + residual, ``powersgd``, compressed HSDP, DiLoCo,
-DiLoCo with SparseLoCo's outer step, the SparseLoCo preset, Streaming DiLoCo) trains ``model=gpt`` on ``data=text``'s default corpus from
-the same seed, in fresh processes: ``--nodes`` emulated nodes (network namespaces whose links are
-shaped with ``tc tbf``, ``benchmarks/netns.py``; root only) of ``--per-node`` CPU ranks, one thread
-each. Within a round the configurations run one after the other, ``ddp`` first and again last (the
-control: how much the machine drifted within the round). ``ddp`` trains a fixed budget of
-``--steps`` optimizer steps; its final validation loss in the first round is the *target*. Every
-other configuration trains at least as many steps (its loss at equal tokens), then on, up to
-``--max-factor`` times as many, until a validation reaches the target.
+DiLoCo with SparseLoCo's outer step, the SparseLoCo preset, Streaming DiLoCo) trains ``model=gpt``
+on ``data=text``'s default corpus from the same seed, in fresh processes: ``--nodes`` emulated
+nodes (network namespaces whose links are shaped with ``tc tbf``, ``benchmarks/netns.py``; root
+only) of ``--per-node`` CPU ranks, one thread each. Within a round the configurations run one after
+the other, ``ddp`` first and again last (the control: how much the machine drifted within the
+round). ``ddp`` trains a fixed budget of ``--steps`` optimizer steps; its final validation loss in
+the first round is the *target*. Every other configuration trains at least as many steps (its loss
+at equal tokens), then on, up to ``--max-factor`` times as many, until a validation reaches the
+target.
 
 The report, in ``--out``: ``results.md`` (also printed; per configuration the median over rounds of
 the training seconds to the target, validations left out; the validation loss at ``--steps``, i.e.
