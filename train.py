@@ -128,12 +128,11 @@ def check_app_setup(cfg: DictConfig) -> None:
     fault_tolerance = fault_tolerance_of(cfg)
     replicated = None
     if check_sharding(cfg) == "fsdp":
-        placement: Replicated | Sharded = Sharded()
+        placement: Replicated | Sharded = Sharded(fault_tolerance=fault_tolerance)
         replicated = {
             "fusion": fusion_spec(cfg.fusion),
             "hierarchy": t.hierarchy,
             "find_unused_parameters": t.find_unused_parameters,
-            "fault_tolerance": cfg.fault_tolerance.lighthouse,
         }
     else:
         hierarchy = hierarchy_of(t.hierarchy, t.node_precision) or "flat"
@@ -206,6 +205,7 @@ def build_sharded_strategy(cfg: DictConfig, options: dict) -> GCFSDPStrategy:
         sync=sync_of(cfg.sync.name, _options(cfg.sync)),
         start_method=t.start_method,
         log_every_n_steps=t.log_every_n_steps,
+        fault_tolerance=fault_tolerance_of(cfg),
         **options,
     )
 

@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
+from gc_strategy.sync.fault_tolerance.shards import local
 from gc_strategy.sync.fault_tolerance.torchft_setup import require_torchft
 
 #: the overrides each group gets from this process (the user's own are dropped)
@@ -100,9 +101,10 @@ class ParameterDigest(pl.Callback):
 
 
 def parameter_digest(module: Any) -> str:
-    """The SHA-256 of ``module``'s parameters: each one's name and bytes, in order."""
+    """The SHA-256 of ``module``'s parameters: each one's name and bytes, in order (sharded by
+    FSDP2: this rank's shards, which the first rank of every group holds alike)."""
     digest = hashlib.sha256()
-    for name, tensor in module.named_parameters():
+    for name, tensor in local(dict(module.named_parameters())).items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -7,7 +7,7 @@ stops at a step from ``--steps`` on that every group took part in, and each rank
 parameters, optimizer and scheduler state, global step and a record of the steps to ``--out`` with
 ``.rank{r}.pt`` for ``.pt``. With ``--checkpoints DIR`` a checkpoint is saved at each epoch's end;
 ``--resume PATH`` starts from one. ``--inner-steps H`` trains with DiLoCo, stopping at an outer
-step."""
+step. ``--sharded``: ``GCFSDPStrategy``, FSDP2 over the group's ranks, each rank writing its shards."""
 
 import argparse
 import copy
@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gc_strategy import DiLoCo, FaultTolerance, GCFusedStrategy
+from gc_strategy import DiLoCo, FaultTolerance, GCFSDPStrategy, GCFusedStrategy
+from gc_strategy.sync.fault_tolerance.shards import local
 
 
 class Regression(L.LightningModule):
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="a folder: a checkpoint at each epoch's end")
     parser.add_argument("--resume", help="a checkpoint to resume from")
     parser.add_argument("--inner-steps", type=int, default=0, help="DiLoCo's (0: every step)")
+    parser.add_argument("--sharded", action="store_true", help="GCFSDPStrategy: FSDP2 over the group's ranks")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(args.samples, 12, generator=g), torch.randn(args.samples, 3, generator=g))
@@ -93,7 +95,8 @@ def main() -> None:
         args.lighthouse, args.group, groups=args.groups, min_replicas=args.min_replicas, timeout_s=10, host="127.0.0.1"
     )
     sync = DiLoCo(inner_steps=args.inner_steps) if args.inner_steps else "every_step"
-    strategy = GCFusedStrategy(compressor="topk", memory="residual", density=0.3, sync=sync, fault_tolerance=options)
+    kind = GCFSDPStrategy if args.sharded else GCFusedStrategy
+    strategy = kind(compressor="topk", memory="residual", density=0.3, sync=sync, fault_tolerance=options)
     watch = Watch(args)
     every_epoch = ModelCheckpoint(args.checkpoints, "{epoch}", save_top_k=-1, enable_version_counter=False)
     saving = [every_epoch] if args.checkpoints else []
@@ -113,8 +116,8 @@ def main() -> None:
     optimizer = trainer.optimizers[0]
     torch.save(
         {
-            "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "params": local({n: p.detach().clone() for n, p in module.named_parameters()}),
+            "optimizer": local(copy.deepcopy(optimizer.state_dict())),
             "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
             "global_step": trainer.global_step,
             "batches_per_epoch": trainer.num_training_batches,

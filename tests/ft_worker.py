@@ -7,13 +7,15 @@ after a step they all took part in and committed, before its exchange. Writes it
 roles' state and a record of every step (its parameters after it included) to ``--out``.
 
 Started by torchrun, it is a group of several ranks, rank ``r`` of group ``g`` reading shard
-``g · ranks + r`` and writing ``OUT`` with ``.rank{r}.pt`` for ``.pt``; with ``--die-at`` every rank
+``g · ranks + r`` and writing ``OUT`` with ``.rank{r}.pt`` for ``.pt``; with ``--sharded`` the group
+shards the model with FSDP2 over its ranks (each Linear a unit, then the whole;
+FaultTolerantShardedSynchronizer) and every state is recorded as this rank's shards; with ``--die-at`` every rank
 of the group kills itself at the same point (a lost node); with ``--lose-first-healing R`` its
 rank ``R`` alone fails to fetch the first peer state it heals from (the transport raises, as where
 the peer died while sending it).
 
 With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loop; a group of one
-or of several ranks), until an outer
+or of several ranks, sharded with ``--sharded``), until an outer
 step at least ``--steps`` that every group took part in, recording every round; ``--die-when inner``
 kills it in the inner step ``S`` (after its forward), ``outer`` in the first outer round from ``S``
 on that every group takes part in, after the exchange of the matrices' Δ started."""
@@ -34,6 +36,8 @@ from gc_strategy import DiLoCo, FaultTolerance, build_components
 from gc_strategy.sync.fault_tolerance import quorum
 from gc_strategy.sync.fault_tolerance.diloco import FaultTolerantDiLoCo
 from gc_strategy.sync.fault_tolerance.every_step import FaultTolerantSynchronizer
+from gc_strategy.sync.fault_tolerance.sharded import FaultTolerantShardedSynchronizer
+from gc_strategy.sync.fault_tolerance.shards import local
 
 
 def batch(shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +102,14 @@ def main() -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="the address the peers reach this group at")
     parser.add_argument("--steps-file", help="a file that, once written, holds the step to end at instead of --steps")
+    parser.add_argument("--sharded", action="store_true", help="FSDP2 over the group's ranks")
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ and args.via == "loop":  # a group of several ranks, started by torchrun
         dist.init_process_group("gloo")
         if dist.get_rank() == args.lose_first_healing:
             lose_first_healing()
     net = model()
+    mesh = shard(net, (1, dist.get_world_size())) if args.sharded and args.via == "loop" else None
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     options = FaultTolerance(
         args.lighthouse,
@@ -116,15 +122,19 @@ def main() -> None:
         host=args.host,
     )
     if args.inner_steps:
-        return diloco(args, net, optimizer, options)
+        return diloco(args, net, optimizer, options, mesh)
     if args.via == "accelerate":
         from accelerate import Accelerator
 
         from gc_strategy.accelerate import prepare
 
-        roles = {"compressor": args.compressor, "memory": args.memory, "fusion": "groups:2"}
+        placed = {"sharding": "fsdp"} if args.sharded else {"fusion": "groups:2"}
+        roles = {"compressor": args.compressor, "memory": args.memory, **placed}
         net, optimizer = prepare(Accelerator(cpu=True), net, optimizer, **roles, fault_tolerance=options)
         sync = net.gc_synchronizer
+    elif args.sharded:
+        sync = FaultTolerantShardedSynchronizer(net, build_components(args.compressor, args.memory), options, mesh)
+        sync.use_optimizers([optimizer])
     else:
         roles = build_components(args.compressor, args.memory, fusion="groups:2")
         if args.check_group_collective:
@@ -167,7 +177,7 @@ def main() -> None:
                 "state_kept": same(kept, snapshot(net, optimizer, sync)),
                 "seconds": time.monotonic() - began,
                 "ended": time.time(),
-                "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+                "params": local({n: p.detach().clone() for n, p in net.named_parameters()}),
             }
         )
         if committed:
@@ -244,12 +254,14 @@ def all_took_part(record: list[dict], groups: int) -> bool:
     return bool(record) and record[-1]["committed"] and record[-1]["participants"] == groups
 
 
-def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Optimizer, options: FaultTolerance) -> None:
-    roles = build_components(args.compressor, args.memory, fusion="groups:2")
-    sync = FaultTolerantDiLoCo(net, roles, DiLoCo(inner_steps=args.inner_steps, outer_lr=0.5), options)
+def diloco(
+    args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Optimizer, options: FaultTolerance, mesh: object
+) -> None:
+    roles = build_components(args.compressor, args.memory, **({} if args.sharded else {"fusion": "groups:2"}))
+    sync = FaultTolerantDiLoCo(net, roles, DiLoCo(inner_steps=args.inner_steps, outer_lr=0.5), options, mesh=mesh)
     sync.use_optimizers([optimizer])
     record = []
-    try_round, start_vectors = sync.try_round, sync.synchronizers[1].start_synchronize
+    try_round = sync.try_round
 
     def recorded_round() -> bool:
         kept = diloco_snapshot(net, optimizer, sync)
@@ -267,16 +279,20 @@ def diloco(args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Opti
         )
         return committed
 
-    def dying_vectors() -> None:  # the matrices' exchange is in flight
-        due = sync.participants == args.groups
-        if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and due:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if 0 <= args.freeze_at <= sync.committed_steps and due:
-            args.freeze_at = -1
-            os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
-        start_vectors()
+    sync.try_round = recorded_round
+    if not args.sharded:
+        start_vectors = sync.synchronizers[1].start_synchronize
 
-    sync.try_round, sync.synchronizers[1].start_synchronize = recorded_round, dying_vectors
+        def dying_vectors() -> None:  # the matrices' exchange is in flight
+            due = sync.participants == args.groups
+            if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and due:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if 0 <= args.freeze_at <= sync.committed_steps and due:
+                args.freeze_at = -1
+                os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
+            start_vectors()
+
+        sync.synchronizers[1].start_synchronize = dying_vectors
     wait_for_groups(args)
 
     def done() -> bool:
@@ -323,23 +339,41 @@ def wait_for_groups(args: argparse.Namespace, timeout: float = 120) -> None:
 
 
 def diloco_snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantDiLoCo) -> dict:
-    """Copies of the parameters, the inner and outer optimizers' and outer values, and the roles' state."""
+    """Copies of the parameters, the inner and outer optimizers' and outer values, and the roles'
+    state (this rank's shards where FSDP2 shards them)."""
+    sharded = sync.within is None and dist.is_initialized()
     return {
-        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
-        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "params": local({n: p.detach().clone() for n, p in net.named_parameters()}),
+        "optimizer": local(copy.deepcopy(optimizer.state_dict())),
         "outer": {n: t.clone() for n, t in sync.inner.outer.items()},
         "outer_optimizer": copy.deepcopy(sync.inner.outer_optimizer.state_dict()),
-        "states": [s.state_dict() for s in sync.synchronizers],
+        "states": sync.inner.state_dict()["roles"] if sharded else [s.state_dict() for s in sync.synchronizers],
     }
 
 
 def snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantSynchronizer) -> dict:
-    """Copies of the parameters, the optimizer's state and the synchroniser's state."""
+    """Copies of the parameters, the optimizer's state and the synchroniser's state (this rank's
+    shards where FSDP2 shards them)."""
     return {
-        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
-        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "params": local({n: p.detach().clone() for n, p in net.named_parameters()}),
+        "optimizer": local(copy.deepcopy(optimizer.state_dict())),
         "state": sync.inner.state_dict(),
     }
+
+
+def shard(net: nn.Module, shape: tuple[int, int], hsdp: bool = False) -> object:
+    """``net`` sharded by FSDP2 (each Linear a unit, then the whole) over the ``shard`` dimension of a
+    ``("replicate", "shard")`` mesh of ``shape`` over the default process group (a replica group's
+    ``(1, ranks)``), or with ``hsdp`` over the whole mesh: native HSDP. The mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    placed = mesh if hsdp else mesh["shard"]
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=placed)
+    fully_shard(net, mesh=placed)
+    return mesh
 
 
 if __name__ == "__main__":

@@ -140,10 +140,9 @@ def prepare(
         "hierarchy": hierarchy,
         "find_unused_parameters": find_unused_parameters,
         "broadcast_buffers": broadcast_buffers,
-        "fault_tolerance": fault_tolerance,
     }
     if sharded:
-        placement: Replicated | Sharded = Sharded()
+        placement: Replicated | Sharded = Sharded(fault_tolerance=fault_tolerance)
     else:
         if broadcast_buffers is None:
             broadcast_buffers = getattr(handler, "broadcast_buffers", True)
@@ -162,7 +161,7 @@ def prepare(
     if sync.one_optimizer and len(optimizers) != 1:
         raise ValueError(f"sync={sync!r} counts the steps of one optimizer; {len(optimizers)} were passed to prepare")
     if sharded:
-        placement = Sharded(_node_mesh(accelerator))  # the launch's nodes, checked before anything moves
+        placement = Sharded(_node_mesh(accelerator), fault_tolerance)  # the nodes, checked before anything moves
     model = model.to(accelerator.device)
     if sharded:
         _shard(accelerator, model, optimizers, placement.mesh)

@@ -10,8 +10,6 @@ keyword arguments are taken or refused as :mod:`gc_strategy.integrations.ddp_arg
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -185,35 +183,6 @@ class GCFusedStrategy(SynchronizerGlue, DDPStrategy):
             return super().distributed_sampler_kwargs
         rank, shards = self.fault_tolerance.shard(self.global_rank, self.world_size)
         return {"num_replicas": shards, "rank": rank}
-
-    # ---------------------------------------------------------------- forward passes
-    @contextmanager
-    def _forward_pass(self) -> Generator[None, None, None]:
-        if self.synchronizer is None:
-            yield
-            return
-        with self.synchronizer.forward_pass():
-            yield
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._forward_pass():
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._forward_pass():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._forward_pass():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._forward_pass():
-            return super().predict_step(*args, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -33,6 +33,7 @@ from ..communicators import Communicator
 from ..components import build_components
 from ..registry import validate_options
 from ..sync.base import Synchronizer
+from ..sync.fault_tolerance.options import FaultTolerance
 from ..sync.modes import Sharded, SyncMode, check_setup, parse_sync, refuse_misplaced_options
 from ..sync.sharded.synchronizer import MESH_DIMS, fsdp_modules, shard_by_policy
 from .lightning_glue import LOG_EVERY, SynchronizerGlue, end_process_group_at_exit
@@ -78,6 +79,9 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         log_every_n_steps: how often the ``gc/...`` telemetry goes to the Trainer's loggers
             (``None``: the Trainer's own ``log_every_n_steps``).
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        fault_tolerance: a :class:`~gc_strategy.sync.fault_tolerance.options.FaultTolerance`: the
+            Trainer's ranks (``num_nodes=1``) are a replica group that shards the model over them and
+            goes on when other groups die (``sync="every_step"``; docs/fault_tolerance.md).
         **options: options of the chosen compressor / memory / communicator (e.g. ``density=0.01``).
             ``fusion`` and ``hierarchy``, ``find_unused_parameters`` and ``broadcast_buffers`` are
             ``gc_fused``'s and are refused here with what sharding does instead.
@@ -97,16 +101,18 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         log_every_n_steps: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        fault_tolerance: FaultTolerance | None = None,
         **options: Any,
     ) -> None:
-        replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers", "fault_tolerance")
+        replicated = ("fusion", "hierarchy", "find_unused_parameters", "broadcast_buffers")
         given = {key: options.pop(key) for key in replicated if key in options}
         refuse_misplaced_options(options)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method = {start_method!r} is invalid; allowed: {', '.join(START_METHODS)}")
         self.components = build_components(compressor, memory, communicator, **options)
         self.sync = parse_sync(sync, self.components)
-        check_setup(self.sync, self.components, Sharded(), replicated_options=given)
+        self.fault_tolerance = fault_tolerance
+        check_setup(self.sync, self.components, self.placement(), replicated_options=given)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.shard_modules = shard_modules
         self.mixed_precision = mixed_precision
@@ -116,8 +122,15 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         )["log_every_n_steps"]
         self.synchronizer: Synchronizer | None = None
 
+    def placement(self, mesh: Any = None) -> Sharded:
+        """Where the model lives: sharded by FSDP2 over ``mesh``; with fault tolerance, a replica group."""
+        return Sharded(mesh, self.fault_tolerance)
+
     @override
     def _configure_launcher(self) -> None:
+        """The Trainer's devices and nodes are known here, before any process starts: a replica
+        group that fault tolerance cannot serve is refused now."""
+        check_setup(self.sync, self.components, self.placement(), self.num_processes, self.num_nodes)
         if self.start_method == "popen":
             super()._configure_launcher()
         else:
@@ -136,8 +149,13 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank reads its own data: the shards of a node hold one model, not one batch."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """Every rank reads its own data: the shards of a node hold one model, not one batch; with
+        fault tolerance each rank of each replica group its own shard
+        (:meth:`~gc_strategy.sync.fault_tolerance.options.FaultTolerance.shard`)."""
+        if self.fault_tolerance is None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        rank, shards = self.fault_tolerance.shard(self.global_rank, self.world_size)
+        return {"num_replicas": shards, "rank": rank}
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -157,7 +175,8 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.synchronizer = self.sync.build(self.model, self.components.fresh(), Sharded(self.device_mesh))
+            self.synchronizer = self.sync.build(self.model, self.components.fresh(), self.placement(self.device_mesh))
+            self.attach_optimizers(trainer)
             self.load_pending_state()
 
     def _shard(self) -> None:

@@ -1,10 +1,11 @@
 """What both Lightning strategies (``gc_fused``, ``gc_fsdp``) do with the
 :class:`~gc_strategy.sync.base.Synchronizer` they hold in ``self.synchronizer``, around the
-Trainer's loop: accumulation without exchange, the synchroniser's step after each optimizer step,
-its ``gc/...`` telemetry to the Trainer's loggers, the fusion plan once chosen, the warning where
-momentum would be applied twice, each rank's state beside a checkpoint (saved, loaded and removed
-with it), the optimizer step taken only where the step commits (fault tolerance), the process
-group's end at exit, and closing it at teardown."""
+Trainer's loop: each forward inside the synchroniser's ``forward_pass``, accumulation without
+exchange, the synchroniser's step after each optimizer step, its ``gc/...`` telemetry to the
+Trainer's loggers, the fusion plan once chosen, the warning where momentum would be applied twice,
+each rank's state beside a checkpoint (saved, loaded and removed with it), the optimizer step taken
+only where the step commits (fault tolerance), the process group's end at exit, and closing it at
+teardown."""
 
 from __future__ import annotations
 
@@ -40,6 +41,30 @@ class SynchronizerGlue:
     _announced_plan: dict[str, Any] | None = None
     #: the Trainer's counters and schedulers as healed objects (where the synchroniser was there to take them)
     _loop_state: LoopState | None = None
+
+    @contextmanager
+    def _forward_pass(self) -> Generator[None, None, None]:
+        if self.synchronizer is None:
+            yield
+            return
+        with self.synchronizer.forward_pass():
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_pass():
+            return super().predict_step(*args, **kwargs)  # type: ignore[misc]
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -113,9 +138,14 @@ class SynchronizerGlue:
         if message is not None:
             rank_zero_warn(message)
         if self.synchronizer is not None:
-            self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[attr-defined]
-            self._loop_state = LoopState(trainer)
-            self.synchronizer.register_healed({"trainer_loop": self._loop_state})
+            self.attach_optimizers(trainer)
+
+    def attach_optimizers(self, trainer: Any) -> None:
+        """The synchroniser takes the Trainer's optimizers, and its counters and schedulers as
+        healed objects (:class:`LoopState`)."""
+        self.synchronizer.use_optimizers(self.optimizers)  # type: ignore[union-attr, attr-defined]
+        self._loop_state = LoopState(trainer)
+        self.synchronizer.register_healed({"trainer_loop": self._loop_state})  # type: ignore[union-attr]
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.synchronizer is not None and self.synchronizer.votes_on_commit:

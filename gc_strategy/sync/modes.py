@@ -35,6 +35,7 @@ from .every_step.synchronizer import GradientSynchronizer
 from .fault_tolerance.diloco import FaultTolerantDiLoCo
 from .fault_tolerance.every_step import FaultTolerantSynchronizer
 from .fault_tolerance.options import FaultTolerance
+from .fault_tolerance.sharded import FaultTolerantShardedSynchronizer
 from .paths.hierarchy import NodeHierarchy, hierarchy_of, parse_hierarchy
 from .sharded.diloco import ShardedDiLoCo
 from .sharded.synchronizer import ShardedSynchronizer, refuse_replicated_options
@@ -68,9 +69,12 @@ class Replicated:
 class Sharded:
     """FSDP2 shards the model inside each node of ``mesh``, a ``("replicate", "shard")`` device mesh
     (:mod:`gc_strategy.sync.sharded.synchronizer`); the model is already ``fully_shard``-ed over
-    ``mesh["shard"]`` (None while the setup is only checked)."""
+    ``mesh["shard"]`` (None while the setup is only checked). With ``fault_tolerance`` the mesh is
+    one node, the ranks of this launch, a replica group that the others survive
+    (:mod:`gc_strategy.sync.fault_tolerance.sharded`)."""
 
     mesh: Any = None
+    fault_tolerance: FaultTolerance | None = None
 
 
 class SyncMode(Configuration):
@@ -88,6 +92,8 @@ class SyncMode(Configuration):
     one_optimizer = False
     #: whether the mode builds a synchroniser that survives lost replica groups (``fault_tolerance=``)
     fault_tolerant = False
+    #: whether it does so for replica groups that shard the model with FSDP2 too
+    fault_tolerant_sharded = False
 
     def check(self, components: Components) -> None:
         """Refuse, before any work, roles the mode cannot serve (none, by default)."""
@@ -115,8 +121,11 @@ class EveryStep(SyncMode):
     shards (:class:`~gc_strategy.sync.sharded.synchronizer.ShardedSynchronizer`)."""
 
     fault_tolerant = True
+    fault_tolerant_sharded = True
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
+        if isinstance(placement, Sharded) and placement.fault_tolerance is not None:
+            return FaultTolerantShardedSynchronizer(module, components, placement.fault_tolerance, placement.mesh)
         if isinstance(placement, Sharded):
             return ShardedSynchronizer(module, components, placement.mesh)
         if placement.fault_tolerance is not None:
@@ -157,6 +166,7 @@ class DiLoCo(SyncMode):
     fixed_roles = True
     one_optimizer = True
     fault_tolerant = True
+    fault_tolerant_sharded = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -217,10 +227,11 @@ class DiLoCo(SyncMode):
         and ``find_unused_parameters`` do not apply); sharded:
         :class:`~gc_strategy.sync.sharded.diloco.ShardedDiLoCo`; with fault tolerance,
         :class:`~gc_strategy.sync.fault_tolerance.diloco.FaultTolerantDiLoCo`."""
-        if isinstance(placement, Sharded):
-            return ShardedDiLoCo(module, components, self, placement.mesh)
+        mesh = placement.mesh if isinstance(placement, Sharded) else None
         if placement.fault_tolerance is not None:
-            return FaultTolerantDiLoCo(module, components, self, placement.fault_tolerance)
+            return FaultTolerantDiLoCo(module, components, self, placement.fault_tolerance, mesh=mesh)
+        if mesh is not None:
+            return ShardedDiLoCo(module, components, self, mesh)
         return DiLoCoSynchronizer(
             module, components, self, broadcast_buffers=placement.broadcast_buffers, hierarchy=placement.hierarchy
         )
@@ -260,7 +271,7 @@ def check_setup(
     names = {**OPTION_NAMES, **(names or {})}
     mode.check(components)
     replicated = isinstance(placement, Replicated)
-    fault_tolerance = placement.fault_tolerance if replicated else None
+    fault_tolerance = placement.fault_tolerance
     if switches_roles and (mode.fixed_roles or not replicated or fault_tolerance is not None):
         why = "its state" if mode.fixed_roles else "sharding's" if not replicated else "fault tolerance's"
         raise ValueError(
@@ -268,10 +279,10 @@ def check_setup(
             f"sync={mode!r}{'' if replicated else ', sharded'}{', fault_tolerance' if fault_tolerance else ''}: "
             f"{why} is made for the model and roles the run started with"
         )
-    if not replicated:
+    if replicated:
+        parse_hierarchy(placement.hierarchy)
+    else:
         refuse_replicated_options(names, **(replicated_options or {}))
-        return
-    parse_hierarchy(placement.hierarchy)
     if fault_tolerance is None:
         return
     if not isinstance(fault_tolerance, FaultTolerance):
@@ -279,11 +290,15 @@ def check_setup(
             f"{names['fault_tolerance']} = {fault_tolerance!r} is invalid; allowed: None or "
             "FaultTolerance(lighthouse=..., replica_group=...)"
         )
-    if not mode.fault_tolerant:
-        allowed = sorted(name for name in SYNC_MODES.names() if SYNC_MODES.get(name).fault_tolerant)
-        raise ValueError(f"fault_tolerance with sync={mode.name!r} is not supported; allowed: sync in {allowed}")
+    kind = "fault_tolerant" if replicated else "fault_tolerant_sharded"
+    if not getattr(mode, kind):
+        allowed = sorted(name for name in SYNC_MODES.names() if getattr(SYNC_MODES.get(name), kind))
+        sharded = "" if replicated else f" and {names['sharding']}"
+        raise ValueError(
+            f"fault_tolerance with sync={mode.name!r}{sharded} is not supported; allowed: sync in {allowed}"
+        )
     mode.check_fault_tolerant()
-    fault_tolerance.check(components, placement.hierarchy)
+    fault_tolerance.check(components, placement.hierarchy if replicated else "flat")
     if nodes != 1:
         raise ValueError(
             f"fault_tolerance with {names['nodes']} = {nodes} is not supported; allowed: 1 (a replica group is the "

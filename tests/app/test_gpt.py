@@ -230,7 +230,16 @@ def test_the_app_trains_the_gpt_on_the_default_corpus_and_reports_perplexity(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", [[], ["sync=diloco", "sync.inner_steps=2"]], ids=["every_step", "diloco"])
+@pytest.mark.parametrize(
+    "sync",
+    [
+        [],
+        ["sync=diloco", "sync.inner_steps=2"],
+        ["trainer.sharding=fsdp"],
+        ["trainer.sharding=fsdp", "sync=diloco", "sync.inner_steps=2"],
+    ],
+    ids=["every_step", "diloco", "sharded", "sharded_diloco"],
+)
 def test_the_app_trains_the_gpt_in_fault_tolerant_replica_groups_of_two_ranks(tmp_path, sync):
     pytest.importorskip("torchft")
     demo = ["fault_tolerance.lighthouse=local", "fault_tolerance.groups=2", "trainer.devices=2"]

@@ -26,7 +26,13 @@ A group starting (the first forward) runs a round before its first inner step: a
 every group takes ``θ`` from the first one (torchft's first-step synchronisation), and a group that
 comes back waits in its quorum until the others reach their next outer step, then heals.
 
-In a group of several ranks, each ``Δ`` crosses the groups once: the quorum's route reduces it onto
+A group may shard its model with FSDP2 over its ranks (``mesh``, a ``(1, R)`` mesh): its inner steps
+are FSDP2's own, inside the group (:class:`~gc_strategy.sync.sharded.diloco.ShardedDiLoCo`), and each
+rank exchanges the ``Δ`` of its own shards with the rank holding them in every other group, over its
+quorum's process group; a healing rank takes its own shards of ``θ``, of the outer optimizer and of
+the model (:mod:`~gc_strategy.sync.fault_tolerance.shards`).
+
+In a replicated group of several ranks, each ``Δ`` crosses the groups once: the quorum's route reduces it onto
 one owner rank per bucket inside the group (every rank holds the same ``Δ``), the owners exchange it
 across the groups, and broadcast the result back (:class:`~gc_strategy.sync.fault_tolerance.quorum.QuorumNodeRoute`).
 
@@ -53,9 +59,12 @@ from ...components import Components, build_components
 from ...registry import Configuration
 from ..diloco.synchronizer import DiLoCoSynchronizer
 from ..every_step.synchronizer import GradientSynchronizer
+from ..paths.routes import Route
+from ..sharded.diloco import ShardedDiLoCo
 from .options import FaultTolerance
-from .quorum import Quorum
+from .quorum import Quorum, QuorumRoute, quorum_route
 from .round import ReplicaState
+from .sharded import one_node
 from .synchronizer import RoundSynchronizer
 
 
@@ -82,15 +91,22 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
         config: Configuration,
         options: FaultTolerance,
         quorum: Callable[..., Quorum] = Quorum,
+        mesh: Any = None,
     ) -> None:
         options.check(components)
         config.check_fault_tolerant()
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         config.check_replica_group(ranks)
-        #: a group of several ranks: its inner steps' gradients averaged over its ranks (the default group)
-        self.within = GradientSynchronizer(module, build_components("none")) if ranks > 1 else None
-        inner = DiLoCoSynchronizer(module, components, config, broadcast_buffers=False)
-        super().__init__(module, inner, inner.synchronizers, options, ReplicaState(inner, self._healed), quorum)
+        route: Callable[[Quorum], Route] = quorum_route
+        if mesh is None:
+            #: a group of several ranks: its inner steps' gradients averaged over its ranks (the default group)
+            self.within = GradientSynchronizer(module, build_components("none")) if ranks > 1 else None
+            inner: Any = DiLoCoSynchronizer(module, components, config, broadcast_buffers=False)
+        else:  # FSDP2 inside the group: each rank's Δ of its own shards, with the same rank of every group
+            self.within, route = None, QuorumRoute
+            inner = ShardedDiLoCo(module, components, config, one_node(mesh))
+        healed = ReplicaState(inner, self._healed)
+        super().__init__(module, inner, inner.synchronizers, options, healed, quorum, route)
         #: the inner step of the last committed round (a group that did none since contributes no Δ)
         self.synced_at = 0
         self.joined = False

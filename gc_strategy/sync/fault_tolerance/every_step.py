@@ -30,41 +30,12 @@ from .quorum import Quorum
 from .synchronizer import RoundSynchronizer
 
 
-class FaultTolerantSynchronizer(RoundSynchronizer):
-    """See the module's docstring. ``module``'s gradients are averaged through ``roles`` across the
-    participating replica groups. A training loop (no ``init_process_group``: a group of one process
-    needs none)::
-
-        sync = FaultTolerantSynchronizer(model, build_components("topk", "residual"), options)
-        sync.use_optimizers([optimizer])
-        while not sync.finished(steps):         # every group ends at the same step
-            step = sync.start_step()            # the quorum (and healing): the step to read data for
-            x, y = batch(step)
-            with sync.forward_pass():
-                loss = loss_fn(model(x), y)
-            loss.backward()                     # the exchange over the participating groups
-            if sync.should_commit():            # False: a peer failed; the roles' state is restored
-                optimizer.step()
-            optimizer.zero_grad()
-    """
+class EveryStepRounds(RoundSynchronizer):
+    """A fault-tolerant round every step (see the module's docstring), whatever synchronises the
+    group inside: the round begins before the step's first training forward and ends in
+    :meth:`should_commit`."""
 
     votes_on_commit = True
-
-    def __init__(
-        self,
-        module: nn.Module,
-        roles: Components,
-        options: FaultTolerance,
-        find_unused_parameters: bool = False,
-        quorum: Callable[..., Quorum] = Quorum,
-    ) -> None:
-        options.check(roles)
-        inner = GradientSynchronizer(
-            module, roles, broadcast_buffers=False, find_unused_parameters=find_unused_parameters
-        )
-        if inner.ready_order is None:  # no first-step agreement: a group may join at any step
-            inner.ready_order = list(inner.layout.order)
-        super().__init__(module, inner, [inner], options, quorum=quorum)
 
     def start_step(self) -> int:
         """The step's round begins, where it has not (the quorum, healing, the rollback point);
@@ -104,3 +75,38 @@ class FaultTolerantSynchronizer(RoundSynchronizer):
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Whether this group keeps state of its own (no collective: the groups are not all there)."""
         return bool(state["synchronizer"]["memory"] or state["synchronizer"]["compressor"])
+
+
+class FaultTolerantSynchronizer(EveryStepRounds):
+    """See the module's docstring. ``module``'s gradients are averaged through ``roles`` across the
+    participating replica groups. A training loop (no ``init_process_group``: a group of one process
+    needs none)::
+
+        sync = FaultTolerantSynchronizer(model, build_components("topk", "residual"), options)
+        sync.use_optimizers([optimizer])
+        while not sync.finished(steps):         # every group ends at the same step
+            step = sync.start_step()            # the quorum (and healing): the step to read data for
+            x, y = batch(step)
+            with sync.forward_pass():
+                loss = loss_fn(model(x), y)
+            loss.backward()                     # the exchange over the participating groups
+            if sync.should_commit():            # False: a peer failed; the roles' state is restored
+                optimizer.step()
+            optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        roles: Components,
+        options: FaultTolerance,
+        find_unused_parameters: bool = False,
+        quorum: Callable[..., Quorum] = Quorum,
+    ) -> None:
+        options.check(roles)
+        inner = GradientSynchronizer(
+            module, roles, broadcast_buffers=False, find_unused_parameters=find_unused_parameters
+        )
+        if inner.ready_order is None:  # no first-step agreement: a group may join at any step
+            inner.ready_order = list(inner.layout.order)
+        super().__init__(module, inner, [inner], options, quorum=quorum)

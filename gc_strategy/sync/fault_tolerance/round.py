@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..every_step.rollback import RollbackPoint
-from ..every_step.synchronizer import GradientSynchronizer
+from ..paths.routes import Route
 from .options import FaultTolerance
 from .quorum import Quorum, quorum_route
 
@@ -82,18 +82,22 @@ class RoundReport:
 
 class Round:
     """A replica group's fault-tolerant rounds (see the module's docstring). ``synchronizers`` are
-    the ones that exchange over the quorum's group, rebound and held at each round; ``quorum``
-    builds this group's :class:`~gc_strategy.sync.fault_tolerance.quorum.Quorum` from the options
-    and the two healing callbacks (injected, as torchft's integrations take its manager)."""
+    the ones that exchange over the quorum's group, rebound and held at each round, each to a
+    ``route`` of its own over the quorum (by default through the group's ranks where it has
+    several: :func:`~gc_strategy.sync.fault_tolerance.quorum.quorum_route`); ``quorum`` builds this
+    group's :class:`~gc_strategy.sync.fault_tolerance.quorum.Quorum` from the options and the two
+    healing callbacks (injected, as torchft's integrations take its manager)."""
 
     def __init__(
         self,
         options: FaultTolerance,
-        synchronizers: list[GradientSynchronizer],
+        synchronizers: list[Any],
         quorum: Callable[..., Quorum] = Quorum,
+        route: Callable[[Quorum], Route] = quorum_route,
     ) -> None:
         self.options = options
         self.synchronizers = synchronizers
+        self.route = route
         self.healed: dict[str, Stateful] = {}
         self.quorum = quorum(options, self.peer_state, self.load_peer_state)
         self.report = RoundReport()
@@ -129,7 +133,7 @@ class Round:
     def _rebind(self) -> bool:
         self.quorum.meet()
         for synchronizer in self.synchronizers:  # a route each: a route places its synchroniser's buckets
-            synchronizer.rebind(quorum_route(self.quorum))  # a collective where the compressor checks the group
+            synchronizer.rebind(self.route(self.quorum))  # a collective where the compressor checks the group
         return True
 
     def count(self, flag: bool) -> int:

@@ -23,31 +23,35 @@ from torch import nn
 from ...telemetry import TelemetryLog
 from ..base import Synchronizer
 from ..every_step.synchronizer import GradientSynchronizer
+from ..paths.routes import Route
 from .finish_line import FinishLine
 from .options import FaultTolerance
-from .quorum import Quorum
+from .quorum import Quorum, quorum_route
 from .round import ReplicaState, Round, RoundReport
+from .shards import Shards
 
 
 class RoundSynchronizer(Synchronizer):
     """``inner`` synchronises ``module``; ``exchanging`` (its synchronisers that exchange over the
-    quorum's group) are rebound and held by each :class:`~.round.Round`; ``healed`` is what a
-    healing group loads after the module, by default ``inner``'s replicated state. ``quorum``
-    builds the quorum (injected). Subclasses implement :attr:`committed_steps` and
-    :attr:`together`, and start and end the rounds."""
+    quorum's group) are rebound to a ``route`` over each new quorum and held by each
+    :class:`~.round.Round`; ``healed`` is what a healing group loads after the module, by default
+    ``inner``'s replicated state. The module and the optimizers heal shard by shard where FSDP2
+    shards them (:class:`~.shards.Shards`). ``quorum`` builds the quorum (injected). Subclasses
+    implement :attr:`committed_steps` and :attr:`together`, and start and end the rounds."""
 
     def __init__(
         self,
         module: nn.Module,
         inner: Any,
-        exchanging: list[GradientSynchronizer],
+        exchanging: list[Any],
         options: FaultTolerance,
         healed: Any = None,
         quorum: Callable[..., Quorum] = Quorum,
+        route: Callable[[Quorum], Route] = quorum_route,
     ) -> None:
         self.module, self.inner, self.options = module, inner, options
-        self.round = Round(options, exchanging, quorum)
-        self.round.heal({"module": module, "synchronizer": healed or ReplicaState(inner)})
+        self.round = Round(options, exchanging, quorum, route)
+        self.round.heal({"module": Shards(module), "synchronizer": healed or ReplicaState(inner)})
         self._finish_line = FinishLine(options.groups, options.quorum_timeout_s)
 
     # ------------------------------------------------------------------ what a subclass says
@@ -88,7 +92,7 @@ class RoundSynchronizer(Synchronizer):
     def use_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The training's optimizers: the inner synchroniser's, and healed from a peer."""
         self.inner.use_optimizers(optimizers)
-        self.round.heal({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
+        self.round.heal({f"optimizer_{i}": Shards(optimizer) for i, optimizer in enumerate(optimizers)})
 
     def restore_optimizers(self) -> None:
         self.inner.restore_optimizers()

@@ -34,22 +34,33 @@ from ...telemetry import StepTelemetry, TelemetryLog, add_exchange
 from ..base import Synchronizer
 from ..diloco.synchronizer import roles_by_dimension
 from ..every_step.state import resharded
+from ..paths.routes import FlatRoute, Route
 from .synchronizer import check_shard_place, check_sharded_model, same_shard, shard_place
 
 
 class _Group:
-    """Parameters whose local shards one set of roles exchanges, as one bucket."""
+    """Parameters whose local shards one set of roles exchanges, as one bucket, along ``route``
+    (the mesh's ``"replicate"`` dimension, or fault tolerance's quorum: :meth:`rebind`). ``step``:
+    the outer steps its roles took part in."""
 
-    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], roles: Components) -> None:
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], roles: Components, route: Route) -> None:
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self.roles = roles
+        self.roles, self.compressor = roles, roles.compressor
         shards = self.shards()
         self.bucket = Bucket(index, self.names, [s.shape for s in shards], torch.float32, shards[0].device)
+        self.step = 0
+        self.rebind(route)
 
     def shards(self) -> list[Tensor]:
         """This rank's local shards of the parameters (views of FSDP2's sharded storage)."""
         return [p.to_local() for p in self.params]
+
+    def rebind(self, route: Route) -> None:
+        """Exchange along ``route`` from the next outer step on, the roles bound to its group."""
+        self.route = route
+        self.roles.bind(route.group)
+        self.compressor.check_group(route.group, [self.bucket])
 
 
 class ShardedDiLoCo(Synchronizer):
@@ -79,43 +90,97 @@ class ShardedDiLoCo(Synchronizer):
         self.groups = []
         by_name = dict(named)
         for index, (names, roles) in enumerate(roles_by_dimension(named, components, config.vectors)):
-            roles.bind(group)
-            self.groups.append(_Group(index, [(n, by_name[n]) for n in names], roles))
+            self.groups.append(_Group(index, [(n, by_name[n]) for n in names], roles, FlatRoute(group)))
         self.outer_optimizer = config.outer()(list(self.outer.values()))
         self.inner_step = 0
         #: outer steps taken
         self.step = 0
         self.telemetry = TelemetryLog()
+        self._record, self._averages = StepTelemetry(), []
         for _, fsdp_module in fsdp:  # inner steps never cross nodes
             fsdp_module.set_all_reduce_hook(None)
+
+    @property
+    def inner_steps(self) -> int:
+        return self.config.inner_steps
+
+    @property
+    def synchronizers(self) -> list[_Group]:
+        """What exchanges: one set of roles per kind of tensor (fault tolerance rebinds and holds them)."""
+        return self.groups
 
     def after_optimizer_step(self) -> None:
         """Count the inner step; every ``inner_steps``, the outer step."""
         self.inner_step += 1
         if self.inner_step % self.config.inner_steps == 0:
-            self._outer_step()
+            self.exchange_outer()
+            self.apply_outer()
 
     @torch.no_grad()
-    def _outer_step(self) -> None:
-        record = StepTelemetry()
+    def exchange_outer(self) -> None:
+        """Exchange every group's ``Δ_s`` and keep the averages until :meth:`apply_outer` or
+        :meth:`drop_outer` (an outer exchange that fault tolerance's rounds drive)."""
+        self._record = StepTelemetry()
+        self._averages = []
         for group in self.groups:
             flat = torch.cat(
                 [(self.outer[n].to(s.device) - s.float()).reshape(-1) for n, s in zip(group.names, group.shards())]
             )
-            roles, bucket = group.roles, group.bucket
-            roles.begin_step(self.step)
-            running = RunningExchange(roles.exchange(flat, bucket))
+            group.roles.begin_step(self.step)
+            running = RunningExchange(group.route.exchange(flat, group.bucket, group.roles))
             average, _ = running.finish()
-            add_exchange(record, bucket.nbytes, running)
-            for name, value in zip(group.names, bucket.views(average)):
-                self.outer[name].grad = value.to(self.outer[name].device)
+            add_exchange(self._record, group.bucket.nbytes, running)
+            self._averages.append(average)
+
+    @torch.no_grad()
+    def apply_outer(self, scale: float = 1.0) -> None:
+        """The outer step on the averages of :meth:`exchange_outer`, each ``Δ̄_s`` times ``scale``
+        first (fault tolerance: a mean over the participants made a mean over those that trained)."""
+        for group, average in zip(self.groups, self._averages):
+            for name, value in zip(group.names, group.bucket.views(average)):
+                self.outer[name].grad = value.to(self.outer[name].device) * scale
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         for group in self.groups:
             for name, shard in zip(group.names, group.shards()):
                 shard.copy_(self.outer[name])
         self.step += 1
-        self.telemetry.record(record)
+        for group in self.groups:
+            group.step = self.step
+        self.telemetry.record(self._record)
+        self.drop_outer()
+
+    def drop_outer(self) -> None:
+        """Forget the averages of :meth:`exchange_outer` (an exchange that did not commit)."""
+        self._averages = []
+
+    def replicated_state(self) -> dict[str, Any]:
+        """What the ranks holding this shard in every replica hold alike after an outer step (a
+        healing one takes it from a peer): ``θ_s``, the outer optimizer, the counters and each
+        group's compressor state beyond the per-element one."""
+        return {
+            "outer": self.outer,
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "compressors": [group.compressor.extra_state() for group in self.groups],
+            "inner_step": self.inner_step,
+            "step": self.step,
+        }
+
+    @torch.no_grad()
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        """A peer's :meth:`replicated_state`; the local shards become ``θ_s``, and this rank's own
+        error feedback starts at zero."""
+        for name, value in state["outer"].items():
+            self.outer[name].copy_(value)
+        for group, extra in zip(self.groups, state["compressors"]):
+            for name, shard in zip(group.names, group.shards()):
+                shard.copy_(self.outer[name])
+            group.roles.clear_state()
+            group.compressor.load_extra_state(extra)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
+        for group in self.groups:
+            group.step = self.step
 
     def close(self) -> None:
         """Nothing is left in flight between outer steps."""
@@ -141,6 +206,8 @@ class ShardedDiLoCo(Synchronizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_shard_place(state["shard"], self.place)
         self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
+        for group in self.groups:
+            group.step = self.step
         for name, value in state["outer"].items():
             self.outer[name].copy_(value)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])

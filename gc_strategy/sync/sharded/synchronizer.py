@@ -41,6 +41,7 @@ from ...components import DEFAULT_FUSION, Components
 from ...telemetry import StepTelemetry, TelemetryLog, add_exchange
 from ..base import Synchronizer
 from ..every_step.state import resharded
+from ..paths.routes import FlatRoute, Route
 from .layout import ReducedParameters
 
 #: the mesh dimensions: across nodes (the compressed exchange) and inside a node (FSDP2's shards)
@@ -114,7 +115,6 @@ def refuse_replicated_options(
     hierarchy: Any = "flat",
     find_unused_parameters: Any = False,
     broadcast_buffers: Any = False,
-    fault_tolerance: Any = None,
 ) -> None:
     """Refuse, before any work, the options of replicated training that sharded training does not
     take (through ``gc_fsdp``, Accelerate and the app alike), each named as the caller calls it
@@ -130,13 +130,6 @@ def refuse_replicated_options(
             "False (each reduction holds the parameters that got a gradient, whatever the option)",
         ),
         ("broadcast_buffers", broadcast_buffers, bool(broadcast_buffers), "False (FSDP2 keeps each rank's buffers)"),
-        (
-            "fault_tolerance",
-            fault_tolerance,
-            fault_tolerance is not None,
-            "None (fault tolerance needs replicated training: strategy 'gc_fused', sharding='none'; a replica group "
-            "would have to heal every shard of a node at once)",
-        ),
     )
     for name, value, wrong, allowed in refused:
         if wrong:
@@ -188,7 +181,8 @@ class ShardedSynchronizer(Synchronizer):
     """Averages the sharded gradients of ``module`` (already ``fully_shard``-ed over
     ``mesh["shard"]``) across ``mesh["replicate"]`` through ``components``' compressor, memory and
     communicator (see the module's docstring). ``mesh`` is a 2-D ``DeviceMesh`` with the dimensions
-    :data:`MESH_DIMS`."""
+    :data:`MESH_DIMS`. A replica group of fault tolerance is a mesh of one node whose exchange
+    across the groups runs over the quorum's route (:meth:`rebind`)."""
 
     def __init__(self, module: nn.Module, components: Components, mesh: Any) -> None:
         self.modules = check_sharded_model(module, mesh)
@@ -197,7 +191,9 @@ class ShardedSynchronizer(Synchronizer):
         self.compressor = components.compressor
         self.memory = components.memory
         self.communicator = components.communicator
-        components.bind(mesh["replicate"].get_group())
+        #: how each shard travels to the ranks holding it on the other nodes
+        self.route: Route = FlatRoute(mesh["replicate"].get_group())
+        components.bind(self.route.group)
         self.place = shard_place(mesh)
         #: this rank's place in the whole mesh (each rank holds shards of its own)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
@@ -212,6 +208,22 @@ class ShardedSynchronizer(Synchronizer):
         self.roles.begin_step(self.step)
         for b, (_, fsdp_module) in enumerate(self.modules):
             fsdp_module.set_all_reduce_hook(self._hook_for(b))
+
+    def rebind(self, route: Route) -> None:
+        """Exchange over ``route`` from the next reduction on (fault tolerance's new quorum: the
+        ranks holding this shard in the other replica groups): the roles bound to its group and
+        checked again."""
+        self.route = route
+        self.roles.bind(route.group)
+        self.compressor.check_group(route.group, self._whole_units())
+
+    def _whole_units(self) -> list[Bucket]:
+        """Each unit's bucket as a reduction that holds all its trainable parameters: the same on
+        every rank holding this shard, whatever reductions it has seen (a group that has just
+        joined has seen none)."""
+        device = next(self.module.parameters()).device
+        layouts = [self.reduced.trainable(b) for b in range(len(self.modules))]
+        return [Bucket(b, names, shapes, torch.float32, device) for b, (names, shapes) in enumerate(layouts) if names]
 
     def _hook_for(self, b: int):
         def hook(reduce_output: Tensor) -> None:
@@ -243,7 +255,7 @@ class ShardedSynchronizer(Synchronizer):
     def _exchange(self, b: int, shard: Tensor) -> None:
         """The node's mean of this rank's shard of FSDP module ``b`` becomes the mean over all ranks."""
         bucket = self._bucket(b, shard)
-        running = RunningExchange(self.roles.exchange(shard, bucket))
+        running = RunningExchange(self.route.exchange(shard, bucket, self.roles))
         average, _ = running.finish()
         if average.data_ptr() != shard.data_ptr():
             shard.copy_(average)
@@ -304,6 +316,15 @@ class ShardedSynchronizer(Synchronizer):
                 names, shapes = self.reduced.trainable(b)
                 tensors.update(split_by_parameter([Bucket(b, names, shapes, flat.dtype, flat.device)], {b: flat}))
         return tensors
+
+    def replicated_state(self) -> dict[str, Any]:
+        """What the ranks holding this shard in every replica hold alike: all but their own error
+        feedback and compressor state."""
+        return {**self.state_dict(), "memory": {}, "compressor": {}}
+
+    def load_replicated_state(self, state: dict[str, Any]) -> None:
+        """A peer's :meth:`replicated_state`; this rank's own error feedback starts at zero."""
+        self.load_state_dict(state)
 
     def holds_rank_state(self, state: dict[str, Any]) -> bool:
         """Whether the roles keep state: then every rank keeps its own shards' (the same answer on

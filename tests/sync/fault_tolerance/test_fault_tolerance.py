@@ -519,14 +519,26 @@ def test_bad_options_are_refused_with_the_option_the_value_and_what_is_allowed(o
         FaultTolerance(**{"lighthouse": "http://127.0.0.1:29510", "replica_group": 0, **options})
 
 
-def test_sharded_training_refuses_fault_tolerance_saying_what_serves_it():
-    """``gc_fsdp`` takes no ``fault_tolerance``: refused before any work, naming what to use."""
-    from gc_strategy import GCFSDPStrategy
+def test_sharded_training_takes_fault_tolerance_and_refuses_what_it_cannot_serve():
+    """``gc_fsdp`` takes ``fault_tolerance`` for every step's exchange and for DiLoCo; Streaming
+    DiLoCo, and a mode that declares no sharded fault tolerance, are refused before any work."""
+    from gc_strategy import DiLoCo, GCFSDPStrategy
+    from gc_strategy.sync.modes import Sharded, SyncMode, check_setup
 
     options = FaultTolerance("http://127.0.0.1:1", 0)
-    message = r"option fault_tolerance = FaultTolerance\(.*\) is invalid with sharding; allowed: None \(fault tolerance"
-    with pytest.raises(ValueError, match=message + " needs replicated training: strategy 'gc_fused'"):
-        GCFSDPStrategy(compressor="topk", fault_tolerance=options)
+    for sync in ("every_step", DiLoCo(inner_steps=4)):
+        assert GCFSDPStrategy(compressor="topk", sync=sync, fault_tolerance=options).fault_tolerance is options
+    with pytest.raises(ValueError, match=re.escape("fault_tolerance with Streaming DiLoCo (fragments = 2")):
+        GCFSDPStrategy(sync=DiLoCo(inner_steps=4, fragments=2), fault_tolerance=options)
+
+    class Replicas(SyncMode):
+        name, fault_tolerant = "replicas", True
+
+    message = (
+        "fault_tolerance with sync='replicas' and sharding is not supported; allowed: sync in ['diloco', 'every_step']"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_setup(Replicas(), build_components("topk"), Sharded(fault_tolerance=options))
 
 
 def test_a_measured_fusion_plan_is_refused_before_any_work():
@@ -598,18 +610,21 @@ def test_without_torchft_every_path_says_at_construction_how_to_install_it(monke
 
 
 @pytest.mark.slow
-def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_schedule(lighthouse, tmp_path):
-    """``GCFusedStrategy(compressor="topk", memory="residual", fault_tolerance=...)``, two groups of
-    two ranks, one torchrun each, each rank reading its quarter of the data. Both ranks of group 1
-    are killed before their backward at a step from global step 5 on, so group 0's exchange of that
-    step fails; group 0 goes on alone; group 1, started again, heals the model, the optimizer, the
-    LR schedule and the Trainer's step counters rank by rank. Every rank ends with the same
-    parameters, optimizer state, schedule and global step, to the bit."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["gc_fused", "gc_fsdp"])
+def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_schedule(lighthouse, tmp_path, sharded):
+    """``GCFusedStrategy(compressor="topk", memory="residual", fault_tolerance=...)``, or
+    ``GCFSDPStrategy`` sharding the model over each group's ranks, two groups of two ranks, one
+    torchrun each, each rank reading its quarter of the data. Both ranks of group 1 are killed
+    before their backward at a step from global step 5 on, so group 0's exchange of that step
+    fails; group 0 goes on alone; group 1, started again, heals the model, the optimizer, the LR
+    schedule and the Trainer's step counters rank by rank (sharded: each rank its shard). Every
+    rank ends with the same parameters, optimizer state, schedule and global step as the rank in
+    its place in the other group, to the bit (replicated: as every rank)."""
     worker = TESTS / "ft_lightning_worker.py"
 
     def run(group: int, *extra: str) -> subprocess.Popen:
         args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", "2", "--steps", "40"]
-        args += ["--out", str(tmp_path / f"{group}.pt"), *extra]
+        args += ["--out", str(tmp_path / f"{group}.pt"), *extra, *(["--sharded"] if sharded else [])]
         return launch([*TORCHRUN, "--nproc_per_node=2", str(worker), *args], tmp_path / f"{group}.log")
 
     together = ["--barrier", str(tmp_path)]
@@ -626,12 +641,13 @@ def test_under_lightning_a_killed_group_is_survived_and_heals_global_step_and_sc
         assert record[-1]["participants"] == 2
         assert results[1, rank]["record"][0]["global_step"] > 5  # healed: it took its peer's counters
     assert all(r["batches_per_epoch"] == math.ceil(4096 / 4 / 8) for r in results.values())  # a quarter each
-    first = results[0, 0]
-    for other in results.values():
+    for (_, rank), other in results.items():
+        first = results[0, rank if sharded else 0]
         assert same(first["params"], other["params"])
         assert same(first["optimizer"], other["optimizer"])
         assert first["scheduler"] == other["scheduler"]
         assert first["global_step"] == other["global_step"]
+    assert sharded != same(results[0, 0]["params"], results[0, 1]["params"])  # sharded: a shard each
 
 
 @pytest.fixture
@@ -806,10 +822,6 @@ def test_the_apps_demo_options_are_checked(args, message):
             "fault_tolerance with Streaming DiLoCo (fragments = 2, overlap_steps = 0) is not supported; allowed: "
             "fragments=1, overlap_steps=0",
         ),
-        (
-            ["trainer.sharding=fsdp"],
-            "fault_tolerance.lighthouse = 'http://127.0.0.1:1' is invalid with trainer.sharding=fsdp; allowed: None",
-        ),
         (["trainer.num_nodes=2"], "fault_tolerance with trainer.num_nodes = 2 is not supported; allowed: 1"),
         (["speedup.baseline_steps=10"], "switch_components (a baseline phase, a Pufferfish conversion) is not supp"),
         (["fusion=auto"], "fault_tolerance: fusion = 'auto' is invalid"),
@@ -832,6 +844,13 @@ def test_the_readme_and_the_docs_give_the_same_demo():
     assert len(commands) == 1 and "fault_tolerance.kill_group=2" in next(iter(commands))
 
 
+@pytest.mark.parametrize("sync", [[], ["sync=diloco", "sync.inner_steps=4"]], ids=["every_step", "diloco"])
+def test_the_app_takes_fault_tolerance_for_groups_that_shard_their_model(sync):
+    from train import check_app
+
+    check_app(_compose("fault_tolerance.lighthouse=http://127.0.0.1:1", "trainer.sharding=fsdp", *sync))
+
+
 @pytest.mark.parametrize("trainer", ["cpu", "gpu"])
 def test_the_documented_cluster_command_passes_the_apps_checks_on_the_default_and_a_gpu_trainer(trainer):
     """docs/fault_tolerance.md's command for one replica group of a cluster, as written, with the
@@ -850,7 +869,10 @@ def test_the_documented_cluster_command_passes_the_apps_checks_on_the_default_an
     ("args", "message"),
     [
         (["fault_tolerance.groups=0"], "fault_tolerance options (fault_tolerance.<name>=...): FaultTolerance: option"),
-        (["trainer.sharding=fsdp"], "fault_tolerance.lighthouse = 'local' is invalid with trainer.sharding=fsdp"),
+        (
+            ["trainer.sharding=fsdp", "sync=diloco", "sync.inner_steps=2", "sync.fragments=2"],
+            "fault_tolerance with Streaming DiLoCo (fragments = 2, overlap_steps = 0) is not supported",
+        ),
     ],
 )
 def test_a_refused_option_stops_the_app_before_any_group_starts(tmp_path, args, message):
