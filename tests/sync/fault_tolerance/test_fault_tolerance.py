@@ -542,9 +542,15 @@ def test_sharded_training_takes_fault_tolerance_and_refuses_what_it_cannot_serve
 
 
 def test_a_measured_fusion_plan_is_refused_before_any_work():
+    """By the synchroniser, and by the Lightning strategy at its construction (before any process
+    group exists)."""
+    from gc_strategy import GCFusedStrategy
+
     options = FaultTolerance("http://127.0.0.1:1", 0)
     with pytest.raises(ValueError, match="fusion = 'auto' is invalid"):
         FaultTolerantSynchronizer(model(), build_components("topk", "residual", fusion="auto"), options)
+    with pytest.raises(ValueError, match="fusion = 'auto' is invalid"):
+        GCFusedStrategy(compressor="topk", fusion="auto", fault_tolerance=options)
 
 
 def test_a_lighthouse_that_refuses_connections_is_reported_within_seconds():
