@@ -4,18 +4,19 @@ rounds, :mod:`gc_strategy.sync.fault_tolerance.round`)."""
 from __future__ import annotations
 
 import copy
-
-from .synchronizer import GradientSynchronizer
+from typing import Any
 
 
 class RollbackPoint:
-    """Held on ``synchronizer`` when made: the roles' per-element state copy-on-write
+    """Held on ``synchronizer`` (whatever exchanges through ``roles``, counts its ``step`` and has a
+    ``compressor``: a :class:`~.synchronizer.GradientSynchronizer`, a sharded one, a sharded
+    DiLoCo's roles of one kind of tensor) when made: the roles' per-element state copy-on-write
     (:meth:`~gc_strategy.bucket.BucketState.hold`: error feedback formed from its old value in one
     pass, as the residual's, PowerSGD's and DGC's, is written into a second vector at no cost),
     copies of the step counter and of the compressor's other state. :meth:`release` ends it,
     keeping what the exchange wrote or putting the state back as it was, to the bit."""
 
-    def __init__(self, synchronizer: GradientSynchronizer) -> None:
+    def __init__(self, synchronizer: Any) -> None:
         self.synchronizer = synchronizer
         synchronizer.roles.hold()
         self.step = synchronizer.step
