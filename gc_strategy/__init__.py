@@ -20,6 +20,7 @@ from .sync.fault_tolerance.diloco import FaultTolerantDiLoCo
 from .sync.fault_tolerance.every_step import FaultTolerantSynchronizer
 from .sync.fault_tolerance.options import FaultTolerance
 from .sync.fault_tolerance.round import Round, RoundReport
+from .sync.fault_tolerance.sharded import FaultTolerantShardedSynchronizer
 from .sync.fault_tolerance.synchronizer import RoundSynchronizer
 from .sync.modes import SYNC_MODES, DiLoCo, EveryStep, Replicated, Sharded, SyncMode, sparseloco
 from .sync.paths.hierarchy import NodeHierarchy
@@ -63,6 +64,7 @@ __all__ = [
     "EveryStep",
     "FaultTolerance",
     "FaultTolerantDiLoCo",
+    "FaultTolerantShardedSynchronizer",
     "FaultTolerantSynchronizer",
     "FinishTogether",
     "FusionPlanner",
