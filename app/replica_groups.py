@@ -31,7 +31,6 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
-from gc_strategy.sync.fault_tolerance.shards import local
 from gc_strategy.sync.fault_tolerance.torchft_setup import require_torchft
 
 #: the overrides each group gets from this process (the user's own are dropped)
@@ -88,23 +87,24 @@ class StepRecord(pl.Callback):
 
 
 class ParameterDigest(pl.Callback):
-    """At the end of training, write the SHA-256 of this replica group's parameters to ``path``:
-    groups that end together hold the same ones, to the bit (each keeps its own buffers, such as
-    BatchNorm's statistics)."""
+    """At the end of training, write the SHA-256 of the parameters this replica group holds alike
+    with the others to ``path`` (the synchroniser's ``replicated_parameters``: DiLoCo's outer
+    ones): groups that end together hold the same ones, to the bit (each keeps its own buffers,
+    such as BatchNorm's statistics)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
-            self.path.write_text(parameter_digest(module) + "\n")
+            self.path.write_text(parameter_digest(trainer.strategy.synchronizer.replicated_parameters()) + "\n")
 
 
-def parameter_digest(module: Any) -> str:
-    """The SHA-256 of ``module``'s parameters: each one's name and bytes, in order (sharded by
-    FSDP2: this rank's shards, which the first rank of every group holds alike)."""
+def parameter_digest(parameters: dict[str, Any]) -> str:
+    """The SHA-256 of ``parameters``: each one's name and bytes, in order (sharded by FSDP2: this
+    rank's shards, which the first rank of every group holds alike)."""
     digest = hashlib.sha256()
-    for name, tensor in local(dict(module.named_parameters())).items():
+    for name, tensor in parameters.items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -176,7 +176,9 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
                     print(f"replica group {g} was killed (SIGKILL); starting it again", flush=True)
                     groups[g], restarted = start(g, None), True
                 elif code != 0:
-                    print(f"replica group {g} ended with status {code}; its log: {logs / f'group{g}.log'}")
+                    log = logs / f"group{g}.log"
+                    print(f"replica group {g} ended with status {code}; the end of its log ({log}):", flush=True)
+                    print(log_tail(log), flush=True)
                     status = 1
             time.sleep(0.2)
     finally:
@@ -190,6 +192,12 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
         print("\n".join(describe(rows, ft.groups, ft.kill_group, digests)))
         print(f"per-step records: {output_dir / 'fault_tolerance.csv'}; plot: {output_dir / 'fault_tolerance.png'}")
     return status
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a group's log, indented: why a group failed, where it is read."""
+    text = path.read_text(errors="replace").splitlines() if path.exists() else ["(no log)"]
+    return "\n".join(f"  | {line.rstrip()}" for line in text[-lines:])
 
 
 def plural(count: int, noun: str) -> str:

@@ -7,7 +7,10 @@ it last came back):
 - ``kill``: SIGKILL, and started again at once under its id (it heals from a live peer);
 - ``hang``: SIGSTOP for ``--silence-s`` + 3 s, then SIGCONT (it finds itself out and heals);
 - ``partition``: its node's link cut (its port on the bridge down: every packet dropped, no
-  connection closed) for ``--silence-s`` + 3 s, then restored.
+  connection closed) for ``--silence-s`` + 3 s, then restored;
+- ``heal``: a second kill while it heals: SIGKILL, started again, and SIGKILL again at a moment drawn
+  within its first quorum (after it says it joins, before its first step: the quorum and the
+  transfer of a peer's state), then started again; its cost counted from the second kill.
 
 Per fault, per survivor: the stall (the gap between its last committed step before the fault and
 its first after, less its median step) and the steps it did not commit. Reported per kind: the
@@ -43,7 +46,7 @@ from fault_tolerance import configuration, roles_of  # noqa: E402
 from ft_loop import records, together, train_until_stopped  # noqa: E402
 
 LIGHTHOUSE_PORT = 29510
-FAULTS = ("kill", "hang", "partition")
+FAULTS = ("kill", "hang", "partition", "heal")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -70,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
         x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
         return torch.nn.functional.cross_entropy(model(x), y)
 
+    print(json.dumps({"joining": time.time()}), flush=True)  # its first quorum (a heal) follows
     train_until_stopped(sync, optimizer, loss_of, args.groups, Path(args.stop))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print(json.dumps({"digest": digest}), flush=True)
@@ -79,8 +83,8 @@ def worker(args: argparse.Namespace) -> None:
 class Cluster:
     """The groups on their nodes, and the faults struck on the last one."""
 
-    def __init__(self, nodes: list, args: argparse.Namespace, folder: Path) -> None:
-        self.nodes, self.args, self.folder = nodes, args, folder
+    def __init__(self, nodes: list, args: argparse.Namespace, folder: Path, draw: random.Random) -> None:
+        self.nodes, self.args, self.folder, self.draw = nodes, args, folder, draw
         self.groups = len(nodes)
         self.lighthouse = f"http://{nodes[0].address}:{LIGHTHOUSE_PORT}"
         self.processes = [self.start(g) for g in range(self.groups)]
@@ -106,15 +110,16 @@ class Cluster:
                 raise SystemExit(f"group {self.victim} did not come back within {timeout} s")
             time.sleep(0.1)
 
-    def strike(self, kind: str, delay: float) -> float:
-        """One fault of ``kind`` after ``delay`` s; the time it struck."""
+    def strike(self, kind: str, delay: float) -> tuple[str, float]:
+        """One fault of ``kind`` after ``delay`` s; its kind as struck, and the time it struck."""
         time.sleep(delay)
         struck, held = time.time(), self.args.silence_s + 3
         process = self.processes[self.victim]
-        if kind == "kill":
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=30)
-            self.processes[self.victim] = self.start(self.victim)
+        if kind in ("kill", "heal"):
+            runs = len(records(self.folder / f"{self.victim}.log", "joining"))
+            self.restart()
+            if kind == "heal":
+                struck, kind = self.kill_in_heal(runs)
         elif kind == "hang":
             process.send_signal(signal.SIGSTOP)
             time.sleep(held)
@@ -124,7 +129,31 @@ class Cluster:
             subprocess.run(["ip", "link", "set", link, "down"], check=True)
             time.sleep(held)
             subprocess.run(["ip", "link", "set", link, "up"], check=True)
-        return struck
+        return kind, struck
+
+    def restart(self) -> None:
+        """SIGKILL the victim and start it again under its id."""
+        process = self.processes[self.victim]
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        self.processes[self.victim] = self.start(self.victim)
+
+    def kill_in_heal(self, runs: int, timeout: float = 120) -> tuple[float, str]:
+        """Once the restarted victim says it joins (its ``runs + 1``-th start), SIGKILL it again at
+        a moment drawn within its first quorum (0 to 1.5 s on: the quorum and the transfer of a
+        peer's state), then start it again; the time of that kill, and its kind: ``heal``, or
+        ``kill`` where the group took its first step before it (the kill missed the heal)."""
+        log = self.folder / f"{self.victim}.log"
+        deadline = time.monotonic() + timeout
+        while len(records(log, "joining")) <= runs:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"group {self.victim} did not start within {timeout} s")
+            time.sleep(0.01)
+        steps = len(records(log))
+        time.sleep(self.draw.uniform(0, 1.5))
+        struck = time.time()
+        self.restart()
+        return struck, "heal" if len(records(log)) == steps else "kill"
 
     def finish(self, timeout: float = 600) -> list[str]:
         """Every group ends 20 steps after the furthest; their parameters' digests."""
@@ -189,14 +218,14 @@ def main() -> None:
         lighthouse = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         stack.callback(lighthouse.kill)
         time.sleep(1.0)
-        cluster = Cluster(nodes, args, folder)
+        cluster = Cluster(nodes, args, folder, draw)
         stack.callback(lambda: [p.kill() for p in cluster.processes])
         struck = []
         for n, kind in enumerate(plan):
             cluster.wait_until_settled()
             steps = [r for r in records(folder / "0.log") if r["committed"]]
             step = statistics.median(b["end"] - a["end"] for a, b in zip(steps[-20:], steps[-19:]))
-            struck.append((kind, cluster.strike(kind, draw.uniform(0, step))))
+            struck.append(cluster.strike(kind, draw.uniform(0, step)))
             print(f"fault {n + 1}/{len(plan)}: {kind}", file=sys.stderr, flush=True)
         cluster.wait_until_settled()
         digests = cluster.finish()
@@ -209,11 +238,13 @@ def report(args: argparse.Namespace, struck: list[tuple[str, float]], survivors:
     per_kind: dict[str, list[tuple[float, int]]] = {kind: [] for kind in args.faults}
     for (kind, at), until in zip(struck, ends):
         costs = [cost(steps, at, until) for steps in survivors]
-        per_kind[kind].append((max(c[0] for c in costs), max(c[1] for c in costs)))
+        per_kind.setdefault(kind, []).append((max(c[0] for c in costs), max(c[1] for c in costs)))
     print(f"\n{args.groups} groups, ResNet-18 ({args.compressor}), links {args.rate}, silence_s {args.silence_s}")
     print("| fault | count | stall median (s) | stall worst (s) | steps lost (median, worst) |")
     print("|---|---|---|---|---|")
     for kind, rows in per_kind.items():
+        if not rows:  # every planned second kill missed the heal
+            continue
         stalls, lost = [r[0] for r in rows], [r[1] for r in rows]
         print(
             f"| {kind} | {len(rows)} | {statistics.median(stalls):.2f} | {max(stalls):.2f} | "

@@ -3,6 +3,7 @@ each the leader of its own process group (setsid), killed when its test ends
 (tests/sync/fault_tolerance/conftest.py)."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,14 @@ def same(a: object, b: object) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def third_killed_and_restarted(lighthouse: str, out: Path, options: list[str], dying: list[str]) -> list[dict]:
+    """Three groups started together, the third with ``dying`` (it kills itself: SIGKILL), started
+    again under its id; every group's results once all have ended."""
+    together = ["--barrier", str(out)]
+    groups = [start(lighthouse, g, 3, out, *options, *together, *(dying if g == 2 else [])) for g in range(3)]
+    groups[2].wait(timeout=120)
+    assert groups[2].returncode == -signal.SIGKILL
+    groups[2] = start(lighthouse, 2, 3, out, *options)
+    return [finish(p, out, g) for g, p in enumerate(groups)]

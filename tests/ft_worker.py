@@ -18,7 +18,10 @@ With ``--inner-steps H`` it trains with FaultTolerantDiLoCo instead (a plain loo
 or of several ranks, sharded with ``--sharded``), until an outer
 step at least ``--steps`` that every group took part in, recording every round; ``--die-when inner``
 kills it in the inner step ``S`` (after its forward), ``outer`` in the first outer round from ``S``
-on that every group takes part in, after the exchange of the matrices' Δ started."""
+on that every group takes part in, after the exchange of the matrices' Δ started. ``--fragments`` and
+``--overlap``: Streaming DiLoCo, each fragment's exchange a round; a round's record says whether the
+replicated state (outer values, outer optimizer, roles) was kept where it failed, and without overlap
+the parameters and optimizer too (with it, the inner steps of the overlap change them)."""
 
 import argparse
 import copy
@@ -85,6 +88,8 @@ def main() -> None:
     parser.add_argument("--find-unused", action="store_true", help="find_unused_parameters=True: usage flags summed")
     parser.add_argument("--check-group-collective", action="store_true", help="the compressor's check_group sums")
     parser.add_argument("--inner-steps", type=int, default=0)
+    parser.add_argument("--fragments", type=int, default=1, help="DiLoCo's fragments (Streaming DiLoCo)")
+    parser.add_argument("--overlap", type=int, default=0, help="DiLoCo's overlap_steps (Streaming DiLoCo)")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60)
     parser.add_argument("--via", choices=["loop", "accelerate"], default="loop")
@@ -258,45 +263,57 @@ def diloco(
     args: argparse.Namespace, net: nn.Module, optimizer: torch.optim.Optimizer, options: FaultTolerance, mesh: object
 ) -> None:
     roles = build_components(args.compressor, args.memory, **({} if args.sharded else {"fusion": "groups:2"}))
-    sync = FaultTolerantDiLoCo(net, roles, DiLoCo(inner_steps=args.inner_steps, outer_lr=0.5), options, mesh=mesh)
+    config = DiLoCo(inner_steps=args.inner_steps, outer_lr=0.5, fragments=args.fragments, overlap_steps=args.overlap)
+    sync = FaultTolerantDiLoCo(net, roles, config, options, mesh=mesh)
     sync.use_optimizers([optimizer])
-    record = []
-    try_round = sync.try_round
+    record, kept = [], {}
+    begin_round, end_round = sync.begin_round, sync.end_round
+    replicated = ("outer", "outer_optimizer", "states") if args.overlap else ()
 
-    def recorded_round() -> bool:
-        kept = diloco_snapshot(net, optimizer, sync)
-        began = time.monotonic()
-        committed = try_round()
+    def recorded_begin(plan: object) -> None:
+        kept.update(diloco_snapshot(net, optimizer, sync, args.sharded), began=time.monotonic())
+        begin_round(plan)
+
+    def recorded_end() -> bool:
+        fragment = sync.plan.fragment
+        committed = end_round()
+        now = diloco_snapshot(net, optimizer, sync, args.sharded)
+        keys = replicated or list(now)
         record.append(
             {
                 "step": sync.committed_steps,
+                "fragment": fragment,
                 "participants": sync.participants,
                 "contributors": sync.last_round.contributors if committed else None,
                 "committed": committed,
-                "state_kept": committed or same(kept, diloco_snapshot(net, optimizer, sync)),
-                "seconds": time.monotonic() - began,
+                "state_kept": committed or same({k: kept[k] for k in keys}, {k: now[k] for k in keys}),
+                "seconds": time.monotonic() - kept["began"],
             }
         )
         return committed
 
-    sync.try_round = recorded_round
+    sync.begin_round, sync.end_round = recorded_begin, recorded_end
     if not args.sharded:
-        start_vectors = sync.synchronizers[1].start_synchronize
+        vectors = [f.synchronizers[-1] for f in sync.inner.fragments]
 
-        def dying_vectors() -> None:  # the matrices' exchange is in flight
-            due = sync.participants == args.groups
-            if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and due:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if 0 <= args.freeze_at <= sync.committed_steps and due:
-                args.freeze_at = -1
-                os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
-            start_vectors()
+        def dying(start_vectors: Callable[[], None]) -> Callable[[], None]:
+            def dying_vectors() -> None:  # the matrices' exchange is in flight
+                due = sync.participants == args.groups
+                if args.die_when == "outer" and 0 <= args.die_at <= sync.committed_steps and due:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if 0 <= args.freeze_at <= sync.committed_steps and due:
+                    args.freeze_at = -1
+                    os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
+                start_vectors()
 
-        sync.synchronizers[1].start_synchronize = dying_vectors
+            return dying_vectors
+
+        for synchronizer in vectors:
+            synchronizer.start_synchronize = dying(synchronizer.start_synchronize)
     wait_for_groups(args)
 
     def done() -> bool:
-        return sync.synced_at >= args.steps and sync.participants == args.groups and sync.together
+        return sync.committed_at >= args.steps and sync.participants == args.groups and sync.together
 
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     while True:
@@ -317,7 +334,7 @@ def diloco(
         if done():
             break
         time.sleep(0.05)
-    final = diloco_snapshot(net, optimizer, sync)
+    final = diloco_snapshot(net, optimizer, sync, args.sharded)
     out = args.out if ranks == 1 else args.out.replace(".pt", f".rank{rank}.pt")
     torch.save({**final, "record": record, "inner_step": sync.committed_steps}, out)
     sync.close()
@@ -338,10 +355,9 @@ def wait_for_groups(args: argparse.Namespace, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def diloco_snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantDiLoCo) -> dict:
+def diloco_snapshot(net: nn.Module, optimizer: torch.optim.Optimizer, sync: FaultTolerantDiLoCo, sharded: bool) -> dict:
     """Copies of the parameters, the inner and outer optimizers' and outer values, and the roles'
-    state (this rank's shards where FSDP2 shards them)."""
-    sharded = sync.within is None and dist.is_initialized()
+    state (this rank's shards where FSDP2 shards them: ``sharded``)."""
     return {
         "params": local({n: p.detach().clone() for n, p in net.named_parameters()}),
         "optimizer": local(copy.deepcopy(optimizer.state_dict())),

@@ -81,7 +81,7 @@ class GCFSDPStrategy(SynchronizerGlue, ModelParallelStrategy):
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
         fault_tolerance: a :class:`~gc_strategy.sync.fault_tolerance.options.FaultTolerance`: the
             Trainer's ranks (``num_nodes=1``) are a replica group that shards the model over them and
-            goes on when other groups die (``sync="every_step"``; docs/fault_tolerance.md).
+            goes on when other groups die (every step, or DiLoCo's outer steps; docs/fault_tolerance.md).
         **options: options of the chosen compressor / memory / communicator (e.g. ``density=0.01``).
             ``fusion`` and ``hierarchy``, ``find_unused_parameters`` and ``broadcast_buffers`` are
             ``gc_fused``'s and are refused here with what sharding does instead.

@@ -101,6 +101,9 @@ class SyncMode(Configuration):
     def check_fault_tolerant(self) -> None:
         """Refuse, before any work, options that fault tolerance cannot serve (none, by default)."""
 
+    def check_sharded(self) -> None:
+        """Refuse, before any work, options that sharded training cannot serve (none, by default)."""
+
     def check_replica_group(self, ranks: int, name: str = "ranks") -> None:
         """Refuse, before any work, fault-tolerant replica groups of ``ranks`` processes (the
         option the caller sets them with: ``name``) that the mode cannot serve (none, by default)."""
@@ -211,14 +214,31 @@ class DiLoCo(SyncMode):
                 f"the backward's gradients of the whole model; use a fixed plan (e.g. fusion={DEFAULT_FUSION!r})"
             )
 
-    def check_fault_tolerant(self) -> None:
-        """One outer exchange per round: a group healing between two fragments' exchanges would
-        hold fragments of different outer steps."""
+    def check_sharded(self) -> None:
+        """Over FSDP2's shards one outer exchange covers the model: Streaming DiLoCo is not offered."""
         if self.fragments != 1 or self.overlap_steps != 0:
             raise ValueError(
-                f"fault_tolerance with Streaming DiLoCo (fragments = {self.fragments!r}, overlap_steps = "
-                f"{self.overlap_steps}) is not supported; allowed: fragments=1, overlap_steps=0 (one outer exchange "
-                "per round: a group healing between fragments would hold fragments of different outer steps)"
+                f"DiLoCo over shards: fragments = {self.fragments!r} and overlap_steps = {self.overlap_steps!r} "
+                "are invalid; allowed: fragments=1, overlap_steps=0 (Streaming DiLoCo is not offered over shards)"
+            )
+
+    def check_fault_tolerant(self) -> None:
+        """Each fragment's exchange is a round of its own, and one round runs at a time: a
+        fragment's exchange must end before the next fragment's starts (``overlap_steps`` at most
+        the fewest inner steps between two fragments' exchanges); ``fragments="auto"``, chosen from
+        the first exchange's timing, would cut the fragments anew in the middle of the rounds."""
+        if self.fragments == "auto":
+            raise ValueError(
+                "fault_tolerance with DiLoCo: option 'fragments' = 'auto' is not supported; allowed: a number of "
+                "fragments (each fragment's exchange is a round, and the rounds need the fragments fixed)"
+            )
+        offsets = [(j + 1) * self.inner_steps // self.fragments for j in range(self.fragments)]
+        gap = min(b - a for a, b in zip([offsets[-1] - self.inner_steps, *offsets], offsets))
+        if self.overlap_steps > gap:
+            raise ValueError(
+                f"fault_tolerance with DiLoCo: option 'overlap_steps' = {self.overlap_steps} is invalid with "
+                f"inner_steps = {self.inner_steps} and fragments = {self.fragments}; allowed: 0 to {gap} (one round "
+                "at a time: a fragment's exchange ends before the next fragment's starts)"
             )
 
     def build(self, module: nn.Module, components: Components, placement: Replicated | Sharded) -> Synchronizer:
@@ -282,6 +302,7 @@ def check_setup(
     if replicated:
         parse_hierarchy(placement.hierarchy)
     else:
+        mode.check_sharded()
         refuse_replicated_options(names, **(replicated_options or {}))
     if fault_tolerance is None:
         return

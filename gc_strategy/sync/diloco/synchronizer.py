@@ -295,28 +295,34 @@ class DiLoCoSynchronizer(Synchronizer):
         if self.broadcast_buffers and self.world_size > 1:
             average_buffers(list(self.module.buffers()), self.process_group)
 
-    # ------------------------------------------------------------------ one outer exchange, driven from outside
-    def exchange_outer(self) -> None:
-        """Exchange every fragment's ``Δ`` now and wait for the averages (kept until
-        :meth:`apply_outer` or :meth:`drop_outer`): an outer exchange that another schedule drives,
-        as fault tolerance's rounds do."""
-        for fragment in self.fragments:
-            self._start(fragment)
-            self._collect(fragment)
+    # ------------------------------------------------------------------ one fragment's exchange, driven from outside
+    # Fault tolerance's rounds drive the exchanges themselves (each fragment's a round of its own).
+    def due_fragment(self) -> int | None:
+        """The fragment whose exchange starts after the current inner step (None: none)."""
+        return next((f.index for f in self.fragments if self._due(f)), None)
 
-    def apply_outer(self, scale: float = 1.0) -> None:
-        """The outer step on the averages of :meth:`exchange_outer`, each ``Δ̄`` times ``scale``
-        first (fault tolerance: a mean over the participants made a mean over those that trained)."""
-        for fragment in self.fragments:
-            if scale != 1.0:
-                for delta in fragment.averaged:
-                    delta.mul_(scale)
-            self._apply(fragment)
+    def start_outer(self, index: int) -> None:
+        """Start fragment ``index``'s exchange of ``Δ`` (its average kept until :meth:`apply_outer`
+        or :meth:`drop_outer`)."""
+        self._start(self.fragments[index])
 
-    def drop_outer(self) -> None:
-        """Forget the averages of :meth:`exchange_outer` (an exchange that did not commit)."""
-        for fragment in self.fragments:
-            fragment.started, fragment.averaged = None, None
+    def collect_outer(self, index: int) -> None:
+        """Wait for fragment ``index``'s exchange."""
+        self._collect(self.fragments[index])
+
+    def apply_outer(self, index: int, scale: float = 1.0) -> None:
+        """The outer step on fragment ``index``'s average, ``Δ̄`` times ``scale`` first (fault
+        tolerance: a mean over the participants made a mean over those that trained)."""
+        fragment = self.fragments[index]
+        if scale != 1.0:
+            for delta in self._collect(fragment):
+                delta.mul_(scale)
+        self._apply(fragment)
+
+    def drop_outer(self, index: int) -> None:
+        """Forget fragment ``index``'s exchange (one that did not commit)."""
+        fragment = self.fragments[index]
+        fragment.started, fragment.averaged = None, None
 
     def replicated_state(self) -> dict[str, Any]:
         """What every replica holds alike after an outer step (a healing one takes it from a peer):

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ...telemetry import TelemetryLog
 from ..base import Synchronizer
@@ -28,7 +28,7 @@ from .finish_line import FinishLine
 from .options import FaultTolerance
 from .quorum import Quorum, quorum_route
 from .round import ReplicaState, Round, RoundReport
-from .shards import Shards
+from .shards import Shards, local
 
 
 class RoundSynchronizer(Synchronizer):
@@ -85,6 +85,11 @@ class RoundSynchronizer(Synchronizer):
         alike on every rank of the group."""
         taken = self.committed_steps if step is None else step
         return taken >= steps and self.round.quorum.any_rank(self._finish_line.crossed(taken, steps, self.together))
+
+    def replicated_parameters(self) -> dict[str, Tensor]:
+        """The parameters every group holds alike after a committed round, by name (this rank's
+        shards where FSDP2 shards them): the module's."""
+        return local(dict(self.module.named_parameters()))
 
     def register_healed(self, objects: dict[str, Any]) -> None:
         self.round.heal(objects)

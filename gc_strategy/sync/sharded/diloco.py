@@ -69,11 +69,7 @@ class ShardedDiLoCo(Synchronizer):
 
     def __init__(self, module: nn.Module, components: Components, config: Configuration, mesh: Any) -> None:
         fsdp = check_sharded_model(module, mesh)
-        if config.fragments != 1 or config.overlap_steps != 0:
-            raise ValueError(
-                f"DiLoCo over shards: fragments = {config.fragments!r} and overlap_steps = {config.overlap_steps!r} "
-                "are invalid; allowed: fragments=1, overlap_steps=0 (Streaming DiLoCo is not offered over shards)"
-            )
+        config.check_sharded()
         config.check(components)
         self.module = module
         self.config = config
@@ -112,14 +108,24 @@ class ShardedDiLoCo(Synchronizer):
     def after_optimizer_step(self) -> None:
         """Count the inner step; every ``inner_steps``, the outer step."""
         self.inner_step += 1
-        if self.inner_step % self.config.inner_steps == 0:
-            self.exchange_outer()
+        if self.due_fragment() is not None:
+            self.start_outer()
             self.apply_outer()
 
+    # ------------------------------------------------------------------ the outer exchange, driven from outside
+    # Fault tolerance's rounds drive it as they drive a fragment's (here the only one, index 0).
+    @property
+    def overlap_steps(self) -> int:
+        return 0
+
+    def due_fragment(self) -> int | None:
+        """0 where the outer exchange starts after the current inner step, else None."""
+        return 0 if self.inner_step % self.config.inner_steps == 0 else None
+
     @torch.no_grad()
-    def exchange_outer(self) -> None:
+    def start_outer(self, index: int = 0) -> None:
         """Exchange every group's ``Δ_s`` and keep the averages until :meth:`apply_outer` or
-        :meth:`drop_outer` (an outer exchange that fault tolerance's rounds drive)."""
+        :meth:`drop_outer` (it ends here: nothing overlaps it)."""
         self._record = StepTelemetry()
         self._averages = []
         for group in self.groups:
@@ -132,26 +138,34 @@ class ShardedDiLoCo(Synchronizer):
             add_exchange(self._record, group.bucket.nbytes, running)
             self._averages.append(average)
 
+    def collect_outer(self, index: int = 0) -> None:
+        """Nothing to wait for: :meth:`start_outer` ended the exchange."""
+
     @torch.no_grad()
-    def apply_outer(self, scale: float = 1.0) -> None:
-        """The outer step on the averages of :meth:`exchange_outer`, each ``Δ̄_s`` times ``scale``
+    def apply_outer(self, index: int = 0, scale: float = 1.0) -> None:
+        """The outer step on the averages of :meth:`start_outer`, each ``Δ̄_s`` times ``scale``
         first (fault tolerance: a mean over the participants made a mean over those that trained)."""
         for group, average in zip(self.groups, self._averages):
             for name, value in zip(group.names, group.bucket.views(average)):
-                self.outer[name].grad = value.to(self.outer[name].device) * scale
+                grad = value.to(self.outer[name].device)
+                self.outer[name].grad = grad if scale == 1.0 else grad * scale
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         for group in self.groups:
             for name, shard in zip(group.names, group.shards()):
                 shard.copy_(self.outer[name])
-        self.step += 1
-        for group in self.groups:
-            group.step = self.step
+        self.set_step(self.step + 1)
         self.telemetry.record(self._record)
         self.drop_outer()
 
-    def drop_outer(self) -> None:
-        """Forget the averages of :meth:`exchange_outer` (an exchange that did not commit)."""
+    def set_step(self, step: int) -> None:
+        """The outer steps taken, which every group's compressor reads as its step."""
+        self.step = step
+        for group in self.groups:
+            group.step = step
+
+    def drop_outer(self, index: int = 0) -> None:
+        """Forget the averages of :meth:`start_outer` (an exchange that did not commit)."""
         self._averages = []
 
     def replicated_state(self) -> dict[str, Any]:
@@ -178,9 +192,8 @@ class ShardedDiLoCo(Synchronizer):
             group.roles.clear_state()
             group.compressor.load_extra_state(extra)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
-        for group in self.groups:
-            group.step = self.step
+        self.inner_step = int(state["inner_step"])
+        self.set_step(int(state["step"]))
 
     def close(self) -> None:
         """Nothing is left in flight between outer steps."""
@@ -205,9 +218,8 @@ class ShardedDiLoCo(Synchronizer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_shard_place(state["shard"], self.place)
-        self.inner_step, self.step = int(state["inner_step"]), int(state["step"])
-        for group in self.groups:
-            group.step = self.step
+        self.inner_step = int(state["inner_step"])
+        self.set_step(int(state["step"]))
         for name, value in state["outer"].items():
             self.outer[name].copy_(value)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])

@@ -21,7 +21,7 @@ from locations import ROOT, TESTS
 coordination = pytest.importorskip("torchft.coordination")
 
 from doc_blocks import command_overrides  # noqa: E402
-from ft_groups import STARTED, TORCHRUN, finish, group_env, launch, same, start  # noqa: E402
+from ft_groups import STARTED, TORCHRUN, finish, group_env, launch, same, start, third_killed_and_restarted  # noqa: E402
 from ft_lightning_worker import Regression  # noqa: E402
 from ft_worker import batch, model  # noqa: E402
 
@@ -56,13 +56,7 @@ def test_a_group_killed_in_or_between_steps_is_survived_and_comes_back_bit_ident
     options = ["--steps", "30", "--compressor", compressor, "--memory", memory]
     if when == "accelerate":  # through gc_strategy.accelerate.prepare, killed in the exchange
         options, when = [*options, "--via", "accelerate"], "exchange"
-    dying = ["--die-at", "6", "--die-when", when]
-    together = ["--barrier", str(tmp_path)]  # the three start together
-    groups = [start(lighthouse, g, 3, tmp_path, *options, *together, *(dying if g == 2 else [])) for g in range(3)]
-    groups[2].wait(timeout=120)
-    assert groups[2].returncode == -signal.SIGKILL
-    groups[2] = start(lighthouse, 2, 3, tmp_path, *options)
-    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    results = third_killed_and_restarted(lighthouse, tmp_path, options, ["--die-at", "6", "--die-when", when])
     for survivor in results[:2]:
         record = survivor["record"]
         committed = [r for r in record if r["committed"]]
@@ -139,13 +133,7 @@ def test_diloco_survives_a_group_killed_in_inner_steps_or_the_outer_exchange_and
     then every group holds the same parameters, outer values, outer optimizer and inner step, to
     the bit, and its own error feedback."""
     options = ["--steps", "25", "--inner-steps", "5", "--compressor", "topk", "--memory", "residual"]
-    dying = ["--die-at", "12", "--die-when", when]
-    together = ["--barrier", str(tmp_path)]
-    groups = [start(lighthouse, g, 3, tmp_path, *options, *together, *(dying if g == 2 else [])) for g in range(3)]
-    groups[2].wait(timeout=120)
-    assert groups[2].returncode == -signal.SIGKILL
-    groups[2] = start(lighthouse, 2, 3, tmp_path, *options)
-    results = [finish(p, tmp_path, g) for g, p in enumerate(groups)]
+    results = third_killed_and_restarted(lighthouse, tmp_path, options, ["--die-at", "12", "--die-when", when])
     for survivor in results[:2]:
         rounds = survivor["record"]
         committed = [r for r in rounds if r["committed"]]
@@ -274,7 +262,9 @@ def test_groups_without_failures_equal_gc_fused_on_the_same_ranks_every_step(tmp
                 torch.testing.assert_close(record[step]["params"][name], value.detach(), rtol=0, atol=1e-6)
 
 
-def _diloco_steps(rank: int, world_size: int, steps: int, inner_steps: int, ranks: int) -> dict:
+def _diloco_steps(
+    rank: int, world_size: int, steps: int, inner_steps: int, ranks: int, fragments: int = 1, overlap: int = 0
+) -> dict:
     """The ft worker's DiLoCo without fault tolerance, as one process per replica (a
     DiLoCoSynchronizer over a gloo group of ``world_size`` processes): replica ``g`` trains on the
     ``ranks`` shards of group ``g`` at once (its loss the mean of theirs). Its parameters and outer
@@ -285,7 +275,8 @@ def _diloco_steps(rank: int, world_size: int, steps: int, inner_steps: int, rank
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     roles = build_components("topk", "residual", fusion="groups:2")
-    sync = DiLoCoSynchronizer(net, roles, DiLoCo(inner_steps=inner_steps, outer_lr=0.5))
+    config = DiLoCo(inner_steps=inner_steps, outer_lr=0.5, fragments=fragments, overlap_steps=overlap)
+    sync = DiLoCoSynchronizer(net, roles, config)
     for step in range(steps):
         losses = []
         with sync.forward_pass():
@@ -326,6 +317,73 @@ def test_diloco_across_groups_of_two_ranks_is_diloco_over_one_replica_per_group(
         for name, value in reference[g]["params"].items():
             torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-5)
             torch.testing.assert_close(ranks[0]["outer"][name], reference[g]["outer"][name], rtol=0, atol=1e-5)
+
+
+STREAMING = ["--inner-steps", "6", "--fragments", "2", "--overlap", "1", "--compressor", "topk", "--memory", "residual"]
+
+
+@pytest.mark.slow
+def test_streaming_diloco_groups_without_failures_are_streaming_diloco_over_one_process_per_group(tmp_path):
+    """Streaming DiLoCo (``inner_steps=6``, 2 fragments, ``overlap_steps=1``, ``topk`` + residual),
+    two groups of one process, every round with both (``min_replicas``): each fragment's exchange a
+    round that begins after its inner step (3, then 6) and ends one inner step later. Both groups end
+    with the parameters (local values mixed with the outer ones) and outer values of Streaming
+    DiLoCo over two processes without fault tolerance, within fp32 rounding, at inner step 13 (the
+    second fragment's round of the second period ends there)."""
+    steps = 13
+    reference = run_ranks(_diloco_steps, 2, steps, 6, 1, 2, 1)  # before the lighthouse: the ranks fork from here
+    server = coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500)
+    try:
+        options = ["--steps", "12", "--min-replicas", "2", *STREAMING]
+        started = [start(server.address(), g, 2, tmp_path, *options) for g in range(2)]
+        results = [finish(process, tmp_path, g) for g, process in enumerate(started)]
+    finally:
+        server.shutdown()
+    for g, result in enumerate(results):
+        assert result["inner_step"] == steps
+        rounds = [(r["step"], r["fragment"], r["participants"], r["contributors"]) for r in result["record"]]
+        assert rounds == [(0, 1, 2, 0), (4, 0, 2, 2), (7, 1, 2, 2), (10, 0, 2, 2), (13, 1, 2, 2)]
+        for name, value in reference[g]["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=0, atol=1e-5)
+            torch.testing.assert_close(result["outer"][name], reference[g]["outer"][name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("when", "at"),
+    [("inner", 13), ("inner", 15), ("outer", 14)],
+    ids=["between_rounds", "in_an_overlapped_exchange", "starting_an_exchange"],
+)
+def test_streaming_diloco_survives_a_group_killed_between_or_in_its_fragments_rounds(lighthouse, tmp_path, when, at):
+    """Streaming DiLoCo (``inner_steps=6``, 2 fragments, ``overlap_steps=1``), three groups; group 2
+    kills itself in the forward of inner step 13 (no round running), of step 15 (in the overlap of
+    the first fragment's round, begun after step 15: its exchange in flight or just ended) or as it
+    starts a fragment's vectors' exchange from step 14 on (the matrices' in flight). The survivors go
+    on without restart: a round whose exchange it did not finish fails, leaves the outer values, the
+    outer optimizer and the roles' state bit-identical to a snapshot taken as it began, and is run
+    again at once as two; every fragment's round of every period commits once, at its inner step.
+    Group 2, started again, heals in one of the survivors' rounds, contributes no Δ to it and takes
+    part in it; then every group holds the same outer values, outer optimizer and inner step, to the
+    bit."""
+    options = ["--steps", "30", *STREAMING]
+    results = third_killed_and_restarted(lighthouse, tmp_path, options, ["--die-at", str(at), "--die-when", when])
+    for survivor in results[:2]:
+        rounds = survivor["record"]
+        committed = [r for r in rounds if r["committed"]][1:]  # after the run's first round
+        failed = [r for r in rounds if not r["committed"]]
+        assert [(r["step"], r["fragment"]) for r in committed] == [(4 + 3 * i, i % 2) for i in range(len(committed))]
+        assert all(r["state_kept"] for r in failed)
+        # in inner steps: the next quorum may still hold the dead group, and a round's exchange may have
+        # ended before the kill (the round commits: every Δ arrived); starting an exchange, it fails
+        assert len(failed) <= 1 if when == "inner" else len(failed) == 1
+        assert all(r["participants"] == 3 for r in failed)
+        assert committed[-1]["participants"] == 3 and committed[-1]["contributors"] == 3
+    joined = results[2]["record"][0]
+    assert joined["committed"] and joined["step"] > at and joined["contributors"] == 2
+    for other in results[1:]:
+        for key in ("outer", "outer_optimizer"):
+            assert same(results[0][key], other[key]), key
+        assert other["inner_step"] == results[0]["inner_step"]
 
 
 @pytest.mark.slow
@@ -521,14 +579,15 @@ def test_bad_options_are_refused_with_the_option_the_value_and_what_is_allowed(o
 
 def test_sharded_training_takes_fault_tolerance_and_refuses_what_it_cannot_serve():
     """``gc_fsdp`` takes ``fault_tolerance`` for every step's exchange and for DiLoCo; Streaming
-    DiLoCo, and a mode that declares no sharded fault tolerance, are refused before any work."""
+    DiLoCo (not offered over shards), and a mode that declares no sharded fault tolerance, are
+    refused before any work."""
     from gc_strategy import DiLoCo, GCFSDPStrategy
     from gc_strategy.sync.modes import Sharded, SyncMode, check_setup
 
     options = FaultTolerance("http://127.0.0.1:1", 0)
     for sync in ("every_step", DiLoCo(inner_steps=4)):
         assert GCFSDPStrategy(compressor="topk", sync=sync, fault_tolerance=options).fault_tolerance is options
-    with pytest.raises(ValueError, match=re.escape("fault_tolerance with Streaming DiLoCo (fragments = 2")):
+    with pytest.raises(ValueError, match=re.escape("DiLoCo over shards: fragments = 2 and overlap_steps = 0 are")):
         GCFSDPStrategy(sync=DiLoCo(inner_steps=4, fragments=2), fault_tolerance=options)
 
     class Replicas(SyncMode):
@@ -767,7 +826,7 @@ def test_the_app_starts_a_lighthouse_and_the_groups_kills_one_restarts_it_and_pl
         *("compressor=topk", "memory=residual", "logger=csv", "trainer.checkpoint_every_n_steps=6"),
         timeout=400,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "2 replica groups (1 process each)" in done.stdout
     assert "replica group 1 was killed (SIGKILL); starting it again" in done.stdout
     run = tmp_path / "run"
@@ -824,9 +883,13 @@ def test_the_apps_demo_options_are_checked(args, message):
     [
         (["fault_tolerance.groups=0"], "FaultTolerance: option 'groups' = 0 is invalid; allowed: an integer in [1"),
         (
-            ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "trainer.devices=1"],
-            "fault_tolerance with Streaming DiLoCo (fragments = 2, overlap_steps = 0) is not supported; allowed: "
-            "fragments=1, overlap_steps=0",
+            ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.overlap_steps=3", "trainer.devices=1"],
+            "fault_tolerance with DiLoCo: option 'overlap_steps' = 3 is invalid with inner_steps = 4 and fragments = "
+            "2; allowed: 0 to 2 (one round at a time",
+        ),
+        (
+            ["sync=diloco", "sync.inner_steps=4", "sync.fragments=auto", "sync.overlap_steps=1"],
+            "fault_tolerance with DiLoCo: option 'fragments' = 'auto' is not supported; allowed: a number of",
         ),
         (["trainer.num_nodes=2"], "fault_tolerance with trainer.num_nodes = 2 is not supported; allowed: 1"),
         (["speedup.baseline_steps=10"], "switch_components (a baseline phase, a Pufferfish conversion) is not supp"),
@@ -877,7 +940,7 @@ def test_the_documented_cluster_command_passes_the_apps_checks_on_the_default_an
         (["fault_tolerance.groups=0"], "fault_tolerance options (fault_tolerance.<name>=...): FaultTolerance: option"),
         (
             ["trainer.sharding=fsdp", "sync=diloco", "sync.inner_steps=2", "sync.fragments=2"],
-            "fault_tolerance with Streaming DiLoCo (fragments = 2, overlap_steps = 0) is not supported",
+            "DiLoCo over shards: fragments = 2 and overlap_steps = 0 are invalid",
         ),
     ],
 )
