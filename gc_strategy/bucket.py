@@ -270,6 +270,21 @@ class BucketState:
             for name in set(self.buffers) - self._names:
                 del self.buffers[name]
 
+    def held_buffers(self) -> dict[str, dict[int, Tensor]]:
+        """The per-element state as it was at the rollback point (as it is, where none is held):
+        the vectors kept for :meth:`release`, no copy."""
+        if self._held is None:
+            return self.buffers
+        buffers = {name: dict(per_bucket) for name, per_bucket in self.buffers.items() if name in self._names}
+        for (name, index), old in self._held.items():
+            if name not in buffers:
+                continue
+            if old is None:
+                buffers[name].pop(index, None)
+            else:
+                buffers[name][index] = old
+        return buffers
+
     def move_state(self, device: torch.device) -> None:
         """Move the per-element state to ``device`` and drop the scratch workspaces: for state
         kept in CPU memory between uses (DiLoCo's ``offload=True``)."""

@@ -144,3 +144,51 @@ def test_the_error_feedback_under_a_rollback_point_is_written_with_no_copy(compr
         == counts[0]["aten.add_"] - counts[1]["aten.add_"]
         == (1 if (compressor, memory) == ("topk", "residual") else 0)
     )
+
+
+class _Extra:
+    """A compressor's state beyond the per-element one (PowerSGD's factors, say), as a number."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+    def extra_state(self) -> dict:
+        return {"value": self.value}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def test_while_a_rollback_point_is_held_the_state_reads_as_it_was_for_a_checkpoint_and_is_kept():
+    """``RollbackPoint.as_held``: inside it the roles' per-element state, the step and the
+    compressor's other state read as at the point (a vector written since: its old values; a bucket
+    or a state created since: absent); after it, as written since, and a release still puts the
+    point's state back."""
+    from types import SimpleNamespace
+
+    from gc_strategy import build_components
+    from gc_strategy.sync.every_step.rollback import RollbackPoint
+
+    roles = build_components("topk", "residual")
+    memory = roles.memory
+    first = Bucket(0, ["a"], [torch.Size([4])], torch.float32, torch.device("cpu"))
+    second = Bucket(1, ["b"], [torch.Size([3])], torch.float32, torch.device("cpu"))
+    memory.buffer("e", first).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    synchronizer = SimpleNamespace(roles=roles, step=3, compressor=_Extra())
+    point = RollbackPoint(synchronizer)
+    memory.buffer("e", first).mul_(10)
+    memory.buffer("e", second).fill_(5.0)
+    memory.buffer("f", first).fill_(7.0)
+    synchronizer.step, synchronizer.compressor.value = 4, 2
+    with point.as_held():
+        held = roles.state_by_parameter([first, second])["memory"]
+        assert set(held) == {"e"} and set(held["e"]) == {"a"}
+        assert torch.equal(held["e"]["a"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        assert synchronizer.step == 3 and synchronizer.compressor.value == 1
+    now = roles.state_by_parameter([first, second])["memory"]
+    assert torch.equal(now["e"]["a"], torch.tensor([10.0, 20.0, 30.0, 40.0]))
+    assert torch.equal(now["e"]["b"], torch.full((3,), 5.0)) and torch.equal(now["f"]["a"], torch.full((4,), 7.0))
+    assert synchronizer.step == 4 and synchronizer.compressor.value == 2
+    point.release(keep_changes=False)
+    assert torch.equal(memory.buffer("e", first), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert "f" not in memory.buffers and synchronizer.step == 3 and synchronizer.compressor.value == 1

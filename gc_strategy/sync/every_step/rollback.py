@@ -4,6 +4,8 @@ rounds, :mod:`gc_strategy.sync.fault_tolerance.round`)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -14,7 +16,8 @@ class RollbackPoint:
     (:meth:`~gc_strategy.bucket.BucketState.hold`: error feedback formed from its old value in one
     pass, as the residual's, PowerSGD's and DGC's, is written into a second vector at no cost),
     copies of the step counter and of the compressor's other state. :meth:`release` ends it,
-    keeping what the exchange wrote or putting the state back as it was, to the bit."""
+    keeping what the exchange wrote or putting the state back as it was, to the bit;
+    :meth:`as_held` shows the state as it was for a while (a checkpoint taken while the round runs)."""
 
     def __init__(self, synchronizer: Any) -> None:
         self.synchronizer = synchronizer
@@ -28,3 +31,24 @@ class RollbackPoint:
         if not keep_changes:
             synchronizer.step = self.step
             synchronizer.compressor.load_extra_state(self.extra)
+
+    @contextmanager
+    def as_held(self) -> Iterator[None]:
+        """Inside the block the synchroniser's roles, step and compressor state read as they were at
+        the rollback point (no copy of the per-element state); after it, as they are. Nothing may
+        write the roles' state inside it."""
+        synchronizer = self.synchronizer
+        roles = [role for _, role in synchronizer.roles.stateful()]
+        now = [role.buffers for role in roles]
+        step, extra = synchronizer.step, copy.deepcopy(synchronizer.compressor.extra_state())
+        for role in roles:
+            role.buffers = role.held_buffers()
+        synchronizer.step = self.step
+        synchronizer.compressor.load_extra_state(self.extra)
+        try:
+            yield
+        finally:
+            for role, buffers in zip(roles, now):
+                role.buffers = buffers
+            synchronizer.step = step
+            synchronizer.compressor.load_extra_state(extra)

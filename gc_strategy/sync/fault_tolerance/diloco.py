@@ -58,7 +58,9 @@ replicated state stays bit-identical when a group dies or heals between two frag
 A failed round is run again at once without overlap, its ``Δ`` taken from the parameters as they are
 then (the survivors lose no inner step: those of the overlap are in it). Each group's own parameters
 differ between outer steps (the inner steps, and with ``overlap_steps`` the mixing), as they do
-without failures; what every group holds alike is the outer state.
+without failures; what every group holds alike is the outer state. A checkpoint taken while a round
+runs saves the roles' state as the round found it (:meth:`~.round.Round.as_held`), and the round
+runs again from its start on resume.
 
 Each group keeps its own buffers
 (BatchNorm's statistics; inside a group, its first rank's before each forward, as DDP does); a
@@ -283,10 +285,16 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """DiLoCo's state of this group and the rounds committed (a checkpoint's); a round running
-        (an overlapped exchange) is saved as its fragment, to be run again from the start."""
+        """DiLoCo's state of this group and the rounds committed (a checkpoint's). A round running
+        (an overlapped exchange) is saved as its fragment, to be run again from its start on
+        resume, and the roles' state as it was when it began (its exchange waited for first, so
+        that nothing writes that state meanwhile)."""
         running = None if self.plan is None else self.plan.fragment
-        return {**super().state_dict(), "synced_at": list(self.synced_at), "running": running}
+        if running is not None and self._contributors:
+            self.inner.collect_outer(running)
+        with self.round.as_held():
+            state = super().state_dict()
+        return {**state, "synced_at": list(self.synced_at), "running": running}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint's, at its round; a round that ran when it was saved did not commit: its

@@ -26,7 +26,8 @@ a fault-tolerant synchroniser then says only when a round happens and what a fai
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -135,6 +136,15 @@ class Round:
         for synchronizer in self.synchronizers:  # a route each: a route places its synchroniser's buckets
             synchronizer.rebind(self.route(self.quorum))  # a collective where the compressor checks the group
         return True
+
+    @contextmanager
+    def as_held(self) -> Iterator[None]:
+        """Inside the block the exchanging synchronisers' state reads as at the round's begin (as it
+        is, between rounds): what a checkpoint taken while a round runs saves."""
+        with ExitStack() as stack:
+            for point in self._held or []:
+                stack.enter_context(point.as_held())
+            yield
 
     def count(self, flag: bool) -> int:
         """How many participants say ``flag`` (a guarded sum; meaningless where the round failed)."""

@@ -386,6 +386,66 @@ def test_streaming_diloco_survives_a_group_killed_between_or_in_its_fragments_ro
         assert other["inner_step"] == results[0]["inner_step"]
 
 
+def _streaming_checkpoints(rank: int, world_size: int, lighthouse: str, save: bool) -> dict:
+    """One group of Streaming DiLoCo (``inner_steps=4``, 2 fragments, ``overlap_steps=1``) for 6
+    inner steps, with (``save``) a checkpoint's state taken after every step: whether a round ran
+    then, and the exchanging synchronisers' saved state; the outer values at the end."""
+    import copy
+
+    from gc_strategy import DiLoCo
+    from gc_strategy.sync.fault_tolerance.diloco import FaultTolerantDiLoCo
+
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    config = DiLoCo(inner_steps=4, outer_lr=0.5, fragments=2, overlap_steps=1)
+    roles = build_components("topk", "residual", fusion="groups:2")
+    sync = FaultTolerantDiLoCo(net, roles, config, FaultTolerance(lighthouse, 0))
+    sync.use_optimizers([optimizer])
+    saved = []
+    for step in range(6):
+        with sync.forward_pass():
+            x, y = batch(0, step)
+            loss = (net(x) - y).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.after_optimizer_step()
+        if save:
+            state = copy.deepcopy(sync.state_dict()["synchronizer"]["synchronizers"])
+            saved.append({"running": sync.plan is not None, "synchronizers": state})
+    outer = {name: value.clone() for name, value in sync.inner.outer.items()}
+    sync.close()
+    return {"saved": saved, "outer": outer}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_taken_while_a_streaming_round_runs_saves_the_state_from_before_it(tmp_path):
+    """One group of Streaming DiLoCo, a checkpoint's state taken after every inner step: after step
+    2 the first fragment's round runs (begun there, ends after step 3), and the saved state of the
+    roles (error feedback, steps, compressor state) is the one saved after step 1, to the bit (the
+    exchange started has written the residual: resumed, the round runs again from that state); after
+    the round it differs. Taking the checkpoints changes nothing: the outer values at the end equal
+    those of the same run without them, to the bit."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    binary = Path(sys.executable).with_name("torchft_lighthouse")
+    command = [str(binary), "--min_replicas", "1", "--join_timeout_ms", "100", "--bind", f"127.0.0.1:{port}"]
+    server = launch(command, tmp_path / "lighthouse.log")
+    address = f"http://127.0.0.1:{port}"
+    reach_lighthouse(FaultTolerance(address, 0, timeout_s=10))
+    try:
+        with_checkpoints = run_ranks(_streaming_checkpoints, 1, address, True)[0]
+        without = run_ranks(_streaming_checkpoints, 1, address, False)[0]
+    finally:
+        server.kill()
+    saved = with_checkpoints["saved"]
+    assert [s["running"] for s in saved] == [False, True, False, True, False, True]
+    assert same(saved[1]["synchronizers"], saved[0]["synchronizers"])
+    assert not same(saved[2]["synchronizers"], saved[0]["synchronizers"])
+    assert same(with_checkpoints["outer"], without["outer"])
+
+
 @pytest.mark.slow
 def test_diloco_across_groups_of_two_ranks_survives_a_group_killed_in_inner_steps(lighthouse, tmp_path):
     """DiLoCo (``inner_steps=5``, ``topk`` + residual), two groups of two ranks; both ranks of
