@@ -17,7 +17,13 @@ its first after, less its median step) and the steps it did not commit. Reported
 stall's median and worst over the faults (each fault's worst survivor), the steps lost, and whether
 every group ended with the same parameters (their SHA-256). Needs root (network namespaces).
 
-    python benchmarks/fault_chaos.py --count 20 --faults kill hang partition
+With ``--compressor diloco:COMPRESSOR[+MEMORY]`` the groups train with DiLoCo (``--inner-steps``
+between outer rounds), each fault at a moment drawn within an inner phase; a survivor's steps are
+its inner steps, and a step lost is one it took again or skipped (its inner-step counter not one
+past the one before). The digest is of the outer parameters.
+
+    python benchmarks/fault_chaos.py --count 20
+    python benchmarks/fault_chaos.py --count 20 --compressor diloco:topk+residual --join-timeout-ms 5000
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
 from fault_tolerance import configuration, roles_of  # noqa: E402
-from ft_loop import records, together, train_until_stopped  # noqa: E402
+from ft_loop import records, together, train_inner_steps_until_stopped, train_until_stopped  # noqa: E402
 
 LIGHTHOUSE_PORT = 29510
 FAULTS = ("kill", "hang", "partition", "heal")
@@ -56,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torchvision
 
-    from gc_strategy import FaultTolerance
+    from gc_strategy import DiLoCo, FaultTolerance, FaultTolerantDiLoCo
     from gc_strategy.sync.fault_tolerance.every_step import FaultTolerantSynchronizer
 
     torch.set_num_threads(1)
@@ -65,7 +71,11 @@ def worker(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     roles = roles_of(args.compressor)
     options = FaultTolerance(args.lighthouse, args.group, groups=args.groups, silence_s=args.silence_s, host=args.host)
-    sync = FaultTolerantSynchronizer(model, roles, options)
+    diloco = args.compressor.startswith("diloco:")
+    if diloco:
+        sync = FaultTolerantDiLoCo(model, roles, DiLoCo(inner_steps=args.inner_steps), options)
+    else:
+        sync = FaultTolerantSynchronizer(model, roles, options)
     sync.use_optimizers([optimizer])
 
     def loss_of(step: int) -> torch.Tensor:
@@ -74,8 +84,10 @@ def worker(args: argparse.Namespace) -> None:
         return torch.nn.functional.cross_entropy(model(x), y)
 
     print(json.dumps({"joining": time.time()}), flush=True)  # its first quorum (a heal) follows
-    train_until_stopped(sync, optimizer, loss_of, args.groups, Path(args.stop))
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    train = train_inner_steps_until_stopped if diloco else train_until_stopped
+    train(sync, optimizer, loss_of, args.groups, Path(args.stop))
+    parameters = sync.replicated_parameters().values()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in parameters)).hexdigest()
     print(json.dumps({"digest": digest}), flush=True)
     sync.close()
 
@@ -94,6 +106,7 @@ class Cluster:
         node, args = self.nodes[group], self.args
         options = ["--worker", "--group", str(group), "--groups", str(self.groups), "--lighthouse", self.lighthouse]
         options += ["--host", node.address, "--compressor", args.compressor, "--silence-s", str(args.silence_s)]
+        options += ["--inner-steps", str(args.inner_steps)]
         options += ["--stop", str(self.folder / "stop")]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
         command = [*node.command, sys.executable, str(Path(__file__).resolve()), *options]
@@ -172,13 +185,16 @@ class Cluster:
 
 def cost(steps: list[dict], struck: float, until: float) -> tuple[float, int]:
     """A survivor's stall for a fault at ``struck`` (its next fault at ``until``), and the steps
-    it did not commit in between."""
-    committed = [r["end"] for r in steps if r["committed"]]
-    typical = statistics.median(b - a for a, b in zip(committed, committed[1:]))
-    before = max(t for t in committed if t <= struck)
-    after = min(t for t in committed if t > struck)
-    lost = sum(not r["committed"] for r in steps if struck < r["end"] <= until)
-    return after - before - typical, lost
+    it lost in between: those it did not commit, and those its counter skipped or took again (a
+    committed step not one past the one committed before it)."""
+    committed = [r for r in steps if r["committed"]]
+    ends = [r["end"] for r in committed]
+    typical = statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    before = max(t for t in ends if t <= struck)
+    after = min(t for t in ends if t > struck)
+    failed = sum(not r["committed"] for r in steps if struck < r["end"] <= until)
+    jumps = sum(b["step"] != a["step"] + 1 for a, b in zip(committed, committed[1:]) if struck < b["end"] <= until)
+    return after - before - typical, failed + jumps
 
 
 def main() -> None:
@@ -192,7 +208,10 @@ def main() -> None:
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     parser.add_argument("--count", type=integer_at_least(1), default=20, help="faults of each kind")
     parser.add_argument("--settle", type=integer_at_least(1), default=3, help="steps with every group between faults")
-    parser.add_argument("--compressor", type=configuration, default="topk+residual", help="COMPRESSOR[+MEMORY]")
+    parser.add_argument(
+        "--compressor", type=configuration, default="topk+residual", help="[diloco:]COMPRESSOR[+MEMORY]"
+    )
+    parser.add_argument("--inner-steps", type=integer_at_least(1), default=5, help="DiLoCo's, with diloco:")
     parser.add_argument("--silence-s", type=float, default=5.0, help="fault_tolerance's silence_s")
     parser.add_argument("--join-timeout-ms", type=integer_at_least(1), default=1000, help="the lighthouse's")
     parser.add_argument("--rate", default="1gbit", help="every node's link (tc tbf)")
@@ -200,9 +219,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    if args.compressor.startswith("diloco:"):
-        allowed = "COMPRESSOR[+MEMORY] (a round every step)"
-        parser.error(f"argument --compressor: {args.compressor!r} is invalid; allowed: {allowed}")
     netns.check_can_emulate(args.rate)
     draw = random.Random(args.seed)
     plan = [kind for _ in range(args.count) for kind in args.faults]
@@ -225,7 +241,8 @@ def main() -> None:
             cluster.wait_until_settled()
             steps = [r for r in records(folder / "0.log") if r["committed"]]
             step = statistics.median(b["end"] - a["end"] for a, b in zip(steps[-20:], steps[-19:]))
-            struck.append(cluster.strike(kind, draw.uniform(0, step)))
+            period = step * (args.inner_steps if args.compressor.startswith("diloco:") else 1)
+            struck.append(cluster.strike(kind, draw.uniform(0, period)))
             print(f"fault {n + 1}/{len(plan)}: {kind}", file=sys.stderr, flush=True)
         cluster.wait_until_settled()
         digests = cluster.finish()

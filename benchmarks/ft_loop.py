@@ -1,4 +1,4 @@
-"""The plain fault-tolerant training loop of docs/fault_tolerance.md as the fault benchmarks run it
+"""The plain fault-tolerant training loops of docs/fault_tolerance.md as the fault benchmarks run them
 (``fault_chaos.py``, ``heal_large.py``): each step's end, outcome and participants printed as a line
 of JSON, until a step named in a stop file that every group took part in; and those lines read back."""
 
@@ -27,6 +27,27 @@ def train_until_stopped(sync: Any, optimizer: Any, loss_of: Callable[[int], Any]
         print(json.dumps({"step": step, "end": time.time(), "committed": committed, "with": sync.participants}))
         sys.stdout.flush()
         if committed and sync.participants == groups and stop.exists() and step + 1 >= int(stop.read_text()):
+            return
+
+
+def train_inner_steps_until_stopped(
+    sync: Any, optimizer: Any, loss_of: Callable[[int], Any], groups: int, stop: Path
+) -> None:
+    """DiLoCo's loop (``FaultTolerantDiLoCo``): inner steps of ``loss_of(step)``, each printed as it
+    ends (an inner step always applies: ``committed``; ``with``: the last round's participants),
+    until ``stop``, once written, names an inner step this group reached at a round that every one
+    of ``groups`` contributed to."""
+    while True:
+        step = sync.committed_steps
+        with sync.forward_pass():
+            loss = loss_of(step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.after_optimizer_step()
+        print(json.dumps({"step": step, "end": time.time(), "committed": True, "with": sync.participants}))
+        sys.stdout.flush()
+        if sync.together and sync.participants == groups and stop.exists() and step + 1 >= int(stop.read_text()):
             return
 
 

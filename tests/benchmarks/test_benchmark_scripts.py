@@ -443,6 +443,24 @@ def test_the_chaos_benchmark_strikes_faults_and_reports_their_cost():
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_the_chaos_benchmark_kills_a_diloco_group_and_the_survivors_lose_no_inner_step():
+    """DiLoCo (``inner_steps=3``) on three emulated nodes, one kill of the last group at a moment
+    drawn within an inner phase: its row says no inner step lost, and every group ended with the
+    same outer parameters."""
+    pytest.importorskip("torchft")
+    options = ["--count", "1", "--faults", "kill", "--compressor", "diloco:topk+residual", "--inner-steps", "3"]
+    options += ["--join-timeout-ms", "5000"]
+    done = subprocess.run(
+        [sys.executable, "fault_chaos.py", *options], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| kill | 1 |"))
+    assert row.split("|")[5].strip() == "0, 0", row
+    assert "every group ended with the same parameters: True (3 digests)" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_the_heal_benchmark_measures_a_restarted_groups_transfer():
     """A small MLP (2 layers of 256) on two emulated nodes: the restarted group receives at least
     its parameters' bytes, and the survivor's steps before and after are reported."""
