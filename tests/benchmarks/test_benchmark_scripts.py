@@ -421,23 +421,20 @@ def test_the_exposed_time_is_the_difference_of_medians_and_its_range_is_per_roun
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-def test_the_chaos_benchmark_strikes_faults_and_reports_their_cost():
-    """One hang of the last of three groups on emulated nodes, and one second kill of it while it
-    heals: each its row (a stall within ``silence_s`` + 1 s for the hang, 3 s for the kill; the
-    second kill's row says ``kill`` where it missed the heal) and every group's parameters equal at
-    the end."""
+def test_the_chaos_benchmark_strikes_a_fault_and_reports_its_cost():
+    """One hang of the last of three groups on emulated nodes: its row (a stall within
+    ``silence_s`` + 1 s) and every group's parameters equal at the end. The lighthouse's join
+    timeout exceeds a step on a loaded machine, so that no group is left out of the quorums while
+    alive (they would rotate, two at a time, and never settle with all three)."""
     pytest.importorskip("torchft")
-    options = ["--count", "1", "--faults", "hang", "heal", "--silence-s", "2"]
+    options = ["--count", "1", "--faults", "hang", "--silence-s", "2", "--join-timeout-ms", "5000"]
     done = subprocess.run(
         [sys.executable, "fault_chaos.py", *options], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
-    assert set(rows) - {"fault"} in ({"hang", "heal"}, {"hang", "kill"}), done.stdout
-    for kind, bound in (("hang", 2 + 1), ("heal", 3), ("kill", 3)):
-        if kind in rows:
-            median, worst = (float(cell) for cell in rows[kind][3:5])
-            assert median == worst < bound, rows[kind]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| hang | 1 |"))
+    median, worst = (float(cell) for cell in row.split("|")[3:5])
+    assert median == worst < 2 + 1
     assert "every group ended with the same parameters: True (3 digests)" in done.stdout
 
 
