@@ -106,6 +106,23 @@ def build(args: argparse.Namespace, mode: str) -> tuple:
     return model, optimizer, sync
 
 
+def shard(model, shape: tuple[int, int]):
+    """``model`` (ResNet-18) sharded by FSDP2 over the ``shard`` dimension of a ``("replicate",
+    "shard")`` mesh of ``shape`` over the default process group: each residual block a unit, then
+    the whole; the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchvision.models.resnet import BasicBlock
+
+    from gc_strategy.sync.sharded.synchronizer import MESH_DIMS
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+    for block in [m for m in model.modules() if isinstance(m, BasicBlock)]:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return mesh
+
+
 def train_step(model, optimizer, sync, batch, before_backward=lambda: None) -> bool:
     """One step of the training loop every integration runs; whether it committed."""
     import torch

@@ -56,6 +56,7 @@ def test_integer_at_least_parses_and_names_what_is_allowed():
         ("kernel_variants.py", "--repeats"),
         ("fault_tolerance.py", "--rounds"),
         ("fault_chaos.py", "--count"),
+        ("fault_tolerance_sharded.py", "--rounds"),
     ],
 )
 def test_a_zero_count_is_an_argparse_error(script, option, monkeypatch, capsys):
@@ -118,6 +119,29 @@ def test_the_fault_tolerance_benchmark_reports_the_cost_and_a_failure_on_loopbac
     assert "- group 0: " in done.stdout and "step(s) not committed; stall" in done.stdout
     assert "- group 1 restarted: " in done.stdout
     assert "parameters equal on every group at the end: True" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_sharded_fault_tolerance_benchmark_reports_the_cost_on_loopback():
+    """Two groups of two ranks on loopback, two blocks per mode: the row of the cost per step, each
+    mode's time positive (the ``ft`` blocks all committed with both groups: none would leave no
+    median) and the runs' ratios."""
+    pytest.importorskip("torchft")
+    options = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--compressors", "topk+residual"]
+    done = subprocess.run(
+        [sys.executable, "fault_tolerance_sharded.py", *options],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "2 groups of 2 ranks (FSDP2), loopback" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| topk+residual |"))
+    plain, ft = (float(cell) for cell in row.split("|")[2:4])
+    assert plain > 0 and ft > 0
+    assert "per run (ft / plain, control / plain): " in done.stdout
 
 
 @pytest.mark.slow
@@ -454,6 +478,24 @@ def test_the_chaos_benchmark_kills_a_diloco_group_and_the_survivors_lose_no_inne
     row = next(line for line in done.stdout.splitlines() if line.startswith("| kill | 1 |"))
     assert row.split("|")[5].strip() == "0, 0", row
     assert "every group ended with the same parameters: True (3 digests)" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_the_chaos_benchmark_kills_a_rank_of_a_sharded_group():
+    """Two groups of two ranks (FSDP2 over each group's ranks, one torchrun per group) on emulated
+    nodes, one rank of the last group killed at a moment drawn within a step: the survivor lost at
+    most one step, and each rank's shards ended equal across the groups."""
+    pytest.importorskip("torchft")
+    options = ["--count", "1", "--faults", "kill", "--groups", "2", "--ranks", "2"]
+    done = subprocess.run(
+        [sys.executable, "fault_chaos.py", *options], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 groups of 2 ranks (FSDP2)" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| kill | 1 |"))
+    assert int(row.split("|")[5].split(",")[1]) <= 1, row
+    assert "every group ended with the same parameters: True (4 digests)" in done.stdout
 
 
 @pytest.mark.slow
