@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -238,7 +239,9 @@ class Cost(NamedTuple):
 
     stall: float  #: the gap between its last committed step before the fault and its first after, less its median
     lost: int  #: steps not committed, and those its counter skipped or took again, until the next fault
-    rejoin: float  #: the gap before its first step with every group again (the struck group healed), less its median
+    #: the gap before its first step with every group again (the struck group healed), less its median; NaN where
+    #: the struck group was never left out (a fault over before the next round)
+    rejoin: float
 
 
 def cost(steps: list[dict], groups: int, struck: float, until: float) -> Cost:
@@ -317,6 +320,12 @@ def main() -> None:
     report(args, struck, survivors, digests)
 
 
+def worst(figures) -> float:
+    """The largest of ``figures`` that are numbers (NaN: a survivor saw no rejoin), else NaN."""
+    numbers = [f for f in figures if not math.isnan(f)]
+    return max(numbers) if numbers else float("nan")
+
+
 def report(
     args: argparse.Namespace, struck: list[tuple[str, float, float]], survivors: list, digests: list[dict]
 ) -> None:
@@ -324,7 +333,7 @@ def report(
     per_kind: dict[str, list[Cost]] = {kind: [] for kind in args.faults}
     for (kind, _, at), until in zip(struck, ends):
         costs = [cost(steps, args.groups, at, until) for steps in survivors]
-        per_kind.setdefault(kind, []).append(Cost(*(max(c[i] for c in costs) for i in range(len(Cost._fields)))))
+        per_kind.setdefault(kind, []).append(Cost(*(worst(c[i] for c in costs) for i in range(len(Cost._fields)))))
     groups = f"{args.groups} groups" + (f" of {args.ranks} ranks (FSDP2)" if args.ranks > 1 else "")
     print(f"\n{groups}, ResNet-18 ({args.compressor}), links {args.rate}, silence_s {args.silence_s}")
     print(
@@ -334,10 +343,12 @@ def report(
     for kind, rows in per_kind.items():
         if not rows:  # every planned second kill missed the heal
             continue
-        stalls, lost, back = [r.stall for r in rows], [r.lost for r in rows], [r.rejoin for r in rows]
+        stalls, lost = [r.stall for r in rows], [r.lost for r in rows]
+        back = [r.rejoin for r in rows if not math.isnan(r.rejoin)]
+        rejoins = f"{statistics.median(back):.2f}, {max(back):.2f}" if back else "none"
         print(
             f"| {kind} | {len(rows)} | {statistics.median(stalls):.2f} | {max(stalls):.2f} | "
-            f"{statistics.median(lost):g}, {max(lost)} | {statistics.median(back):.2f}, {max(back):.2f} |"
+            f"{statistics.median(lost):g}, {max(lost)} | {rejoins} |"
         )
     each = [{d["digest"] for d in digests if d["rank"] == r} for r in range(args.ranks)]
     alike = len(digests) == args.groups * args.ranks and all(len(ranks) == 1 for ranks in each)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import atexit
 import copy
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -42,13 +42,9 @@ class SynchronizerGlue:
     #: the Trainer's counters and schedulers as healed objects (where the synchroniser was there to take them)
     _loop_state: LoopState | None = None
 
-    @contextmanager
-    def _forward_pass(self) -> Generator[None, None, None]:
-        if self.synchronizer is None:
-            yield
-            return
-        with self.synchronizer.forward_pass():
-            yield
+    def _forward_pass(self) -> AbstractContextManager:
+        """The synchroniser's ``forward_pass``; nothing before it is built."""
+        return nullcontext() if self.synchronizer is None else self.synchronizer.forward_pass()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._forward_pass():
@@ -66,13 +62,9 @@ class SynchronizerGlue:
         with self._forward_pass():
             return super().predict_step(*args, **kwargs)  # type: ignore[misc]
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.synchronizer is None:
-            yield
-            return
-        with self.synchronizer.no_sync():
-            yield
+    def block_backward_sync(self) -> AbstractContextManager:
+        """Accumulation without exchange: the synchroniser's ``no_sync``; nothing before it is built."""
+        return nullcontext() if self.synchronizer is None else self.synchronizer.no_sync()
 
     #: a checkpoint's synchroniser state read before the synchroniser was built: (manifest, folder)
     _pending_state: tuple[dict[str, Any], str] | None = None

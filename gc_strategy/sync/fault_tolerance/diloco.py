@@ -179,14 +179,20 @@ class FaultTolerantDiLoCo(RoundSynchronizer):
         """The first training forward: a round, ended at once (a group joining or coming back heals
         in it, and takes its peer's round)."""
         if not self.joined and torch.is_grad_enabled():
-            due = self.inner.due_fragment()  # at step 0: the last fragment's (its exchange ends each period)
-            index = self._resume if self._resume is not None else due if due is not None else 0
+            self.begin_round(Plan(self._first_fragment(), self.inner.inner_step))
             self._resume = None
-            self.begin_round(Plan(index, self.inner.inner_step))
             self.settle()
             self.joined = True
         if self.within is not None:
             self.within.before_forward()
+
+    def _first_fragment(self) -> int:
+        """The fragment of the first round: the one whose round a checkpoint was taken in, else the
+        one due now (at step 0 the last fragment's: its exchange ends each period), else the first."""
+        if self._resume is not None:
+            return self._resume
+        due = self.inner.due_fragment()
+        return 0 if due is None else due
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
