@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -101,13 +102,17 @@ def abortable_gloo(torchft: Any) -> type:
     quorum form its group together, right after the lighthouse answered them all, so a member that
     takes longer is dead, hung or cut off, and the heartbeats that would tell are not yet exchanged
     (:mod:`~gc_strategy.sync.fault_tolerance.silence`). The formation then fails, the round with it,
-    and the next quorum goes on without that member."""
+    and the next quorum goes on without that member. ``on_formed`` learns the members' heartbeat
+    addresses through the same store, within the formation, so that the silence watches every
+    collective of the group from its first."""
 
     class ProcessGroupGloo(torchft.process_group.ProcessGroupGloo):
         def __init__(self, timeout: timedelta, formation_timeout: timedelta) -> None:
             super().__init__(timeout=timeout)
             self.formation_timeout = formation_timeout
             self.connections = Connections()
+            #: called with each configuration's store, rank and size once it is formed, within the formation
+            self.on_formed: Callable[[Any, int, int], None] | None = None
 
         def configure(self, *args: Any, **kwargs: Any) -> None:
             collectives, self._timeout = self._timeout, self.formation_timeout
@@ -122,6 +127,8 @@ def abortable_gloo(torchft: Any) -> type:
             before = set(sockets().values())
             group = super()._create_pg(store, rank, world_size)
             self.connections = Connections.opened_since(before)
+            if self.on_formed is not None:
+                self.on_formed(store, rank, world_size)
             return group
 
         def abort_connections(self) -> None:

@@ -236,6 +236,7 @@ class Quorum:
         self.failure = self._new_failure()
         #: beats to the round's peers, and the watch on theirs: a silent peer fails the round
         self.heartbeats = Heartbeats(options.host, options.silence_s, self._silent)
+        self.process_group.on_formed = self.heartbeats.exchange  # as each quorum's group is formed
         #: the quorum's process group (None before the first quorum, or where it could not be formed)
         self.group: Any = None
         #: the participating groups of the current round (0 before the first quorum)
@@ -283,11 +284,6 @@ class Quorum:
                 f"{self.options.silence_s} s ({', '.join(f'{h}:{p}' for h, p in peers)}): hung or cut off"
             )
         )
-
-    def meet(self) -> None:
-        """Learn the peers of a new process group, to watch their heartbeats (a collective over
-        it: run under :meth:`guard`)."""
-        self.heartbeats.exchange(self.group)
 
     def watch(self) -> None:
         """The round's collectives begin: a peer silent for ``silence_s`` fails it from now on."""

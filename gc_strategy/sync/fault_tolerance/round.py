@@ -121,9 +121,9 @@ class Round:
     def begin(self) -> None:
         """The round's quorum (and healing), its group bound where it changed, a rollback point."""
         changed = self.quorum.start()
+        self.quorum.watch()  # from the round's first collective: the group's heartbeats were learned as it formed
         if changed or not self._bound:
             self._bound = self.quorum.guard(self._rebind)
-        self.quorum.watch()
         self._held = [RollbackPoint(synchronizer) for synchronizer in self.synchronizers]
 
     @property
@@ -132,7 +132,6 @@ class Round:
         return self._held is not None
 
     def _rebind(self) -> bool:
-        self.quorum.meet()
         for synchronizer in self.synchronizers:  # a route each: a route places its synchroniser's buckets
             synchronizer.rebind(self.route(self.quorum))  # a collective where the compressor checks the group
         return True

@@ -23,13 +23,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 #: the beats in one silence bound: a peer is declared silent after missing this many in a row
 BEATS_PER_BOUND = 5
 BEAT = b"gc_strategy heartbeat"
+#: where a process group's store holds each member's heartbeat address (``STORE_KEY/RANK``)
+STORE_KEY = "gc_strategy_heartbeat"
 
 Address = tuple[str, int]
 
@@ -54,14 +54,14 @@ class Heartbeats:
         self._thread = threading.Thread(target=self._beat, name="gc_strategy heartbeats", daemon=True)
         self._thread.start()
 
-    def exchange(self, group: object) -> None:
-        """Learn the peers of a new process group (an all-gather over it of each one's address) and
-        hear from each as of now."""
+    def exchange(self, store: Any, rank: int, world_size: int) -> None:
+        """Learn the peers of a new process group through the store it is formed with (each one's
+        address under its rank, read within the store's timeout) and hear from each as of now: the
+        watch then covers the round from its first collective."""
         host, port = self.address
-        mine = torch.tensor([*map(int, host.split(".")), port], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(group.size())]
-        dist.all_gather(everyone, mine, group=group)
-        self.watch([(".".join(str(int(v)) for v in a[:4]), int(a[4])) for a in everyone])
+        store.set(f"{STORE_KEY}/{rank}", f"{host}:{port}")
+        peers = [store.get(f"{STORE_KEY}/{r}").decode().rsplit(":", 1) for r in range(world_size)]
+        self.watch([(peer_host, int(peer_port)) for peer_host, peer_port in peers])
 
     def watch(self, peers: list[Address]) -> None:
         """Beat to ``peers`` (this process's own address among them is left out) and hear from

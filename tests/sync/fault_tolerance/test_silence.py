@@ -4,6 +4,8 @@ a beating peer is never found silent; one that stopped is, once, while a round r
 import threading
 import time
 
+import torch.distributed as dist
+
 from gc_strategy.sync.fault_tolerance.silence import Heartbeats
 
 
@@ -37,5 +39,30 @@ def test_a_peer_that_stops_beating_is_found_silent_once_and_only_while_a_round_r
         assert silences.found == [[peer.address]]
         time.sleep(2 * silence)  # found once: the watch is disarmed until the next round
         assert len(silences.found) == 1
+    finally:
+        watcher.close()
+
+
+def test_the_members_of_a_new_group_learn_each_others_heartbeats_through_its_store():
+    """As a quorum's process group is formed, each member writes its heartbeat address into the
+    group's store under its rank and reads the others': the watch needs no collective, so it covers
+    the group's first collective too. Learned so, a peer that stops beating is found silent."""
+    silence = 1.0
+    store = dist.HashStore()
+    silences = Silences()
+    watcher = Heartbeats("127.0.0.1", silence, silences)
+    peer = Heartbeats("127.0.0.1", silence, lambda peers: None)
+    try:
+        learning = threading.Thread(target=peer.exchange, args=(store, 1, 2))
+        learning.start()
+        watcher.exchange(store, 0, 2)
+        learning.join(timeout=30)
+        assert store.get("gc_strategy_heartbeat/1").decode() == f"{peer.address[0]}:{peer.address[1]}"
+        watcher.arm()
+        time.sleep(2 * silence)  # the peer beats to the watcher, whose address it read from the store
+        assert silences.found == []
+        peer.close()
+        assert silences.event.wait(timeout=30)
+        assert silences.found == [[peer.address]]
     finally:
         watcher.close()
