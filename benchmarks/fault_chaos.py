@@ -192,7 +192,7 @@ class Cluster:
 
     def ranks(self, group: int | None = None) -> list[int]:
         """The process ids of a group's ranks (the victim's by default) where torchrun started them
-        (each in a session of its own), else none."""
+        (each the leader of a process group of its own: signalled one by one), else none."""
         if self.args.ranks == 1:
             return []
         children = ["pgrep", "-P", str(self.processes[self.victim if group is None else group].pid)]
