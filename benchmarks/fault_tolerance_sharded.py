@@ -46,9 +46,11 @@ STORE_PORT = 29700
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank of a group in ``--mode``: ``--warmup`` + ``--steps`` blocks, each block's time per
-    step (and whether all its steps committed with every group) written to ``--out`` by the
-    group's rank 0."""
+    """One rank of a group in ``--mode``: ``--warmup`` blocks with every group, then ``--steps``
+    blocks, each block's time per step (and whether all its steps committed with every group)
+    written to ``--out`` by the group's rank 0. A group that starts first trains alone until the
+    others join (``ft``): those blocks are not counted, and since every group sees the same quorum,
+    all of them begin to measure at the same block and end together."""
     import torch
     import torch.distributed as dist
     import torchvision
@@ -77,14 +79,15 @@ def worker(args: argparse.Namespace) -> None:
     else:
         sync = ShardedDiLoCo(model, roles, diloco, mesh) if diloco else ShardedSynchronizer(model, roles, mesh)
     batch, period = batch_of(args.group * args.ranks + rank), args.inner_steps if diloco else 1
-    blocks = []
-    for block in range(args.warmup + args.steps):
+    blocks, warm = [], 0
+    while len(blocks) < args.steps:
         together, begin = True, time.perf_counter()
         for _ in range(period):
             committed = train_step(model, optimizer, sync, batch)
             together &= committed and getattr(sync, "participants", args.groups) == args.groups
-        if block >= args.warmup:
+        if warm >= args.warmup:
             blocks.append({"s": (time.perf_counter() - begin) / period, "together": together})
+        warm += together
     if rank == 0:
         Path(args.out).write_text(json.dumps(blocks))
     sync.close()
@@ -129,6 +132,8 @@ def run_mode(nodes: list, url: str, args: argparse.Namespace, compressor: str, m
 def median_step(groups: list[list[dict]]) -> float:
     """The median over the groups of each one's median time per step (``ft``: over the blocks
     whose steps all committed with every group)."""
+    if not all(any(b["together"] for b in blocks) for blocks in groups):
+        raise SystemExit("no measured block committed all its steps with every group: nothing to report")
     return statistics.median(statistics.median(b["s"] for b in blocks if b["together"]) for blocks in groups)
 
 
@@ -146,7 +151,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=integer_at_least(2), default=2, help="per group: FSDP2 over them")
     parser.add_argument("--rounds", type=integer_at_least(1), default=3, help="runs of the three modes per entry")
     parser.add_argument("--steps", type=integer_at_least(1), default=20, help="measured blocks per mode and run")
-    parser.add_argument("--warmup", type=integer_at_least(0), default=3, help="blocks per mode not measured")
+    parser.add_argument(
+        "--warmup", type=integer_at_least(1), default=3, help="blocks per mode with every group, not measured"
+    )
     parser.add_argument("--compressors", type=configuration, nargs="+", default=["none", "topk+residual"])
     parser.add_argument("--inner-steps", type=integer_at_least(1), default=5)
     parser.add_argument("--join-timeout-ms", type=integer_at_least(1), default=2000, help="the lighthouse's")
