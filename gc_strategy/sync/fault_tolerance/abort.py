@@ -102,17 +102,17 @@ def abortable_gloo(torchft: Any) -> type:
     quorum form its group together, right after the lighthouse answered them all, so a member that
     takes longer is dead, hung or cut off, and the heartbeats that would tell are not yet exchanged
     (:mod:`~gc_strategy.sync.fault_tolerance.silence`). The formation then fails, the round with it,
-    and the next quorum goes on without that member. ``on_formed`` learns the members' heartbeat
-    addresses through the same store, within the formation, so that the silence watches every
-    collective of the group from its first."""
+    and the next quorum goes on without that member. ``on_forming`` learns the members' heartbeat
+    addresses through the same store as the formation's first act, so that a member lost before it
+    is found by its lateness, and the silence watches every collective of the group from its first."""
 
     class ProcessGroupGloo(torchft.process_group.ProcessGroupGloo):
         def __init__(self, timeout: timedelta, formation_timeout: timedelta) -> None:
             super().__init__(timeout=timeout)
             self.formation_timeout = formation_timeout
             self.connections = Connections()
-            #: called with each configuration's store, rank and size once it is formed, within the formation
-            self.on_formed: Callable[[Any, int, int], None] | None = None
+            #: called with each configuration's store, rank and size as the formation's first act
+            self.on_forming: Callable[[Any, int, int], None] | None = None
 
         def configure(self, *args: Any, **kwargs: Any) -> None:
             collectives, self._timeout = self._timeout, self.formation_timeout
@@ -125,10 +125,10 @@ def abortable_gloo(torchft: Any) -> type:
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             self.connections.close()
             before = set(sockets().values())
+            if self.on_forming is not None:
+                self.on_forming(store, rank, world_size)
             group = super()._create_pg(store, rank, world_size)
             self.connections = Connections.opened_since(before)
-            if self.on_formed is not None:
-                self.on_formed(store, rank, world_size)
             return group
 
         def abort_connections(self) -> None:

@@ -236,7 +236,7 @@ class Quorum:
         self.failure = self._new_failure()
         #: beats to the round's peers, and the watch on theirs: a silent peer fails the round
         self.heartbeats = Heartbeats(options.host, options.silence_s, self._silent)
-        self.process_group.on_formed = self.heartbeats.exchange  # as each quorum's group is formed
+        self.process_group.on_forming = self.heartbeats.exchange  # as each quorum's group is formed
         #: the quorum's process group (None before the first quorum, or where it could not be formed)
         self.group: Any = None
         #: the participating groups of the current round (0 before the first quorum)

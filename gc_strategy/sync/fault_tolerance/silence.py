@@ -15,6 +15,15 @@ connections shut down, fails its round and heals.
 
 Datagrams, not a connection: a lost one is no error, a frozen peer's kernel still accepts TCP
 connections, and a beat costs one small packet per peer.
+
+Before a round, a member of a new quorum is found lost by its lateness instead. The lighthouse
+answers the members of a quorum at once, and each writes its heartbeat address into the store of the
+quorum's process group as the first act of forming it (:meth:`Heartbeats.exchange`): a member dead
+before it wrote (killed while it waited for the quorum, whose lighthouse still counted it) leaves
+nothing else to tell. A member whose address is not written within the arrival bound
+(:class:`ArrivalBound`) is taken as lost, and the formation fails: the next quorum, formed once the
+lighthouse stopped counting the dead member, goes on without it. The bound follows what the
+formations of this run took, so that members far apart are not taken as lost.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 #: the beats in one silence bound: a peer is declared silent after missing this many in a row
@@ -32,6 +42,31 @@ BEAT = b"gc_strategy heartbeat"
 STORE_KEY = "gc_strategy_heartbeat"
 
 Address = tuple[str, int]
+
+
+class ArrivalBound:
+    """How long a member of a new quorum waits for the others' heartbeat addresses before it takes
+    a missing one as lost: ``MARGIN`` times the longest wait seen in this run, at least ``FLOOR_S``
+    and at most ``silence_s`` (``silence_s`` before any was seen). A wait that ran out counts as
+    one of the bound's length, so that members that are slow, not lost, raise the bound for the
+    next formation (up to ``silence_s``) instead of failing every one."""
+
+    #: a live member writes within milliseconds of the others, answered with them: its lateness
+    #: here is the network's and the host's jitter, which a quorum's members see alike
+    FLOOR_S = 1.0
+    MARGIN = 4.0
+
+    def __init__(self, silence_s: float) -> None:
+        self.silence_s = silence_s
+        self.longest: float | None = None
+
+    def seconds(self) -> float:
+        if self.longest is None:
+            return self.silence_s
+        return min(self.silence_s, max(self.FLOOR_S, self.MARGIN * self.longest))
+
+    def saw(self, waited: float) -> None:
+        self.longest = max(self.longest or 0.0, waited)
 
 
 class Heartbeats:
@@ -47,6 +82,7 @@ class Heartbeats:
         self.socket.bind((socket.gethostbyname(host), 0))
         self.socket.settimeout(self.interval / 2)
         self.address: Address = self.socket.getsockname()
+        self.arrival = ArrivalBound(silence_s)
         self._lock = threading.Lock()
         self._heard: dict[Address, float] = {}
         self._armed = False
@@ -55,12 +91,26 @@ class Heartbeats:
         self._thread.start()
 
     def exchange(self, store: Any, rank: int, world_size: int) -> None:
-        """Learn the peers of a new process group through the store it is formed with (each one's
-        address under its rank, read within the store's timeout) and hear from each as of now: the
-        watch then covers the round from its first collective."""
+        """Learn the members of a new process group through the store it is formed with (each
+        one's address under its rank) and hear from each as of now: the watch then covers the round
+        from its first collective. Raises ``TimeoutError`` where a member's address is not written
+        within the arrival bound (the module's docstring)."""
         host, port = self.address
         store.set(f"{STORE_KEY}/{rank}", f"{host}:{port}")
-        peers = [store.get(f"{STORE_KEY}/{r}").decode().rsplit(":", 1) for r in range(world_size)]
+        keys = [f"{STORE_KEY}/{r}" for r in range(world_size)]
+        bound, begin = self.arrival.seconds(), time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=bound))
+        except RuntimeError as error:  # the store's timeout (DistStoreError), or its host's loss
+            if time.monotonic() - begin < bound:
+                raise
+            self.arrival.saw(bound)
+            raise TimeoutError(
+                f"fault_tolerance: a member of the new quorum's process group (of {world_size}) did not arrive "
+                f"within {bound:.2f} s of this one, the arrival bound: taken as lost before the round"
+            ) from error
+        self.arrival.saw(time.monotonic() - begin)
+        peers = [store.get(key).decode().rsplit(":", 1) for key in keys]
         self.watch([(peer_host, int(peer_port)) for peer_host, peer_port in peers])
 
     def watch(self, peers: list[Address]) -> None:

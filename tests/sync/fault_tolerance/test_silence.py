@@ -1,12 +1,14 @@
 """Heartbeats (gc_strategy/sync/fault_tolerance/silence.py) between processes' watchers on loopback:
-a beating peer is never found silent; one that stopped is, once, while a round runs only."""
+a beating peer is never found silent; one that stopped is, once, while a round runs only; a member
+of a new group that never writes its address is found by its lateness."""
 
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
-from gc_strategy.sync.fault_tolerance.silence import Heartbeats
+from gc_strategy.sync.fault_tolerance.silence import STORE_KEY, ArrivalBound, Heartbeats
 
 
 class Silences:
@@ -57,7 +59,7 @@ def test_the_members_of_a_new_group_learn_each_others_heartbeats_through_its_sto
         learning.start()
         watcher.exchange(store, 0, 2)
         learning.join(timeout=30)
-        assert store.get("gc_strategy_heartbeat/1").decode() == f"{peer.address[0]}:{peer.address[1]}"
+        assert store.get(f"{STORE_KEY}/1").decode() == f"{peer.address[0]}:{peer.address[1]}"
         watcher.arm()
         time.sleep(2 * silence)  # the peer beats to the watcher, whose address it read from the store
         assert silences.found == []
@@ -66,3 +68,39 @@ def test_the_members_of_a_new_group_learn_each_others_heartbeats_through_its_sto
         assert silences.found == [[peer.address]]
     finally:
         watcher.close()
+
+
+def test_the_arrival_bound_follows_the_longest_wait_seen_between_its_floor_and_the_silence_bound():
+    """``silence_s`` before any formation was seen; then ``MARGIN`` × the longest wait, at least
+    ``FLOOR_S``, at most ``silence_s``; a wait that ran out raises it for the next formation."""
+    bound = ArrivalBound(silence_s=5.0)
+    assert bound.seconds() == 5.0
+    bound.saw(0.01)
+    assert bound.seconds() == ArrivalBound.FLOOR_S
+    bound.saw(0.5)
+    bound.saw(0.1)  # the longest counts
+    assert bound.seconds() == ArrivalBound.MARGIN * 0.5
+    bound.saw(bound.seconds())  # ran out
+    assert bound.seconds() == 5.0
+
+
+def test_a_member_that_never_writes_its_address_fails_the_formation_at_the_arrival_bound():
+    """A member of a new quorum dead before it wrote its heartbeat address leaves nothing to tell:
+    once one formation was seen, the others wait the arrival bound (its floor here), not
+    ``silence_s``, and the formation fails with a ``TimeoutError`` that names the bound."""
+    silence = 5.0
+    watcher = Heartbeats("127.0.0.1", silence, Silences())
+    peer = Heartbeats("127.0.0.1", silence, lambda peers: None)
+    try:
+        store = dist.HashStore()
+        learning = threading.Thread(target=peer.exchange, args=(store, 1, 2))
+        learning.start()
+        watcher.exchange(store, 0, 2)
+        learning.join(timeout=30)
+        assert watcher.arrival.seconds() < silence
+        with pytest.raises(TimeoutError, match=f"within {ArrivalBound.FLOOR_S:.2f} s of this one"):
+            watcher.exchange(dist.HashStore(), 0, 2)  # the peer never writes into this one
+        assert watcher.arrival.seconds() == min(silence, ArrivalBound.MARGIN * ArrivalBound.FLOOR_S)  # longer next
+    finally:
+        watcher.close()
+        peer.close()
