@@ -106,10 +106,10 @@ def build(args: argparse.Namespace, mode: str) -> tuple:
     return model, optimizer, sync
 
 
-def shard(model, shape: tuple[int, int]):
-    """``model`` (ResNet-18) sharded by FSDP2 over the ``shard`` dimension of a ``("replicate",
-    "shard")`` mesh of ``shape`` over the default process group: each residual block a unit, then
-    the whole; the mesh."""
+def shard(model, shape: tuple[int, int], unit: type | None = None):
+    """``model`` sharded by FSDP2 over the ``shard`` dimension of a ``("replicate", "shard")``
+    mesh of ``shape`` over the default process group: each module of type ``unit`` a unit (None:
+    ResNet-18's residual blocks), then the whole; the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchvision.models.resnet import BasicBlock
@@ -117,7 +117,7 @@ def shard(model, shape: tuple[int, int]):
     from gc_strategy.sync.sharded.synchronizer import MESH_DIMS
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
-    for block in [m for m in model.modules() if isinstance(m, BasicBlock)]:
+    for block in [m for m in model.modules() if isinstance(m, unit or BasicBlock)]:
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     return mesh

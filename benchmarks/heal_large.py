@@ -7,12 +7,16 @@ with ``tc tbf``, ``benchmarks/netns.py``; root only) train an MLP of ``--layers`
 ``FaultTolerantSynchronizer`` (compressing from the first step): the gradients cross the link
 compressed, the healed state is the parameters, the optimizer's and PowerSGD's. After ``--steps``
 steps together group 1 is killed (SIGKILL) and started again at once; it heals from group 0
-through torchft's HTTP checkpoint transport. Reported: the bytes the healing group received, the
-transfer's seconds (torchft's ``recv_checkpoint``) and its rate against the link's, and group 0's
-steps before, during and after the heal (a step waits for the healing group, which takes part in
-it once healed).
+through torchft's HTTP checkpoint transport. With ``--ranks S`` each group is a torchrun of ``S``
+ranks sharding the MLP with FSDP2 (each layer a unit) through ``FaultTolerantShardedSynchronizer``:
+rank ``r`` heals from rank ``r`` of group 0, its shard only, and the ranks' transfers share the
+node's link. Reported: the bytes each healing rank received, the transfers' seconds (torchft's
+``recv_checkpoint``, from the first one's start to the last one's end) and their rate against the
+link's, and group 0's steps before, during and after the heal (a step waits for the healing group,
+which takes part in it once healed).
 
     python benchmarks/heal_large.py --rate 1gbit
+    python benchmarks/heal_large.py --rate 1gbit --ranks 2
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
+from fault_tolerance import shard  # noqa: E402
 from ft_loop import records, together, train_until_stopped  # noqa: E402
 
 from gc_strategy.fusion.topology import parse_rate  # noqa: E402
@@ -44,20 +49,30 @@ GROUPS = 2
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One replica group: steps until ``--stop`` names a step it reached with every group; each
-    step's end and outcome, and each checkpoint it received (bytes, seconds), printed as JSON."""
+    """One rank of a replica group (the whole group where it has one): steps until ``--stop``
+    names a step it reached with every group; each step's end and outcome (the group's rank 0), and
+    each checkpoint this rank received (bytes, seconds), printed as JSON."""
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     from gc_strategy import FaultTolerance, build_components
     from gc_strategy.sync.fault_tolerance.every_step import FaultTolerantSynchronizer
+    from gc_strategy.sync.fault_tolerance.sharded import FaultTolerantShardedSynchronizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.layers)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     options = FaultTolerance(args.lighthouse, args.group, groups=GROUPS, timeout_s=args.timeout_s, host=args.host)
-    sync = FaultTolerantSynchronizer(model, build_components("powersgd", start_iter=0), options)
+    roles, rank = build_components("powersgd", start_iter=0), 0
+    if "LOCAL_RANK" in os.environ:  # a group of several ranks, started by torchrun
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        mesh = shard(model, (1, dist.get_world_size()), unit=nn.Linear)
+        sync = FaultTolerantShardedSynchronizer(model, roles, options, mesh)
+    else:
+        sync = FaultTolerantSynchronizer(model, roles, options)
     sync.use_optimizers([optimizer])
     transport = sync.round.quorum.manager._checkpoint_transport
     receive = transport.recv_checkpoint
@@ -67,10 +82,13 @@ def worker(args: argparse.Namespace) -> None:
         state = receive(*a, **k)
         tensors = [v for v in torch.utils._pytree.tree_leaves(state) if isinstance(v, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        print(json.dumps({"received": nbytes, "begin": begin, "end": time.time()}), flush=True)
+        print(json.dumps({"received": nbytes, "begin": begin, "end": time.time(), "rank": rank}), file=log, flush=True)
         return state
 
     transport.recv_checkpoint = timed_receive
+    log = sys.stdout
+    if rank:  # the group's step records are its rank 0's
+        sys.stdout = open(os.devnull, "w")
 
     def loss_of(step: int) -> torch.Tensor:
         x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1000 * args.group + step))
@@ -90,6 +108,7 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="every node's link (tc tbf)")
     parser.add_argument("--width", type=integer_at_least(1), default=4096)
     parser.add_argument("--layers", type=integer_at_least(1), default=16)
+    parser.add_argument("--ranks", type=integer_at_least(1), default=1, help="per group, sharded with FSDP2 where > 1")
     parser.add_argument("--batch", type=integer_at_least(1), default=8)
     parser.add_argument("--steps", type=integer_at_least(1), default=5, help="steps together before and after")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="fault_tolerance's timeout_s (> the heal)")
@@ -116,7 +135,11 @@ def main() -> None:
             options += ["--timeout-s", str(args.timeout_s), "--stop", str(folder / "stop")]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
             log = (folder / f"{group}.log").open("ab")
-            command = [*node.command, sys.executable, str(Path(__file__).resolve()), *options]
+            launcher = [sys.executable]
+            if args.ranks > 1:
+                launcher += ["-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
+                launcher += [f"--nproc_per_node={args.ranks}"]
+            command = [*node.command, *launcher, str(Path(__file__).resolve()), *options]
             return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.DEVNULL)
 
         def wait_for(steps: int, timeout: float = 1200) -> None:
@@ -131,7 +154,9 @@ def main() -> None:
         processes = [start(g) for g in range(GROUPS)]
         stack.callback(lambda: [p.kill() for p in processes])
         wait_for(args.steps)
-        processes[1].send_signal(signal.SIGKILL)
+        ranks = subprocess.run(["pgrep", "-P", str(processes[1].pid)], capture_output=True, text=True).stdout
+        for pid in [int(pid) for pid in ranks.split()] if args.ranks > 1 else [processes[1].pid]:
+            os.kill(pid, signal.SIGKILL)  # torchrun ends when its ranks are gone
         processes[1].wait(timeout=30)
         killed = time.time()
         processes[1] = start(1)
@@ -141,26 +166,32 @@ def main() -> None:
         for g, process in enumerate(processes):
             if process.wait(timeout=600) != 0:
                 raise SystemExit(f"group {g} failed")
-        received = records(folder / "1.log", "received")
+        received = [r for r in records(folder / "1.log", "received") if r["begin"] > killed]
         survivor = records(folder / "0.log", "step")
     report(args, killed, received, survivor)
 
 
 def report(args: argparse.Namespace, killed: float, received: list[dict], survivor: list[dict]) -> None:
-    """The transfer, and group 0's committed steps (the seconds since its previous one): before the
+    """The transfer (each healing rank's last, together: from the first one's start to the last
+    one's end), and group 0's committed steps (the seconds since its previous one): before the
     kill, from the kill to its first step with the healed group, and after."""
-    print(f"\n{GROUPS} replica groups, MLP {args.layers} x {args.width} (powersgd), links {args.rate}")
-    if not received:
-        raise SystemExit("the restarted group received no checkpoint")
-    heal = received[-1]
-    seconds = heal["end"] - heal["begin"]
-    link, rate = parse_rate(args.rate), heal["received"] / seconds  # bytes per second
-    print(f"state received: {heal['received'] / 1e9:.3f} GB ({heal['received']} bytes) in {seconds:.2f} s, ", end="")
+    sharding = f", {args.ranks} ranks per group (FSDP2)" if args.ranks > 1 else ""
+    print(f"\n{GROUPS} replica groups{sharding}, MLP {args.layers} x {args.width} (powersgd), links {args.rate}")
+    heals = {r["rank"]: r for r in sorted(received, key=lambda r: r["rank"])}  # each rank's last
+    if len(heals) < args.ranks:
+        raise SystemExit(f"{len(heals)} of the restarted group's {args.ranks} ranks received a checkpoint")
+    begin, end = min(h["begin"] for h in heals.values()), max(h["end"] for h in heals.values())
+    total, seconds = sum(h["received"] for h in heals.values()), end - begin
+    link, rate = parse_rate(args.rate), total / seconds  # bytes per second
+    print(f"state received: {total / 1e9:.3f} GB ({total} bytes) in {seconds:.2f} s, ", end="")
     print(f"{8 * rate / 1e9:.3f} Gbit/s: ", end="")
     print(f"{rate / link:.2f} of the link's {8 * link / 1e9:g} Gbit/s")
+    if args.ranks > 1:
+        shares = [f"rank {r} {h['received']} bytes in {h['end'] - h['begin']:.2f} s" for r, h in heals.items()]
+        print(f"by rank (each its shard): {'; '.join(shares)}")
     committed = [r for r in survivor if r["committed"]]
     gaps = [(b["end"] - a["end"], b) for a, b in zip(committed, committed[1:])]
-    rejoined = next(r["end"] for r in committed if r["end"] > heal["end"] and r["with"] == GROUPS)
+    rejoined = next(r["end"] for r in committed if r["end"] > end and r["with"] == GROUPS)
     before = [s for s, r in gaps if r["end"] < killed]
     around = [(round(s, 2), r["with"]) for s, r in gaps if killed <= r["end"] <= rejoined]
     after = [s for s, r in gaps if r["end"] > rejoined]

@@ -500,15 +500,22 @@ def test_the_chaos_benchmark_kills_a_rank_of_a_sharded_group():
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-def test_the_heal_benchmark_measures_a_restarted_groups_transfer():
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_heal_benchmark_measures_a_restarted_groups_transfer(ranks):
     """A small MLP (2 layers of 256) on two emulated nodes: the restarted group receives at least
-    its parameters' bytes, and the survivor's steps before and after are reported."""
+    its parameters' bytes, and the survivor's steps before and after are reported. Sharded over 2
+    ranks (FSDP2), each rank receives its shard: less than the parameters, and the two together at
+    least all of them."""
     pytest.importorskip("torchft")
-    options = ["--width", "256", "--layers", "2", "--steps", "2", "--rate", "1gbit"]
+    options = ["--width", "256", "--layers", "2", "--steps", "2", "--rate", "1gbit", "--ranks", str(ranks)]
     done = subprocess.run(
         [sys.executable, "heal_large.py", *options], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    parameters = 2 * (256 * 256 + 256) * 4
     received = re.search(r"state received: [\d.]+ GB \((\d+) bytes\) in [\d.]+ s", done.stdout)
-    assert received and int(received[1]) >= 2 * (256 * 256 + 256) * 4  # the parameters, at least
+    assert received and int(received[1]) >= parameters
     assert "group 0's steps: before the kill median" in done.stdout
+    if ranks > 1:
+        shares = [int(n) for n in re.findall(r"rank \d (\d+) bytes in", done.stdout)]
+        assert len(shares) == ranks and all(share < parameters for share in shares), done.stdout
