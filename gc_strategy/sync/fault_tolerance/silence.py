@@ -31,6 +31,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -46,27 +47,37 @@ Address = tuple[str, int]
 
 class ArrivalBound:
     """How long a member of a new quorum waits for the others' heartbeat addresses before it takes
-    a missing one as lost: ``MARGIN`` times the longest wait seen in this run, at least ``FLOOR_S``
-    and at most ``silence_s`` (``silence_s`` before any was seen). A wait that ran out counts as
-    one of the bound's length, so that members that are slow, not lost, raise the bound for the
-    next formation (up to ``silence_s``) instead of failing every one."""
+    a missing one as lost: ``MARGIN`` times the longest of the last ``RECENT`` waits that ended with
+    every member, at least ``FLOOR_S`` and at most ``silence_s``. ``silence_s`` before any such
+    wait, and for the formation right after one whose wait ran out: a member lost is then not in
+    the next quorum, and a member merely slow (far apart, on a loaded host) arrives within it,
+    and its wait is learned, so that slow members cost one formation, not every one, and a loss
+    does not lengthen the next."""
 
     #: a live member writes within milliseconds of the others, answered with them: its lateness
     #: here is the network's and the host's jitter, which a quorum's members see alike
     FLOOR_S = 1.0
     MARGIN = 4.0
+    RECENT = 8
 
     def __init__(self, silence_s: float) -> None:
         self.silence_s = silence_s
-        self.longest: float | None = None
+        self.waits: deque[float] = deque(maxlen=self.RECENT)
+        self.ran_out = False
 
     def seconds(self) -> float:
-        if self.longest is None:
+        if self.ran_out or not self.waits:
             return self.silence_s
-        return min(self.silence_s, max(self.FLOOR_S, self.MARGIN * self.longest))
+        return min(self.silence_s, max(self.FLOOR_S, self.MARGIN * max(self.waits)))
 
-    def saw(self, waited: float) -> None:
-        self.longest = max(self.longest or 0.0, waited)
+    def arrived(self, waited: float) -> None:
+        """Every member arrived, ``waited`` s after this one."""
+        self.waits.append(waited)
+        self.ran_out = False
+
+    def missed(self) -> None:
+        """A member did not arrive within the bound."""
+        self.ran_out = True
 
 
 class Heartbeats:
@@ -104,12 +115,12 @@ class Heartbeats:
         except RuntimeError as error:  # the store's timeout (DistStoreError), or its host's loss
             if time.monotonic() - begin < bound:
                 raise
-            self.arrival.saw(bound)
+            self.arrival.missed()
             raise TimeoutError(
                 f"fault_tolerance: a member of the new quorum's process group (of {world_size}) did not arrive "
                 f"within {bound:.2f} s of this one, the arrival bound: taken as lost before the round"
             ) from error
-        self.arrival.saw(time.monotonic() - begin)
+        self.arrival.arrived(time.monotonic() - begin)
         peers = [store.get(key).decode().rsplit(":", 1) for key in keys]
         self.watch([(peer_host, int(peer_port)) for peer_host, peer_port in peers])
 

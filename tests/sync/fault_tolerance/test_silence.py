@@ -70,18 +70,26 @@ def test_the_members_of_a_new_group_learn_each_others_heartbeats_through_its_sto
         watcher.close()
 
 
-def test_the_arrival_bound_follows_the_longest_wait_seen_between_its_floor_and_the_silence_bound():
-    """``silence_s`` before any formation was seen; then ``MARGIN`` × the longest wait, at least
-    ``FLOOR_S``, at most ``silence_s``; a wait that ran out raises it for the next formation."""
+def test_the_arrival_bound_follows_the_recent_waits_between_its_floor_and_the_silence_bound():
+    """``silence_s`` before any formation was seen; then ``MARGIN`` × the longest of the last
+    ``RECENT`` waits, at least ``FLOOR_S``, at most ``silence_s``; ``silence_s`` for the formation
+    after a wait that ran out, and the recent waits again once every member arrived."""
     bound = ArrivalBound(silence_s=5.0)
     assert bound.seconds() == 5.0
-    bound.saw(0.01)
+    bound.arrived(0.01)
     assert bound.seconds() == ArrivalBound.FLOOR_S
-    bound.saw(0.5)
-    bound.saw(0.1)  # the longest counts
+    bound.arrived(0.5)
+    bound.arrived(0.1)  # the longest counts
     assert bound.seconds() == ArrivalBound.MARGIN * 0.5
-    bound.saw(bound.seconds())  # ran out
+    bound.missed()
     assert bound.seconds() == 5.0
+    bound.arrived(0.02)
+    assert bound.seconds() == ArrivalBound.MARGIN * 0.5  # the ran-out wait is not learned
+    for _ in range(ArrivalBound.RECENT):
+        bound.arrived(0.01)
+    assert bound.seconds() == ArrivalBound.FLOOR_S  # 0.5 s is no longer recent
+    bound.arrived(2.0)
+    assert bound.seconds() == 5.0  # at most silence_s
 
 
 def test_a_member_that_never_writes_its_address_fails_the_formation_at_the_arrival_bound():
@@ -100,7 +108,7 @@ def test_a_member_that_never_writes_its_address_fails_the_formation_at_the_arriv
         assert watcher.arrival.seconds() < silence
         with pytest.raises(TimeoutError, match=f"within {ArrivalBound.FLOOR_S:.2f} s of this one"):
             watcher.exchange(dist.HashStore(), 0, 2)  # the peer never writes into this one
-        assert watcher.arrival.seconds() == min(silence, ArrivalBound.MARGIN * ArrivalBound.FLOOR_S)  # longer next
+        assert watcher.arrival.seconds() == silence  # the next formation waits for a member merely slow
     finally:
         watcher.close()
         peer.close()
