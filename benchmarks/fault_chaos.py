@@ -13,11 +13,14 @@ steps with every group since it last came back):
   transfer of a peer's state), then started again; its cost counted from the second kill.
 
 Per fault, per survivor: the stall (the gap between its last committed step before the fault and
-its first after, less its median step), the steps it did not commit until the next fault began, and
-the rejoin (the gap before its first step with every group again, the struck group healed, less its
-median step; with DiLoCo that step holds the outer round). Reported per kind: the median and worst
-over the faults (each fault's worst survivor), and whether every group ended with the same
-parameters (their SHA-256). Needs root (network namespaces).
+its first after, less its median step), the steps it did not commit until the next fault began, the
+rejoin (the gap before its first step with every group again, the struck group healed, less its
+median step; with DiLoCo that step holds the outer round), and the stall from the fault (the gap
+from the fault to its first committed step after, less its median step): a survivor that was
+already waiting for the healing group when a second kill struck counts that wait in its stall,
+which belongs to the group's rejoin, but not in this one. Reported
+per kind: the median and worst over the faults (each fault's worst survivor), and whether every
+group ended with the same parameters (their SHA-256). Needs root (network namespaces).
 
 The lighthouse stops counting a group it has not heard for ``--heartbeat-timeout-ms`` (2 s): that
 bounds how long the survivors' next quorum waits for a killed group that was in the last one (with
@@ -242,6 +245,8 @@ class Cost(NamedTuple):
     #: the gap before its first step with every group again (the struck group healed), less its median; NaN where
     #: the struck group was never left out (a fault over before the next round)
     rejoin: float
+    #: the gap from the fault to its first committed step after, less its median
+    from_fault: float
 
 
 def cost(steps: list[dict], groups: int, struck: float, until: float) -> Cost:
@@ -257,7 +262,7 @@ def cost(steps: list[dict], groups: int, struck: float, until: float) -> Cost:
     pairs = [(a, b) for a, b in zip(committed, committed[1:]) if struck < b["end"] <= until]
     jumps = sum(b["step"] != a["step"] + 1 for a, b in pairs)
     back = next((b["end"] - a["end"] for a, b in pairs if a["with"] < groups == b["with"]), float("nan"))
-    return Cost(after - before - typical, failed + jumps, back - typical)
+    return Cost(after - before - typical, failed + jumps, back - typical, after - struck - typical)
 
 
 def main() -> None:
@@ -337,18 +342,20 @@ def report(
     groups = f"{args.groups} groups" + (f" of {args.ranks} ranks (FSDP2)" if args.ranks > 1 else "")
     print(f"\n{groups}, ResNet-18 ({args.compressor}), links {args.rate}, silence_s {args.silence_s}")
     print(
-        "| fault | count | stall median (s) | stall worst (s) | steps lost (median, worst) | rejoin (median, worst) |"
+        "| fault | count | stall median (s) | stall worst (s) | steps lost (median, worst) | rejoin (median, worst) "
+        "| from the fault (median, worst) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for kind, rows in per_kind.items():
         if not rows:  # every planned second kill missed the heal
             continue
         stalls, lost = [r.stall for r in rows], [r.lost for r in rows]
         back = [r.rejoin for r in rows if not math.isnan(r.rejoin)]
         rejoins = f"{statistics.median(back):.2f}, {max(back):.2f}" if back else "none"
+        since = [r.from_fault for r in rows]
         print(
             f"| {kind} | {len(rows)} | {statistics.median(stalls):.2f} | {max(stalls):.2f} | "
-            f"{statistics.median(lost):g}, {max(lost)} | {rejoins} |"
+            f"{statistics.median(lost):g}, {max(lost)} | {rejoins} | {statistics.median(since):.2f}, {max(since):.2f} |"
         )
     each = [{d["digest"] for d in digests if d["rank"] == r} for r in range(args.ranks)]
     alike = len(digests) == args.groups * args.ranks and all(len(ranks) == 1 for ranks in each)
