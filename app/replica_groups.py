@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
+from gc_strategy.sync.fault_tolerance.lighthouse import HEARTBEAT_TIMEOUT_S
 from gc_strategy.sync.fault_tolerance.torchft_setup import require_torchft
 
 #: the overrides each group gets from this process (the user's own are dropped)
@@ -126,9 +127,8 @@ def run_replica_groups(cfg: DictConfig, output_dir: Path, overrides: list[str]) 
     ft = cfg.fault_tolerance
     # the join timeout exceeds the time between two quorums: a step, or DiLoCo's inner phase (docs/fault_tolerance.md)
     join_timeout_ms = 60_000 if cfg.sync.name == "diloco" else 1000
-    # a killed group in the last quorum is not waited for past 2 s (with two groups, a lone survivor's quorum
-    # waits for that), a silent one no longer than the groups take to find it silent (silence_s)
-    heartbeat_timeout_ms = int(min(2.0, ft.silence_s) * 1000)
+    # a silent group is not counted for longer than the groups take to find it silent (silence_s)
+    heartbeat_timeout_ms = int(min(HEARTBEAT_TIMEOUT_S, ft.silence_s) * 1000)
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=ft.min_replicas,

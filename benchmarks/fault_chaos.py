@@ -69,6 +69,8 @@ from cli import integer_at_least  # noqa: E402
 from fault_tolerance import configuration, roles_of, shard  # noqa: E402
 from ft_loop import records, together, train_inner_steps_until_stopped, train_until_stopped  # noqa: E402
 
+from gc_strategy.sync.fault_tolerance.lighthouse import HEARTBEAT_TIMEOUT_S  # noqa: E402
+
 LIGHTHOUSE_PORT = 29510
 FAULTS = ("kill", "hang", "partition", "heal")
 
@@ -284,7 +286,10 @@ def main() -> None:
     parser.add_argument("--silence-s", type=float, default=5.0, help="fault_tolerance's silence_s")
     parser.add_argument("--join-timeout-ms", type=integer_at_least(1), default=1000, help="the lighthouse's")
     parser.add_argument(
-        "--heartbeat-timeout-ms", type=integer_at_least(1), default=2000, help="the lighthouse's: at most silence_s"
+        "--heartbeat-timeout-ms",
+        type=integer_at_least(1),
+        default=int(HEARTBEAT_TIMEOUT_S * 1000),
+        help="the lighthouse's: at most silence_s",
     )
     parser.add_argument("--rate", default="1gbit", help="every node's link (tc tbf)")
     parser.add_argument("--seed", type=int, default=63)

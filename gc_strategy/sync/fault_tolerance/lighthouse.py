@@ -12,6 +12,11 @@ from .options import FaultTolerance
 #: how long a lighthouse's port may refuse connections before it is reported (one starting with
 #: the groups opens it within that)
 REFUSED_S = 3.0
+#: the heartbeat timeout to start a lighthouse with (``--heartbeat_timeout_ms``; torchft's default is
+#: 5 s), at most ``silence_s``: a killed group in the last quorum is waited for until the lighthouse
+#: stops counting it, and with two groups always (a lone survivor is less than half of the groups it
+#: still hears); docs/fault_tolerance.md, "How a failure is detected"
+HEARTBEAT_TIMEOUT_S = 2.0
 
 
 class LighthouseUnreachable(ConnectionError):
