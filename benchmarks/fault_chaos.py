@@ -152,11 +152,13 @@ class Cluster:
         return subprocess.Popen(command, env=env, stdout=log, stderr=err)
 
     def wait_until_settled(self, timeout: float = 600) -> None:
-        """Until the victim took ``--settle`` more steps with every group."""
-        log = self.folder / f"{self.victim}.log"
+        """Until the victim took ``--settle`` more steps with every group, and the first group as
+        many in all (at the start a group that healed from the victim records its first steps
+        after the victim's: its median step is measured on them)."""
+        log, first = self.folder / f"{self.victim}.log", self.folder / "0.log"
         target = together(log, self.groups) + self.args.settle
         deadline = time.monotonic() + timeout
-        while together(log, self.groups) < target:
+        while together(log, self.groups) < target or together(first, self.groups) < self.args.settle:
             if time.monotonic() > deadline:
                 raise SystemExit(f"group {self.victim} did not come back within {timeout} s")
             time.sleep(0.1)
