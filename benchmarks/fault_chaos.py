@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
 from fault_tolerance import configuration, roles_of, shard  # noqa: E402
-from ft_loop import records, together, train_inner_steps_until_stopped, train_until_stopped  # noqa: E402
+from ft_loop import records, together, train_inner_steps_until_stopped, train_until_stopped, write_stop  # noqa: E402
 
 from gc_strategy.sync.fault_tolerance.lighthouse import HEARTBEAT_TIMEOUT_S  # noqa: E402
 
@@ -232,9 +232,8 @@ class Cluster:
         return struck, "heal" if len(records(log)) == steps else "kill"
 
     def finish(self, timeout: float = 600) -> list[dict]:
-        """Every group ends 20 steps after the furthest; their ranks' parameters' digests."""
-        last = max(r["step"] for g in range(self.groups) for r in records(self.folder / f"{g}.log"))
-        (self.folder / "stop").write_text(str(last + 20))
+        """Every group ends ``STOP_MARGIN`` steps after the furthest; their ranks' parameters' digests."""
+        write_stop(self.folder / "stop", [self.folder / f"{g}.log" for g in range(self.groups)])
         for g, process in enumerate(self.processes):
             if process.wait(timeout=timeout) != 0:
                 raise SystemExit(f"group {g} failed: {(self.folder / f'{g}.log').read_text()[-2000:]}")

@@ -11,6 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: how many steps past the furthest group's last logged step the stop file names: the groups step
+#: in lockstep (a quorum each step), so each reads the file before the step named, even where one
+#: was a step ahead, or its step in flight, when the file was written; with a stop one or two steps
+#: on, one group could stop while the other, having looked a moment before the file was written,
+#: goes on alone and never meets the stop with every group
+STOP_MARGIN = 20
+
 
 def train_until_stopped(sync: Any, optimizer: Any, loss_of: Callable[[int], Any], groups: int, stop: Path) -> None:
     """Steps of ``loss_of(step)`` (the step's loss, computed in the forward pass) until ``stop``,
@@ -60,3 +67,10 @@ def records(log: Path, key: str = "step") -> list[dict]:
 def together(log: Path, groups: int) -> int:
     """The steps a group's log holds that committed with all ``groups``."""
     return sum(r["committed"] and r["with"] == groups for r in records(log))
+
+
+def write_stop(stop: Path, logs: list[Path]) -> None:
+    """Name the step the groups end at in ``stop``: :data:`STOP_MARGIN` past the last step in
+    ``logs``."""
+    last = max(r["step"] for log in logs for r in records(log))
+    stop.write_text(str(last + STOP_MARGIN))

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
 from fault_tolerance import shard  # noqa: E402
-from ft_loop import records, together, train_until_stopped  # noqa: E402
+from ft_loop import records, together, train_until_stopped, write_stop  # noqa: E402
 
 from gc_strategy.fusion.topology import parse_rate  # noqa: E402
 
@@ -161,8 +161,7 @@ def main() -> None:
         killed = time.time()
         processes[1] = start(1)
         wait_for(together(folder / "1.log", GROUPS) + args.steps)
-        last = max(r["step"] for g in range(GROUPS) for r in records(folder / f"{g}.log", "step"))
-        (folder / "stop").write_text(str(last + 2))
+        write_stop(folder / "stop", [folder / f"{g}.log" for g in range(GROUPS)])
         for g, process in enumerate(processes):
             if process.wait(timeout=600) != 0:
                 raise SystemExit(f"group {g} failed")
