@@ -67,7 +67,15 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
 from fault_tolerance import configuration, roles_of, shard  # noqa: E402
-from ft_loop import records, together, train_inner_steps_until_stopped, train_until_stopped, write_stop  # noqa: E402
+from ft_loop import (  # noqa: E402
+    launcher,
+    records,
+    together,
+    torchrun_ranks,
+    train_inner_steps_until_stopped,
+    train_until_stopped,
+    write_stop,
+)
 
 from gc_strategy.sync.fault_tolerance.lighthouse import HEARTBEAT_TIMEOUT_S  # noqa: E402
 
@@ -143,11 +151,7 @@ class Cluster:
         options += ["--inner-steps", str(args.inner_steps)]
         options += ["--stop", str(self.folder / "stop")]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
-        launcher = [sys.executable]
-        if args.ranks > 1:
-            launcher = [*launcher, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
-            launcher += [f"--nproc_per_node={args.ranks}"]
-        command = [*node.command, *launcher, str(Path(__file__).resolve()), *options]
+        command = [*node.command, *launcher(args.ranks), str(Path(__file__).resolve()), *options]
         log, err = (self.folder / f"{group}.log").open("ab"), (self.folder / f"{group}.err").open("ab")
         return subprocess.Popen(command, env=env, stdout=log, stderr=err)
 
@@ -202,8 +206,7 @@ class Cluster:
         (each the leader of a process group of its own: signalled one by one), else none."""
         if self.args.ranks == 1:
             return []
-        children = ["pgrep", "-P", str(self.processes[self.victim if group is None else group].pid)]
-        return [int(pid) for pid in subprocess.run(children, capture_output=True, text=True).stdout.split()]
+        return torchrun_ranks(self.processes[self.victim if group is None else group])
 
     def kill(self) -> None:
         """Every group's processes, its ranks first."""

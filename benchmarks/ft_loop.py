@@ -1,10 +1,12 @@
 """The plain fault-tolerant training loops of docs/fault_tolerance.md as the fault benchmarks run them
 (``fault_chaos.py``, ``heal_large.py``): each step's end, outcome and participants printed as a line
-of JSON, until a step named in a stop file that every group took part in; and those lines read back."""
+of JSON, until a step named in a stop file that every group took part in; and those lines read back.
+And a replica group's launch: one process, or one torchrun of its ranks on one machine."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -74,3 +76,19 @@ def write_stop(stop: Path, logs: list[Path]) -> None:
     ``logs``."""
     last = max(r["step"] for log in logs for r in records(log))
     stop.write_text(str(last + STOP_MARGIN))
+
+
+def launcher(ranks: int) -> list[str]:
+    """The command that runs a group's script: this interpreter for one rank, else torchrun of
+    ``ranks`` on one machine (``--max-restarts=0``: a group whose rank dies ends, and is started
+    again as a whole)."""
+    if ranks == 1:
+        return [sys.executable]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--max-restarts=0", f"--nproc_per_node={ranks}"]
+    return [sys.executable, *torchrun]
+
+
+def torchrun_ranks(process: subprocess.Popen) -> list[int]:
+    """The process ids of the ranks a torchrun ``process`` started (its children)."""
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in children.split()]

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 from cli import integer_at_least  # noqa: E402
 from fault_tolerance import shard  # noqa: E402
-from ft_loop import records, together, train_until_stopped, write_stop  # noqa: E402
+from ft_loop import launcher, records, together, torchrun_ranks, train_until_stopped, write_stop  # noqa: E402
 
 from gc_strategy.fusion.topology import parse_rate  # noqa: E402
 
@@ -135,11 +135,7 @@ def main() -> None:
             options += ["--timeout-s", str(args.timeout_s), "--stop", str(folder / "stop")]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
             log = (folder / f"{group}.log").open("ab")
-            launcher = [sys.executable]
-            if args.ranks > 1:
-                launcher += ["-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
-                launcher += [f"--nproc_per_node={args.ranks}"]
-            command = [*node.command, *launcher, str(Path(__file__).resolve()), *options]
+            command = [*node.command, *launcher(args.ranks), str(Path(__file__).resolve()), *options]
             return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.DEVNULL)
 
         def wait_for(steps: int, timeout: float = 1200) -> None:
@@ -154,8 +150,7 @@ def main() -> None:
         processes = [start(g) for g in range(GROUPS)]
         stack.callback(lambda: [p.kill() for p in processes])
         wait_for(args.steps)
-        ranks = subprocess.run(["pgrep", "-P", str(processes[1].pid)], capture_output=True, text=True).stdout
-        for pid in [int(pid) for pid in ranks.split()] if args.ranks > 1 else [processes[1].pid]:
+        for pid in torchrun_ranks(processes[1]) if args.ranks > 1 else [processes[1].pid]:
             os.kill(pid, signal.SIGKILL)  # torchrun ends when its ranks are gone
         processes[1].wait(timeout=30)
         killed = time.time()
