@@ -28,13 +28,21 @@ def group_env(**extra: str) -> dict[str, str]:
 
 
 def start(
-    lighthouse: str, group: int, groups: int, out: Path, *extra: str, ranks: int = 1, node: Any = None
+    lighthouse: str,
+    group: int,
+    groups: int,
+    out: Path,
+    *extra: str,
+    ranks: int = 1,
+    node: Any = None,
+    torchrun: bool = False,
 ) -> subprocess.Popen:
     """Replica group ``group`` of tests/ft_worker.py: one process, or ``ranks`` started by one
-    torchrun of its own; on loopback, or on an emulated ``node`` (benchmarks/netns.py)."""
+    torchrun of its own (one rank too, with ``torchrun``); on loopback, or on an emulated ``node``
+    (benchmarks/netns.py)."""
     args = ["--lighthouse", lighthouse, "--group", str(group), "--groups", str(groups)]
     args += ["--out", str(out / f"{group}.pt")]
-    launcher = [sys.executable] if ranks == 1 else [*TORCHRUN, f"--nproc_per_node={ranks}"]
+    launcher = [sys.executable] if ranks == 1 and not torchrun else [*TORCHRUN, f"--nproc_per_node={ranks}"]
     if node is None:
         return launch([*launcher, str(WORKER), *args, *extra], out / f"{group}.log")
     command = [*node.command, *launcher, str(WORKER), *args, "--host", node.address, *extra]

@@ -41,6 +41,28 @@ from .options import FaultTolerance
 from .silence import Address, Heartbeats
 from .torchft_setup import checkpoint_transport, require_torchft
 
+#: where a quorum's process group's store holds each member group's number of ranks (``GROUP_RANKS_KEY/RANK``)
+GROUP_RANKS_KEY = "gc_strategy_group_ranks"
+
+
+class UnequalGroups(ValueError):
+    """Replica groups of unequal numbers of ranks met in a quorum."""
+
+
+def same_group_ranks(store: Any, world_size: int, local_world: int, group: int) -> None:
+    """Refuse a quorum whose member groups have unequal numbers of ranks (each member wrote its
+    own under :data:`GROUP_RANKS_KEY` before it joined the formation). Rank ``r`` of a group
+    exchanges with rank ``r`` of the others, its shard, or the buckets it owns: a rank with no
+    counterpart would wait for it for ever, and the others' buckets and shards would not match."""
+    sizes = [int(store.get(f"{GROUP_RANKS_KEY}/{r}")) for r in range(world_size)]
+    if any(size != local_world for size in sizes):
+        raise UnequalGroups(
+            f"fault_tolerance: replica groups of unequal ranks in one quorum (ranks per group: {sizes}; replica "
+            f"group {group} has {local_world}); allowed: every group as many ranks (rank r of a group exchanges "
+            "its shard or its buckets with rank r of the others): start every group with the same devices "
+            "(nproc_per_node)"
+        )
+
 
 class StepFailure:
     """Whether a collective of the current round failed. The first failure goes to the manager and
@@ -236,7 +258,9 @@ class Quorum:
         self.failure = self._new_failure()
         #: beats to the round's peers, and the watch on theirs: a silent peer fails the round
         self.heartbeats = Heartbeats(options.host, options.silence_s, self._silent)
-        self.process_group.on_forming = self.heartbeats.exchange  # as each quorum's group is formed
+        self.process_group.on_forming = self._forming  # as each quorum's group is formed
+        #: why this group cannot train with the others (groups of unequal ranks), once a quorum found it
+        self._refused: UnequalGroups | None = None
         #: the quorum's process group (None before the first quorum, or where it could not be formed)
         self.group: Any = None
         #: the participating groups of the current round (0 before the first quorum)
@@ -256,6 +280,8 @@ class Quorum:
                 f"fault_tolerance: no quorum within quorum_timeout_s = {options.quorum_timeout_s} s from the "
                 f"lighthouse at {options.lighthouse} (is it running, and are enough replica groups up?): {error}"
             ) from error
+        if self._refused is not None:
+            raise self._refused
         self.failure = self._new_failure()
         received, self._received = self._received, None
         changed = False
@@ -273,6 +299,18 @@ class Quorum:
         self._say_when_alone()
         self._check_enough_groups()
         return changed
+
+    def _forming(self, store: Any, rank: int, world_size: int) -> None:
+        """A new quorum's process group is formed: write this group's ranks, learn the members'
+        heartbeat addresses (every member's ranks are written once its address is), and refuse
+        members of unequal ranks."""
+        store.set(f"{GROUP_RANKS_KEY}/{rank}", str(self.local_world))
+        self.heartbeats.exchange(store, rank, world_size)
+        try:
+            same_group_ranks(store, world_size, self.local_world, self.options.replica_group)
+        except UnequalGroups as refusal:
+            self._refused = refusal
+            raise
 
     def _new_failure(self) -> StepFailure:
         return StepFailure(self.manager, self.process_group.abort_connections)

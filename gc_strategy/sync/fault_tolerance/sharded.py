@@ -16,7 +16,8 @@ Each step is a fault-tolerant round, as for replicated groups
 means is the same, the step is not taken, and the roles' state of every shard is put back as it
 was. The error feedback is per shard (each rank's own), and a healing group takes the parameters
 and optimizer state shard by shard (:class:`~gc_strategy.sync.fault_tolerance.shards.Shards`):
-each rank moves ``1/S`` of the state. Groups must have as many ranks, sharded alike.
+each rank moves ``1/S`` of the state. Groups must have as many ranks, sharded alike (a quorum of
+groups of unequal ranks is refused: :class:`~gc_strategy.sync.fault_tolerance.quorum.UnequalGroups`).
 """
 
 from __future__ import annotations

@@ -293,6 +293,31 @@ def _diloco_steps(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True])
+def test_groups_of_unequal_ranks_are_refused_at_their_first_quorum(tmp_path, sharded):
+    """A group of two ranks and a group of one (one torchrun each where sharded with FSDP2),
+    every step only with both (``min_replicas``): rank 1 of the first has no counterpart to
+    exchange with. Both groups end at their first quorum, well before ``timeout_s`` would have
+    passed twice, with an error that names the ranks per group and what is allowed, and neither
+    takes a step."""
+    server = coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500)
+    try:
+        options = ["--steps", "4", "--min-replicas", "2", "--timeout", "30", *(["--sharded"] if sharded else [])]
+        started = [start(server.address(), g, 2, tmp_path, *options, ranks=2 - g, torchrun=sharded) for g in range(2)]
+        began = time.monotonic()
+        for g, process in enumerate(started):
+            assert process.wait(timeout=120) != 0
+            log = (tmp_path / f"{g}.log").read_text()
+            refusal = r"replica groups of unequal ranks in one quorum \(ranks per group: \[(2, 1|1, 2)\]"
+            assert re.search(refusal, log), log[-3000:]
+            assert "allowed: every group as many ranks" in log
+        assert time.monotonic() - began < 60
+        assert not list(tmp_path.glob("*.pt"))
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
 def test_diloco_across_groups_of_two_ranks_is_diloco_over_one_replica_per_group(tmp_path):
     """DiLoCo (``inner_steps=4``, ``topk`` + residual) across two groups of two ranks (one torchrun
     each), no failure, every outer step with both groups (``min_replicas``): each group trains as one
