@@ -22,7 +22,7 @@ which belongs to the group's rejoin, but not in this one. Reported
 per kind: the median and worst over the faults (each fault's worst survivor), and whether every
 group ended with the same parameters (their SHA-256). Needs root (network namespaces).
 
-The lighthouse stops counting a group it has not heard for ``--heartbeat-timeout-ms`` (2 s): that
+The lighthouse stops counting a group it has not heard for ``--heartbeat-timeout-ms`` (1 s): that
 bounds how long the survivors' next quorum waits for a killed group that was in the last one (with
 two groups always: a lone survivor is less than half of the groups the lighthouse still hears).
 
