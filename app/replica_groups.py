@@ -103,11 +103,13 @@ class ParameterDigest(pl.Callback):
 
 def parameter_digest(parameters: dict[str, Any]) -> str:
     """The SHA-256 of ``parameters``: each one's name and bytes, in order (sharded by FSDP2: this
-    rank's shards, which the first rank of every group holds alike)."""
+    rank's shards, which the first rank of every group holds alike). The bytes are read from a
+    copy: ``numpy()`` makes a tensor's storage unresizable for good, and FSDP2 frees its gathered
+    parameters by resizing theirs."""
     digest = hashlib.sha256()
     for name, tensor in parameters.items():
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().clone().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

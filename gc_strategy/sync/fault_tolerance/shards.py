@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def _dtensor() -> type:
@@ -45,6 +46,18 @@ def like(value: Any, template: Any) -> Any:
     return DTensor.from_local(
         value, template.device_mesh, template.placements, shape=template.shape, stride=template.stride()
     )
+
+
+def parameter_shards(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by name, each this rank's shard where FSDP2 shards it. An FSDP2 module
+    left unsharded is resharded first: FSDP2 keeps its root's parameters gathered after a forward
+    (for the backward that may follow), and ``named_parameters`` would then give the whole gathered
+    tensors, which FSDP2 frees at its next reshard."""
+    from ..sharded.synchronizer import fsdp_modules
+
+    for _, unit in fsdp_modules(module):
+        unit.reshard()
+    return local(dict(module.named_parameters()))
 
 
 class Shards:

@@ -28,7 +28,7 @@ from .finish_line import FinishLine
 from .options import FaultTolerance
 from .quorum import Quorum, quorum_route
 from .round import ReplicaState, Round, RoundReport
-from .shards import Shards, local
+from .shards import Shards, parameter_shards
 
 
 class RoundSynchronizer(Synchronizer):
@@ -89,7 +89,7 @@ class RoundSynchronizer(Synchronizer):
     def replicated_parameters(self) -> dict[str, Tensor]:
         """The parameters every group holds alike after a committed round, by name (this rank's
         shards where FSDP2 shards them): the module's."""
-        return local(dict(self.module.named_parameters()))
+        return parameter_shards(self.module)
 
     def register_healed(self, objects: dict[str, Any]) -> None:
         self.round.heal(objects)
